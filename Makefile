@@ -1,0 +1,44 @@
+# radixserve: `make run` serves the embedded default model, `make test` runs every test.
+# Both set up .venv on a fresh machine first (idempotent; a no-op when pyproject.toml is unchanged).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# torch==2.13.0 (CPU build) lies in /opt/wheels on the development machines.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP    := $(PY) -m pip install -q --disable-pip-version-check $(FIND_LINKS)
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint bench bench-seeds protos clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/radixserve serve --port 30000
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) bench/bench_radix_cache.py
+
+bench-seeds: $(STAMP)
+	$(PY) bench/seed_experiments.py
+
+# Regenerates the committed gRPC/protobuf stubs from protos/.
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/radixserve/v1/generation.proto protos/radixserve/internal/v1/engine.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

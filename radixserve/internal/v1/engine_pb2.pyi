@@ -1,0 +1,242 @@
+from radixserve.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenizedRequest(_message.Message):
+    __slots__ = ("rid", "input_ids", "sampling", "priority", "cache_salt", "eos_token_ids", "arrival_time", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    input_ids: bytes
+    sampling: _generation_pb2.SamplingParams
+    priority: int
+    cache_salt: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    arrival_time: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("rid", "reason")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    reason: str
+    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FrontendToScheduler(_message.Message):
+    __slots__ = ("generate", "abort")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    generate: TokenizedRequest
+    abort: AbortRequest
+    def __init__(self, generate: _Optional[_Union[TokenizedRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("rid", "token_ids", "logprobs", "finish_reason", "finish_message", "matched_stop_token", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_time", "prefill_time", "decode_time", "error_code")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FINISH_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIME_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    finish_reason: str
+    finish_message: str
+    matched_stop_token: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+    error_code: str
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., finish_message: _Optional[str] = ..., matched_stop_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time: _Optional[float] = ..., prefill_time: _Optional[float] = ..., decode_time: _Optional[float] = ..., error_code: _Optional[str] = ...) -> None: ...
+
+class SchedulerToFrontend(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[TokenDelta]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("req_slot", "input_ids", "prefix_len", "out_slots", "is_new", "prefix_slots", "sample", "sampling", "output_ids", "eos_token_ids", "allowed_token_mask", "rid")
+    REQ_SLOT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    OUT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    IS_NEW_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    RID_FIELD_NUMBER: _ClassVar[int]
+    req_slot: int
+    input_ids: bytes
+    prefix_len: int
+    out_slots: bytes
+    is_new: bool
+    prefix_slots: bytes
+    sample: bool
+    sampling: _generation_pb2.SamplingParams
+    output_ids: bytes
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    allowed_token_mask: bytes
+    rid: str
+    def __init__(self, req_slot: _Optional[int] = ..., input_ids: _Optional[bytes] = ..., prefix_len: _Optional[int] = ..., out_slots: _Optional[bytes] = ..., is_new: _Optional[bool] = ..., prefix_slots: _Optional[bytes] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., output_ids: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_mask: _Optional[bytes] = ..., rid: _Optional[str] = ...) -> None: ...
+
+class ForwardBatch(_message.Message):
+    __slots__ = ("batch_id", "is_decode", "reqs", "trace_context", "trace_links")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_DECODE_FIELD_NUMBER: _ClassVar[int]
+    REQS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_LINKS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    is_decode: bool
+    reqs: _containers.RepeatedCompositeFieldContainer[ForwardRequest]
+    trace_context: _containers.ScalarMap[str, str]
+    trace_links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, batch_id: _Optional[int] = ..., is_decode: _Optional[bool] = ..., reqs: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _generation_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+
+class ForwardResult(_message.Message):
+    __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TIME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    forward_time: float
+    cuda_graph: bool
+    error: str
+    def __init__(self, batch_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time: _Optional[float] = ..., cuda_graph: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class WorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    device: str
+    dtype: str
+    attention_backend: str
+    num_parameters: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SchedulerToWorker(_message.Message):
+    __slots__ = ("forward", "info")
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    forward: ForwardBatch
+    info: WorkerInfoRequest
+    def __init__(self, forward: _Optional[_Union[ForwardBatch, _Mapping]] = ..., info: _Optional[_Union[WorkerInfoRequest, _Mapping]] = ...) -> None: ...
+
+class WorkerToScheduler(_message.Message):
+    __slots__ = ("result", "info")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    result: ForwardResult
+    info: WorkerInfo
+    def __init__(self, result: _Optional[_Union[ForwardResult, _Mapping]] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("max_total_num_tokens", "available_tokens", "evictable_tokens", "protected_tokens", "used_tokens", "num_running_reqs", "num_queue_reqs", "page_size", "worker")
+    MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROTECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUE_REQS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    max_total_num_tokens: int
+    available_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    used_tokens: int
+    num_running_reqs: int
+    num_queue_reqs: int
+    page_size: int
+    worker: WorkerInfo
+    def __init__(self, max_total_num_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_queue_reqs: _Optional[int] = ..., page_size: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,154 @@
+"""Configuration of the three services: frozen dataclasses whose defaults feed the CLI.
+
+Each service reads one dataclass. A field becomes the flag ``--field-name`` (SGLang's names
+where the concept is the same) and can also come from the environment as
+``RADIXSERVE_FIELD_NAME``, which is how the containers and the Helm chart configure them.
+``radixserve serve`` takes the union of the three: a field that two services share (say
+``model_path``) is one flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The small Llama the project trains itself (scripts/train_default_model.py); ships in the repo.
+DEFAULT_MODEL_PATH = str(REPO_ROOT / "models" / "radixserve-zen")
+ENV_PREFIX = "RADIXSERVE_"
+
+
+def _opt(default, help: str, **kw):
+    """A config field with its help text (shown by --help)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: str = _opt(DEFAULT_MODEL_PATH, "HF-format model folder (config.json, *.safetensors, tokenizer)")
+    served_model_name: str = _opt("", "model id reported to clients (default: the folder's name)")
+    dtype: str = _opt("auto", "weights and KV dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = _opt("auto", "cuda or cpu (auto: cuda when available)", choices=["auto", "cuda", "cpu"])
+    attention_backend: str = _opt("auto", "attention backend (auto: triton on cuda, torch on cpu)")
+    mem_fraction_static: float = _opt(0.0, "share of device memory for weights + KV pool (0: 0.85 on cuda, 0.3 of RAM on cpu)")
+    max_total_tokens: int = _opt(0, "KV pool size in tokens (0: derive from --mem-fraction-static)")
+    max_running_requests: int = _opt(64, "requests decoded at once (rows of the request-slot table)")
+    context_length: int = _opt(0, "max prompt + output tokens (0: the model's max_position_embeddings)")
+    disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs")
+    cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
+    random_seed: int = _opt(0, "seed for requests that give none")
+    worker_addr: str = _opt("", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)")
+    worker_grpc_port: int = _opt(0, "gRPC info/health port of the worker (0: a free port)")
+    host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
+    enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
+    metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
+    otlp_traces_endpoint: str = _opt("", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)")
+    log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int = _opt(1, "tokens per KV page; the radix tree caches whole pages only")
+    radix_eviction_policy: str = _opt("lru", "which cached leaves go first", choices=["lru", "lfu", "slru", "priority"])
+    slru_protected_hits: int = _opt(2, "slru: hits after which a node moves to the protected segment")
+    disable_radix_cache: bool = _opt(False, "compute every prompt from scratch (nothing cached)")
+    schedule_policy: str = _opt("lpm", "waiting-queue order", choices=["lpm", "fcfs", "dfs-weight", "lof", "random", "priority"])
+    chunked_prefill_size: int = _opt(2048, "prefill at most this many new tokens of one request per batch (-1: no chunking)")
+    max_prefill_tokens: int = _opt(8192, "new tokens in one prefill batch at most")
+    max_running_requests: int = _opt(64, "requests decoded at once (rows of the request-slot table)")
+    scheduler_addr: str = _opt("", "ZeroMQ address the scheduler binds for frontends (default: a per-instance ipc path)")
+    worker_addr: str = _opt("", "ZeroMQ address of the worker to drive")
+    control_port: int = _opt(0, "gRPC control port (flush, stats, health) (0: a free port)")
+    host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
+    decode_log_interval: int = _opt(40, "log a decode line every N decode steps")
+    enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
+    enable_mfu_metrics: bool = _opt(False, "count estimated FLOPs and bytes moved")
+    metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
+    engine_replica: str = _opt("0", "engine replica name (metrics label)")
+    otlp_traces_endpoint: str = _opt("", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)")
+    log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    model_path: str = _opt(DEFAULT_MODEL_PATH, "HF-format model folder (tokenizer and chat template)")
+    served_model_name: str = _opt("", "model id reported to clients (default: the folder's name)")
+    host: str = _opt("127.0.0.1", "interface the public servers bind (0.0.0.0 in a container)")
+    port: int = _opt(30000, "public gRPC port")
+    http_port: int = _opt(30080, "OpenAI-compatible HTTP port (-1: off)")
+    scheduler_addrs: list[str] = _opt([], "ZeroMQ addresses of the engine schedulers (comma separated)")
+    scheduler_control_addrs: list[str] = _opt([], "gRPC control addresses of the schedulers, same order")
+    max_model_len: int = _opt(0, "context length (0: asked from the engines)")
+    enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
+    metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
+    otlp_traces_endpoint: str = _opt("", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)")
+    log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
+
+
+def _base_type(tp) -> type:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return origin or tp
+
+
+def _env_default(name: str, default, tp: type):
+    raw = os.environ.get(ENV_PREFIX + name.upper())
+    if raw is None:
+        return default
+    if tp is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if tp is list:
+        return [s for s in raw.split(",") if s]
+    return tp(raw)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, seen: set[str] | None = None) -> None:
+    """Adds one ``--flag`` per field of ``cls``; names already in ``seen`` are skipped."""
+    seen = set() if seen is None else seen
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in seen:
+            continue
+        seen.add(f.name)
+        tp = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = _env_default(f.name, default, tp)
+        flag = "--" + f.name.replace("_", "-")
+        kw = {"help": f.metadata.get("help", ""), "default": default}
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif tp is list:
+            parser.add_argument(flag, type=lambda s: [x for x in s.split(",") if x], **kw)
+        else:
+            parser.add_argument(flag, type=tp, choices=f.metadata.get("choices"), **kw)
+
+
+def from_args(cls: type, ns: argparse.Namespace, **overrides):
+    """Builds ``cls`` from parsed arguments (fields it lacks are ignored)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(ns).items() if k in names}
+    values.update(overrides)
+    return cls(**values)
+
+
+def to_argv(cfg) -> list[str]:
+    """The flags that rebuild ``cfg`` in a child process (inverse of from_args)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, ",".join(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
