@@ -1,0 +1,98 @@
+"""ZeroMQ wrapped once: sockets that carry protobuf messages, one message per frame.
+
+Topology (addresses are flags; ``ipc://`` paths per instance by default, ``tcp://`` in pods):
+
+    frontend DEALER  --connect-->  scheduler ROUTER (binds --scheduler-addr)
+        FrontendToScheduler ->          <- SchedulerToFrontend (routed by the frontend's identity)
+    scheduler DEALER --connect-->  worker ROUTER    (binds --worker-addr)
+        SchedulerToWorker ->            <- WorkerToScheduler
+
+Nothing here pickles: every payload is ``message.SerializeToString()``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from typing import TypeVar
+
+import numpy as np
+
+import zmq
+import zmq.asyncio
+from google.protobuf.message import Message
+
+M = TypeVar("M", bound=Message)
+
+
+def new_ipc_addr(name: str) -> str:
+    """A fresh per-instance ipc:// address, so two servers can share a machine."""
+    folder = os.path.join(tempfile.gettempdir(), "radixserve")
+    os.makedirs(folder, exist_ok=True)
+    return f"ipc://{folder}/{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+
+
+def _configure(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    # Unbounded queues: backpressure is the scheduler's job (admission), not the socket's.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def dealer(ctx: zmq.Context, addr: str, identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    _configure(sock)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(addr)
+    return sock
+
+
+def router(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.ROUTER)
+    _configure(sock)
+    # Fail loudly instead of dropping a reply to a peer that went away.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.bind(addr)
+    return sock
+
+
+def decode(cls: type[M], payload: bytes) -> M:
+    msg = cls()
+    msg.ParseFromString(payload)
+    return msg
+
+
+def send(sock: zmq.Socket, msg: Message, identity: bytes | None = None, flags: int = 0):
+    """Sends on a DEALER (no identity) or a ROUTER (to ``identity``). Awaitable on async sockets."""
+    payload = msg.SerializeToString()
+    if identity is None:
+        return sock.send(payload, flags=flags, copy=False)
+    return sock.send_multipart([identity, payload], flags=flags, copy=False)
+
+
+def recv(sock: zmq.Socket, cls: type[M], flags: int = 0) -> M:
+    """Receives one message on a synchronous DEALER."""
+    return decode(cls, sock.recv(flags=flags))
+
+
+def recv_routed(sock: zmq.Socket, cls: type[M], flags: int = 0) -> tuple[bytes, M]:
+    """Receives (identity, message) on a synchronous ROUTER."""
+    identity, payload = sock.recv_multipart(flags=flags)
+    return identity, decode(cls, payload)
+
+
+async def arecv(sock: zmq.asyncio.Socket, cls: type[M]) -> M:
+    """Receives one message on an asyncio DEALER."""
+    return decode(cls, await sock.recv())
+
+
+def pack_i32(values) -> bytes:
+    """Integers as the little-endian int32 bytes that bulk proto fields carry."""
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def unpack_i32(payload: bytes):
+    """The inverse of pack_i32: a read-only int32 numpy array over the bytes (no copy)."""
+    return np.frombuffer(payload, dtype="<i4")
