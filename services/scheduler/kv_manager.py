@@ -1,0 +1,136 @@
+"""Request-level KV bookkeeping: the allocator and the radix cache seen through one request.
+
+The scheduler never touches slots directly; it asks this manager to match a request's
+prefix, grow its KV, hand finished KV to the tree and give back what the tree did not
+keep. Every slot stays in exactly one place (allocator, tree, or one request).
+"""
+
+from __future__ import annotations
+
+from services.scheduler.allocator import KVSlotAllocator
+from services.scheduler.radix_cache import BasePrefixCache, check_slot_integrity
+from services.scheduler.request import Req
+
+
+class KVManager:
+    def __init__(self, allocator: KVSlotAllocator, cache: BasePrefixCache):
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = allocator.page_size
+        self._held: dict[str, int] = {}   # rid -> own slots (whole pages) held outside the tree
+
+    # -- sizes ------------------------------------------------------------------------
+    @property
+    def total(self) -> int:
+        return self.allocator.total
+
+    @property
+    def available(self) -> int:
+        """Slots a new allocation can get: free now, or freed by evicting unlocked cache."""
+        return self.allocator.num_free + self.cache.size_info().evictable
+
+    def held_by_requests(self) -> int:
+        return sum(self._held.values())
+
+    def _own_pages_slots(self, req: Req) -> int:
+        """Slots the request holds outside the tree, counted in whole pages."""
+        own = req.kv_len - req.locked_len
+        ps = self.page_size
+        return -(-own // ps) * ps if ps > 1 else own
+
+    def _sync_held(self, req: Req) -> None:
+        n = self._own_pages_slots(req)
+        if n:
+            self._held[req.rid] = n
+        else:
+            self._held.pop(req.rid, None)
+
+    # -- request lifecycle ------------------------------------------------------------
+    def match(self, req: Req) -> int:
+        """Locks the longest cached prefix of the request (never its last token); returns its length."""
+        ids = req.fill_ids
+        m = self.cache.match_prompt(ids, req.namespace, req.priority)
+        self.cache.lock_handle(m.node)
+        req.node = m.node
+        req.kv_slots = list(m.slots)
+        req.locked_len = len(m.slots)
+        req.table_dirty = True
+        return req.locked_len
+
+    def unmatch(self, req: Req) -> None:
+        """Undoes match() for a request that could not be scheduled after all."""
+        self.cache.lock_handle(req.node, unlock=True)
+        req.node, req.kv_slots, req.locked_len = None, [], 0
+
+    def slots_needed(self, req: Req, n: int) -> int:
+        return self.allocator.slots_needed(n, req.kv_len)
+
+    def grow(self, req: Req, n: int) -> list[int] | None:
+        """n more KV slots for the request, evicting cache if needed; None if impossible."""
+        need = self.slots_needed(req, n)
+        if need > self.allocator.num_free:
+            self.cache.evict(need - self.allocator.num_free)
+        last = req.kv_slots[-1] if req.kv_slots else 0
+        slots = self.allocator.alloc(n, cur_len=req.kv_len, last_slot=last)
+        if slots is None:
+            return None
+        req.kv_slots.extend(slots)
+        self._sync_held(req)
+        return slots
+
+    def shrink(self, req: Req, n: int) -> None:
+        """Gives back the last n slots grown for the request (a batch that was not sent)."""
+        keep = req.kv_len - n
+        ps = self.page_size
+        # Free whole pages only: those that start at or after the first page not kept.
+        first_free = -(-keep // ps) * ps if ps > 1 else keep
+        gone = req.kv_slots[max(first_free, req.locked_len):]
+        if gone:
+            self.allocator.free(gone)
+        del req.kv_slots[keep:]
+        self._sync_held(req)
+
+    def commit(self, req: Req) -> bool:
+        """Inserts the request's computed KV into the tree and re-locks the deeper node.
+
+        Returns True when the tree already held some of those tokens under other slots:
+        the request now reads the tree's slots, so the worker's table row must be rewritten.
+        """
+        n = req.kv_len
+        key = req.fill_ids[:n]
+        res = self.cache.insert_prefix(key, req.kv_slots, req.namespace, req.priority)
+        dup = req.kv_slots[req.locked_len:res.prefix_len]
+        if dup:
+            self.allocator.free(dup)
+        m = self.cache.match_prefix(key, req.namespace, req.priority)
+        self.cache.lock_handle(m.node)
+        self.cache.lock_handle(req.node, unlock=True)
+        changed = bool(dup)
+        req.kv_slots[: len(m.slots)] = m.slots
+        req.node, req.locked_len = m.node, len(m.slots)
+        self._sync_held(req)
+        if changed:
+            req.table_dirty = True
+        return changed
+
+    def release(self, req: Req, cache_it: bool = True) -> None:
+        """The request leaves the running set: its KV goes to the tree (or back to the allocator)."""
+        if req.node is None:
+            return
+        if cache_it and req.kv_len > req.locked_len:
+            self.commit(req)
+        own = req.kv_slots[req.locked_len:]
+        if own:
+            self.allocator.free(own)
+        self.cache.lock_handle(req.node, unlock=True)
+        req.node, req.kv_slots, req.locked_len = None, [], 0
+        req.table_dirty = True
+        self._held.pop(req.rid, None)
+
+    def check(self) -> None:
+        """Slot invariant (raises SlotLeakError naming the four counts) plus the tree's own check."""
+        self.cache.check_integrity()
+        check_slot_integrity(self.allocator, self.cache, self.held_by_requests())
+
+    def flush(self) -> None:
+        self.cache.reset()

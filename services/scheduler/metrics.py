@@ -1,0 +1,124 @@
+"""Prometheus metrics of the scheduler: cache hits, token counters, pool gauges, FLOPs.
+
+Names carry the ``radixserve:`` prefix and SGLang's suffixes so its dashboards port over.
+Counters are cumulative, so ``cached_tokens_total / prompt_tokens_total`` is a stable hit
+rate; ``cache_hit_rate`` is the last prefill batch's, as in SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from radixserve.internal.v1 import engine_pb2
+from services.scheduler.flops import batch_cost
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Req
+    from services.scheduler.scheduler import Item, Scheduler
+
+TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+P = "radixserve:"
+
+
+class SchedulerMetrics:
+    """All scheduler metrics; a disabled instance accepts every call and records nothing."""
+
+    def __init__(self, model_name: str, engine: str, mfu: bool = False,
+                 registry: CollectorRegistry | None = None, enabled: bool = True):
+        self.enabled, self.mfu = enabled, mfu and enabled
+        if not enabled:
+            return
+        self.registry = registry or CollectorRegistry()
+        labels = {"model_name": model_name, "engine": engine}
+        names = list(labels)
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
+            return Counter(P + name, doc, names + list(extra), registry=r)
+
+        def gauge(name: str, doc: str):
+            return Gauge(P + name, doc, names, registry=r).labels(**labels)
+
+        def hist(name: str, doc: str, buckets):
+            return Histogram(P + name, doc, names, buckets=buckets, registry=r).labels(**labels)
+
+        self.labels = labels
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received").labels(**labels)
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the radix cache").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(**labels)
+        self.num_requests = counter("num_requests", "Finished requests", ("finish_reason",))
+        self.num_retracted = counter("num_retracted_requests", "Requests retracted to free KV").labels(**labels)
+        self.prompt_hist = hist("prompt_tokens_histogram", "Prompt length", TOKEN_BUCKETS)
+        self.uncached_hist = hist("uncached_prompt_tokens_histogram", "Prompt tokens computed", TOKEN_BUCKETS)
+        self.queue_time = hist("queue_time_seconds", "Arrival to first scheduled", TIME_BUCKETS)
+        self.running = gauge("num_running_reqs", "Requests in the running batch")
+        self.queued = gauge("num_queue_reqs", "Requests waiting")
+        self.token_usage = gauge("token_usage", "Share of the KV pool in use (not free, not evictable)")
+        self.hit_rate = gauge("cache_hit_rate", "Cached share of the prompt tokens of the last prefill batch")
+        self.available = gauge("kv_available_tokens", "Free KV slots (evictable not counted)")
+        self.evictable = gauge("kv_evictable_tokens", "KV slots held by unlocked tree nodes")
+        self.used = gauge("kv_used_tokens", "KV slots held by running requests")
+        self.max_total = gauge("max_total_num_tokens", "KV pool size in tokens")
+        self.page_size = gauge("page_size", "Radix cache page size")
+        if self.mfu:
+            self.flops = counter("estimated_flops", "Estimated FLOPs of forward batches").labels(**labels)
+            self.read_bytes = counter("estimated_read_bytes", "Estimated bytes read (weights + KV)").labels(**labels)
+            self.write_bytes = counter("estimated_write_bytes", "Estimated KV bytes written").labels(**labels)
+
+    @classmethod
+    def disabled(cls) -> SchedulerMetrics:
+        return cls("", "", enabled=False)
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts /metrics on host:port (0: a free port); returns the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+    # -- events -----------------------------------------------------------------------
+    def on_arrival(self, req: Req) -> None:
+        if self.enabled:
+            self.prompt_tokens.inc(len(req.input_ids))
+            self.prompt_hist.observe(len(req.input_ids))
+
+    def on_scheduled(self, req: Req) -> None:
+        if self.enabled:
+            self.cached_tokens.inc(req.cached_tokens)
+            self.uncached_hist.observe(len(req.input_ids) - req.cached_tokens)
+            self.queue_time.observe(max(0.0, req.first_scheduled - req.arrival_time))
+
+    def on_retract(self) -> None:
+        if self.enabled:
+            self.num_retracted.inc()
+
+    def on_finish(self, req: Req) -> None:
+        if self.enabled:
+            self.generation_tokens.inc(len(req.output_ids))
+            self.num_requests.labels(**self.labels, finish_reason=req.finish_reason).inc()
+
+    def on_prefill_batch(self, new_tokens: int, cached: int, sched: Scheduler) -> None:
+        if self.enabled:
+            self.hit_rate.set(cached / max(1, cached + new_tokens))
+            self.update_gauges(sched)
+
+    def on_batch(self, info: engine_pb2.WorkerInfo, items: list[Item]) -> None:
+        if self.mfu:
+            flops, read, write = batch_cost(info, [(it.start, it.n, it.sample) for it in items])
+            self.flops.inc(flops)
+            self.read_bytes.inc(read)
+            self.write_bytes.inc(write)
+
+    def update_gauges(self, sched: Scheduler) -> None:
+        if not self.enabled:
+            return
+        s = sched.stats()
+        self.running.set(s.num_running_reqs)
+        self.queued.set(s.num_queue_reqs)
+        self.token_usage.set(s.used_tokens / max(1, s.max_total_num_tokens))
+        self.available.set(s.available_tokens)
+        self.evictable.set(s.evictable_tokens)
+        self.used.set(s.used_tokens)
+        self.max_total.set(s.max_total_num_tokens)
+        self.page_size.set(s.page_size)

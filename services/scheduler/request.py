@@ -1,0 +1,92 @@
+"""One request as the scheduler sees it: token ids, KV slots, stop conditions, timings.
+
+Token positions and KV slots of a request (``fill_ids = input_ids + output_ids``):
+
+    position:  0 ............ locked_len ........ kv_len ............ len(fill_ids)
+    kv_slots:  [tree's slots  | own slots          ]   (no KV yet: computed next batch)
+               locked in tree   held by the request
+
+``kv_slots`` always has ``kv_len`` entries. The last sampled token never has KV, so a
+finished request leaves ``len(fill_ids) - 1`` tokens of KV behind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.v1 import generation_pb2
+
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass
+class Req:
+    rid: str
+    identity: bytes                       # the frontend socket that gets this request's output
+    input_ids: list[int]
+    sampling: generation_pb2.SamplingParams
+    priority: int = 0
+    namespace: str = ""
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.time)
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    output_ids: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)
+    locked_len: int = 0                   # leading kv_slots owned by the tree (and locked)
+    node: Any = None                      # the tree node locked for this request
+    req_slot: int | None = None           # row of the request-slot table while running
+    table_dirty: bool = True              # the worker's row must be (re)written: send is_new
+    cached_tokens: int = -1               # prompt tokens reused at first admission (-1: not yet)
+    sent_tokens: int = 0                  # output tokens already streamed to the frontend
+    logprobs: list = field(default_factory=list)
+    finish_reason: str = ""
+    finish_message: str = ""
+    error_code: str = ""
+    matched_stop_token: int = -1
+    num_retractions: int = 0
+    first_scheduled: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+    spans: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.kv_slots)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        s = self.sampling
+        return s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.max_new_tokens - len(self.output_ids))
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token lacks KV: the next step is (a chunk of) a prefill, not a decode."""
+        return self.seq_len - self.kv_len > 1
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+    def stop_reason(self, token: int, max_model_len: int) -> tuple[str, int]:
+        """('stop'|'length'|'', matched token) after ``token`` was appended to output_ids."""
+        s = self.sampling
+        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+            return "stop", token
+        if len(self.output_ids) >= self.max_new_tokens or self.seq_len >= max_model_len:
+            return "length", -1
+        return "", -1

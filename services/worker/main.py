@@ -1,0 +1,76 @@
+"""The worker process: loads the model, then serves forward batches to its scheduler over ZeroMQ."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import traceback
+from concurrent import futures
+
+import grpc
+import zmq
+
+from radixserve.internal.v1 import engine_pb2
+from services.common import transport
+from services.common.config import WorkerConfig
+from services.common.grpc_util import add_health_and_reflection
+from services.common.logs import setup_logging
+from services.worker.model_runner import ModelRunner
+
+log = logging.getLogger("radixserve.worker")
+POLL_MS = 100
+
+
+def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
+    """grpc.health.v1 + reflection: what Kubernetes probes and `radixserve serve` wait on."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    add_health_and_reflection(server, [])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot bind the worker gRPC port {host}:{port}")
+    server.start()
+    return server, bound
+
+
+def handle(runner: ModelRunner, msg: engine_pb2.SchedulerToWorker) -> engine_pb2.WorkerToScheduler:
+    if msg.HasField("info"):
+        return engine_pb2.WorkerToScheduler(info=runner.info())
+    batch = msg.forward
+    t0 = time.perf_counter()
+    try:
+        result = runner.forward(batch)
+    except Exception as e:  # a bad batch fails its requests, not the worker
+        log.error("forward batch %d failed: %s\n%s", batch.batch_id, e, traceback.format_exc())
+        result = engine_pb2.ForwardResult(batch_id=batch.batch_id, error=f"{type(e).__name__}: {e}")
+    if not result.forward_time:
+        result.forward_time = time.perf_counter() - t0
+    return engine_pb2.WorkerToScheduler(result=result)
+
+
+def main(cfg: WorkerConfig) -> None:
+    setup_logging(cfg.log_level, "worker")
+    if not cfg.worker_addr:
+        raise SystemExit("worker: --worker-addr is required")
+    runner = ModelRunner(cfg)
+    info = runner.info()
+    ctx = zmq.Context()
+    sock = transport.router(ctx, cfg.worker_addr)
+    server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
+    log.info("worker: ZeroMQ on %s, gRPC health on %s:%d; %s (%s, %s, %s attention), pool %d tokens",
+             cfg.worker_addr, cfg.host, port, info.model_id, info.device, info.dtype,
+             info.attention_backend, info.max_total_num_tokens)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
+            transport.send(sock, handle(runner, msg), identity)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop(grace=None)
+        ctx.destroy(linger=0)

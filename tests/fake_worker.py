@@ -1,0 +1,90 @@
+"""A model-free worker that makes KV mistakes visible, for scheduler tests.
+
+Its "KV pool" stores, per slot, the (token, position) written there. Each request's next
+token is a hash of the tokens it reads back through its table row, so a scheduler that
+hands out a wrong, stale or reused slot produces different tokens than `expected()`, which
+computes the same hash over the true sequence. Speaks the real protobuf messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from radixserve.internal.v1 import engine_pb2
+from services.common.transport import unpack_i32
+
+VOCAB = 1000
+EOS = 999
+
+
+def next_token(context: list[int]) -> int:
+    digest = hashlib.blake2b(repr(context).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % (VOCAB - 1)   # never EOS: lengths stay predictable
+
+
+def expected(prompt: list[int], max_tokens: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(max_tokens):
+        out.append(next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+class FakeWorker:
+    def __init__(self, num_slots: int, max_running: int = 16, max_model_len: int = 4096):
+        self.pool: dict[int, tuple[int, int]] = {}
+        self.rows: dict[int, list[int]] = {}
+        self.num_slots = num_slots
+        self.batches: list[engine_pb2.ForwardBatch] = []
+        self.info = engine_pb2.WorkerInfo(
+            model_id="fake", architecture="Fake", vocab_size=VOCAB, max_model_len=max_model_len,
+            max_total_num_tokens=num_slots, max_running_requests=max_running, device="cpu",
+            dtype="float32", num_parameters=1000, num_layers=2, hidden_size=8, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=4, intermediate_size=16, eos_token_ids=[EOS])
+
+    def forward(self, batch: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
+        self.batches.append(batch)
+        result = engine_pb2.ForwardResult(batch_id=batch.batch_id)
+        for r in batch.reqs:
+            ids, out = unpack_i32(r.input_ids).tolist(), unpack_i32(r.out_slots).tolist()
+            assert len(ids) == len(out) > 0, "input_ids and out_slots differ in length"
+            assert all(0 < s <= self.num_slots for s in out), f"slot out of range in {out}"
+            row = self.rows.setdefault(r.req_slot, [])
+            if r.is_new:
+                row[:] = unpack_i32(r.prefix_slots).tolist()
+            assert len(row) >= r.prefix_len, "prefix_len beyond what the table row holds"
+            del row[r.prefix_len:]
+            for i, (tok, slot) in enumerate(zip(ids, out, strict=True)):
+                self.pool[slot] = (tok, r.prefix_len + i)
+            row.extend(out)
+            context = []
+            for pos, slot in enumerate(row):
+                tok, where = self.pool.get(slot, (-1, -1))
+                context.append(tok if where == pos else -1)   # a slot written for another position
+            tok = next_token(context) if r.sample else -1
+            result.tokens.add(token_id=tok)
+        return result
+
+
+class FakeWorkerSocket:
+    """Stands in for the scheduler's DEALER socket: each send is answered synchronously."""
+
+    def __init__(self, worker: FakeWorker):
+        self.worker = worker
+        self.reply: bytes | None = None
+
+    def send(self, payload, flags: int = 0, copy: bool = True):
+        msg = engine_pb2.SchedulerToWorker()
+        msg.ParseFromString(bytes(payload))
+        if msg.HasField("info"):
+            out = engine_pb2.WorkerToScheduler(info=self.worker.info)
+        else:
+            out = engine_pb2.WorkerToScheduler(result=self.worker.forward(msg.forward))
+        self.reply = out.SerializeToString()
+
+    def poll(self, timeout: int = 0) -> bool:
+        return self.reply is not None
+
+    def recv(self, flags: int = 0) -> bytes:
+        reply, self.reply = self.reply, None
+        return reply

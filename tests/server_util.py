@@ -1,0 +1,92 @@
+"""Starts a real `radixserve serve` (three OS processes on loopback) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixserve.v1 import generation_pb2, generation_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO / "models" / "radixserve-zen"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`radixserve serve` in a subprocess; `stub` talks gRPC to its frontend."""
+
+    def __init__(self, *flags: str, model: Path | str = DEFAULT_MODEL, timeout: float = 180.0,
+                 env: dict[str, str] | None = None):
+        self.port, self.http_port = free_port(), free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model-path", str(model),
+               "--port", str(self.port), "--http-port", str(self.http_port), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.addr = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.addr)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self._wait(timeout)
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        health = health_pb2_grpc.HealthStub(self.channel)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"radixserve serve exited ({self.proc.returncode}):\n{self.output()}")
+            try:
+                r = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        self.close()
+        raise TimeoutError(f"server not healthy in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def generate(self, timeout: float = 120.0, **kw) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
+        """Runs one Generate to the end: (token ids, text, last message)."""
+        ids, text, last = [], "", None
+        for msg in self.stub.Generate(generation_pb2.GenerateRequest(**kw), timeout=timeout):
+            ids.extend(msg.token_ids)
+            text += msg.text
+            last = msg
+        return ids, text, last
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def greedy(max_tokens: int, **extra) -> generation_pb2.SamplingParams:
+    return generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)

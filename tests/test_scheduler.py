@@ -1,0 +1,185 @@
+"""The scheduler loop against a model-free worker that detects any wrong KV slot."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve.internal.v1 import engine_pb2
+from radixserve.v1 import generation_pb2
+from services.common.config import SchedulerConfig
+from services.common.transport import pack_i32
+from services.scheduler.scheduler import Scheduler
+from tests.fake_worker import FakeWorker, FakeWorkerSocket, expected
+
+FRONTEND = b"frontend-1"
+
+
+def make(num_slots: int = 4096, max_running: int = 16, **cfg) -> tuple[Scheduler, FakeWorker]:
+    worker = FakeWorker(num_slots, max_running)
+    sched = Scheduler(SchedulerConfig(**cfg), FakeWorkerSocket(worker), worker.info)
+    return sched, worker
+
+
+def submit(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int, **kw) -> None:
+    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0)
+    msg = engine_pb2.TokenizedRequest(rid=rid, input_ids=pack_i32(prompt), sampling=sampling, **kw)
+    sched.add_request(FRONTEND, msg)
+
+
+def run(sched: Scheduler, max_steps: int = 100_000, on_step=None) -> dict[str, engine_pb2.TokenDelta]:
+    """Steps until idle; returns each request's tokens and final delta."""
+    tokens: dict[str, list[int]] = {}
+    final: dict[str, engine_pb2.TokenDelta] = {}
+    for step in range(max_steps):
+        worked = sched.step()
+        for deltas in sched.outbox.values():
+            for d in deltas:
+                tokens.setdefault(d.rid, []).extend(d.token_ids)
+                if d.finish_reason:
+                    final[d.rid] = d
+        sched.outbox = {}
+        if on_step:
+            on_step(step)
+        if not worked:
+            sched.check_idle()
+            break
+    for rid, d in final.items():
+        d.token_ids[:] = tokens.get(rid, [])
+    return final
+
+
+def rand_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 900) for _ in range(n)]
+
+
+def test_single_request_then_cache_hit():
+    sched, _ = make()
+    prompt = list(range(1, 41))
+    submit(sched, "a", prompt, 8)
+    first = run(sched)["a"]
+    assert list(first.token_ids) == expected(prompt, 8)
+    assert (first.finish_reason, first.prompt_tokens, first.cached_tokens, first.completion_tokens) == ("length", 40, 0, 8)
+    submit(sched, "b", prompt, 8)
+    second = run(sched)["b"]
+    assert list(second.token_ids) == expected(prompt, 8)
+    assert second.cached_tokens == 39   # everything but the last prompt token
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight", "lof", "random", "priority"])
+def test_concurrent_shared_prefixes_are_token_exact(page_size, policy):
+    rng = random.Random(7)
+    sched, _ = make(num_slots=6000, page_size=page_size, schedule_policy=policy, chunked_prefill_size=64)
+    systems = [rand_prompt(rng, rng.randrange(20, 120)) for _ in range(4)]
+    want = {}
+    for i in range(40):
+        prompt = rng.choice(systems) + rand_prompt(rng, rng.randrange(1, 30))
+        n = rng.randrange(1, 24)
+        want[f"r{i}"] = expected(prompt, n)
+        submit(sched, f"r{i}", prompt, n)
+    got = run(sched)
+    assert {rid: list(d.token_ids) for rid, d in got.items()} == want
+    assert sum(d.cached_tokens for d in got.values()) > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_small_pool_forces_retraction_and_stays_exact(page_size, caplog):
+    rng = random.Random(3)
+    sched, _ = make(num_slots=640, max_running=16, page_size=page_size, chunked_prefill_size=48)
+    want = {}
+    for i in range(24):
+        prompt = rand_prompt(rng, rng.randrange(10, 60))
+        want[f"r{i}"] = expected(prompt, 100)
+        submit(sched, f"r{i}", prompt, 100)
+    with caplog.at_level("WARNING", logger="radixserve.scheduler"):
+        got = run(sched)
+    assert {rid: list(d.token_ids) for rid, d in got.items()} == want
+    assert "Retract requests" in caplog.text
+
+
+def test_abort_mid_decode_frees_every_slot():
+    sched, _ = make(num_slots=2000)
+    submit(sched, "keep", list(range(1, 30)), 20)
+    submit(sched, "gone", list(range(100, 150)), 200)
+
+    def abort_at(step):
+        if step == 5:
+            sched.abort("gone", "client cancelled")
+
+    got = run(sched, on_step=abort_at)
+    assert got["gone"].finish_reason == "abort"
+    assert 0 < got["gone"].completion_tokens < 200
+    assert list(got["keep"].token_ids) == expected(list(range(1, 30)), 20)
+    size = sched.kv.cache.size_info()
+    assert sched.kv.allocator.num_free + size.evictable == sched.kv.total and size.protected == 0
+
+
+def test_flush_refused_while_running_then_removes_hits():
+    sched, _ = make()
+    prompt = list(range(1, 60))
+    submit(sched, "a", prompt, 4)
+    refused = sched.flush_cache()
+    assert not refused.flushed and "1 waiting" in refused.message
+    run(sched)
+    assert sched.flush_cache().flushed
+    assert sched.kv.allocator.num_free == sched.kv.total
+    submit(sched, "b", prompt, 4)
+    assert run(sched)["b"].cached_tokens == 0
+
+
+def test_disabled_cache_never_hits():
+    sched, _ = make(disable_radix_cache=True)
+    prompt = list(range(1, 50))
+    for rid in ("a", "b"):
+        submit(sched, rid, prompt, 5)
+        d = run(sched)[rid]
+        assert d.cached_tokens == 0 and list(d.token_ids) == expected(prompt, 5)
+
+
+def test_cache_salt_separates_namespaces():
+    sched, _ = make()
+    prompt = list(range(1, 50))
+    submit(sched, "a", prompt, 2, cache_salt="tenant-a")
+    run(sched)
+    submit(sched, "b", prompt, 2, cache_salt="tenant-b")
+    assert run(sched)["b"].cached_tokens == 0
+    submit(sched, "c", prompt, 2, cache_salt="tenant-a")
+    assert run(sched)["c"].cached_tokens == len(prompt) - 1
+
+
+def test_too_large_request_is_rejected_and_server_keeps_serving():
+    sched, _ = make(num_slots=100)
+    submit(sched, "big", list(range(1, 90)), 50)
+    got = run(sched)["big"]
+    assert got.error_code == "RESOURCE_EXHAUSTED" and "needs 139 KV slots" in got.finish_message
+    submit(sched, "ok", list(range(1, 20)), 5)
+    assert list(run(sched)["ok"].token_ids) == expected(list(range(1, 20)), 5)
+
+
+def test_concurrent_shared_prefix_is_computed_once():
+    """Seed experiment 5 in miniature: 30 requests sent at once share a 300-token prefix."""
+    rng = random.Random(5)
+    prefix = rand_prompt(rng, 300)
+    sched, worker = make(num_slots=20000, max_running=32)
+    for i in range(30):
+        submit(sched, f"r{i}", prefix + [901 + i % 90], 1)
+    got = run(sched)
+    hit = sum(d.cached_tokens for d in got.values()) / sum(d.prompt_tokens for d in got.values())
+    assert hit > 0.9
+    computed = sum(len(r.input_ids) // 4 for b in worker.batches for r in b.reqs)
+    assert computed < 2 * 301 + 30
+
+
+def test_eos_stops_unless_ignored():
+    sched, _ = make()
+    prompt = list(range(1, 20))
+    first = expected(prompt, 1)[0]
+    sched.info.eos_token_ids.append(first)   # the first token the fake model emits is "EOS"
+    submit(sched, "a", prompt, 10)
+    got = run(sched)["a"]
+    assert got.finish_reason == "stop" and got.completion_tokens == 1 and got.matched_stop_token == first
+    msg_sampling = generation_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    sched.add_request(FRONTEND, engine_pb2.TokenizedRequest(rid="b", input_ids=pack_i32(prompt), sampling=msg_sampling))
+    assert run(sched)["b"].completion_tokens == 10
