@@ -18,7 +18,6 @@ import uuid
 from typing import TypeVar
 
 import numpy as np
-
 import zmq
 import zmq.asyncio
 from google.protobuf.message import Message

@@ -12,7 +12,7 @@ import grpc
 import zmq
 
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
-from services.common import transport
+from services.common import tracing, transport
 from services.common.config import SchedulerConfig
 from services.common.grpc_util import add_health_and_reflection, set_serving
 from services.common.logs import setup_logging
@@ -82,6 +82,7 @@ def main(cfg: SchedulerConfig) -> None:
     setup_logging(cfg.log_level, "scheduler")
     if not cfg.worker_addr or not cfg.scheduler_addr:
         raise SystemExit("scheduler: --worker-addr and --scheduler-addr are required")
+    tracing.setup_tracing("radixserve-scheduler", cfg.otlp_traces_endpoint)
     ctx = zmq.Context()
     worker = transport.dealer(ctx, cfg.worker_addr)
     info = wait_for_worker(worker, cfg.worker_addr)
@@ -110,3 +111,4 @@ def main(cfg: SchedulerConfig) -> None:
     finally:
         server.stop(grace=None)
         ctx.destroy(linger=0)
+        tracing.shutdown()

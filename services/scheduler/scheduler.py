@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from radixserve.v1 import generation_pb2
 from services.common import transport
 from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32, unpack_i32
-from services.scheduler import schedule_policy
+from services.scheduler import request_spans, schedule_policy
 from services.scheduler.allocator import KVSlotAllocator
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.metrics import SchedulerMetrics
@@ -103,6 +102,7 @@ class Scheduler:
         self.by_rid[req.rid] = req
         self.waiting.append(req)
         self.metrics.on_arrival(req)
+        request_spans.on_arrival(req)
 
     def _reject_reason(self, req: Req) -> str:
         if not req.input_ids:
@@ -180,6 +180,7 @@ class Scheduler:
                 req.cached_tokens = matched
                 req.first_scheduled = time.time()
                 self.metrics.on_scheduled(req)
+                request_spans.on_scheduled(req)
             admitted.append(req)
             items.append(Item(req, matched, n, matched + n == req.seq_len, True))
             budget -= n
@@ -267,6 +268,9 @@ class Scheduler:
         batch = engine_pb2.ForwardBatch(batch_id=self.batch_id,
                                         is_decode=not any(it.is_prefill for it in items))
         batch.reqs.extend(self._forward_request(it) for it in items)
+        parent, links = request_spans.batch_context([it.req for it in items])
+        batch.trace_context.update(parent)
+        batch.trace_links.extend(links)
         self.metrics.on_batch(self.info, items)
         transport.send(self.worker, engine_pb2.SchedulerToWorker(forward=batch))
         reply = self._recv_worker()
@@ -295,8 +299,10 @@ class Scheduler:
         self._cuda_graph = result.cuda_graph
         for it, tok in zip(items, result.tokens, strict=True):
             req = it.req
-            if it.is_prefill and not self.cfg.disable_radix_cache:
-                self.kv.commit(req)
+            if it.is_prefill:
+                request_spans.on_prefill_chunk(req, it.n)
+                if not self.cfg.disable_radix_cache:
+                    self.kv.commit(req)
             if not it.sample:
                 continue
             req.output_ids.append(tok.token_id)
@@ -304,6 +310,7 @@ class Scheduler:
                 req.logprobs.append(tok.logprob)
             if not req.first_token_time:
                 req.first_token_time = now
+                request_spans.on_first_token(req)
             reason, matched = req.stop_reason(tok.token_id, self.max_model_len)
             if reason:
                 req.finish_reason, req.matched_stop_token = reason, matched
@@ -320,6 +327,7 @@ class Scheduler:
         req.finish_time = time.time()
         self.by_rid.pop(req.rid, None)
         self.metrics.on_finish(req)
+        request_spans.on_finish(req)
         self._emit(req)
 
     def _emit(self, req: Req) -> None:

@@ -13,7 +13,7 @@ import grpc
 import zmq
 
 from radixserve.internal.v1 import engine_pb2
-from services.common import transport
+from services.common import tracing, transport
 from services.common.config import WorkerConfig
 from services.common.grpc_util import add_health_and_reflection
 from services.common.logs import setup_logging
@@ -21,6 +21,7 @@ from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger("radixserve.worker")
 POLL_MS = 100
+_tracer = tracing.tracer("radixserve.worker")
 
 
 def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
@@ -34,11 +35,24 @@ def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
     return server, bound
 
 
+def forward_span(batch: engine_pb2.ForwardBatch):
+    """One span per batch: child of its first request's phase span, linked to all of them."""
+    if not tracing.enabled() or not batch.trace_context:
+        return None
+    links = [link for tp in batch.trace_links if (link := tracing.link_to({"traceparent": tp}))]
+    new_tokens = sum(len(r.input_ids) // 4 for r in batch.reqs)
+    return _tracer.start_span(
+        "forward", context=tracing.context_from(batch.trace_context), links=links,
+        attributes={"radixserve.batch_size": len(batch.reqs), "radixserve.new_tokens": new_tokens,
+                    "radixserve.is_decode": batch.is_decode})
+
+
 def handle(runner: ModelRunner, msg: engine_pb2.SchedulerToWorker) -> engine_pb2.WorkerToScheduler:
     if msg.HasField("info"):
         return engine_pb2.WorkerToScheduler(info=runner.info())
     batch = msg.forward
     t0 = time.perf_counter()
+    span = forward_span(batch)
     try:
         result = runner.forward(batch)
     except Exception as e:  # a bad batch fails its requests, not the worker
@@ -46,11 +60,15 @@ def handle(runner: ModelRunner, msg: engine_pb2.SchedulerToWorker) -> engine_pb2
         result = engine_pb2.ForwardResult(batch_id=batch.batch_id, error=f"{type(e).__name__}: {e}")
     if not result.forward_time:
         result.forward_time = time.perf_counter() - t0
+    if span is not None:
+        span.set_attribute("radixserve.cuda_graph", result.cuda_graph)
+        span.end()
     return engine_pb2.WorkerToScheduler(result=result)
 
 
 def main(cfg: WorkerConfig) -> None:
     setup_logging(cfg.log_level, "worker")
+    tracing.setup_tracing("radixserve-worker", cfg.otlp_traces_endpoint)
     if not cfg.worker_addr:
         raise SystemExit("worker: --worker-addr is required")
     runner = ModelRunner(cfg)
@@ -74,3 +92,4 @@ def main(cfg: WorkerConfig) -> None:
     finally:
         server.stop(grace=None)
         ctx.destroy(linger=0)
+        tracing.shutdown()

@@ -1,0 +1,154 @@
+"""Benchmark of the scheduler's radix cache alone (no model, no tensors): not a test.
+
+Generated-shared-prefix trace: G groups x R requests; each group has one system prompt,
+each request adds its own question and produces output tokens; requests are shuffled and
+the slot pool is smaller than the trace, so eviction runs. Per request it times the whole
+bookkeeping lifecycle: match, lock, allocate (evicting as needed), insert, free duplicates
+and the tail, unlock. Then it times ``evict`` on a tree with many evictable leaves.
+
+    .venv/bin/python bench/bench_radix_cache.py [--page-size 16] [--policy lfu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from array import array
+
+from services.scheduler.allocator import KVSlotAllocator
+from services.scheduler.eviction import policy_names
+from services.scheduler.radix_cache import RadixCache, check_slot_integrity
+
+
+def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """(prompt, output) per request, shuffled. Each prompt is rebuilt from packed int32
+    (as a deserialised request would be), so no two requests share int objects: key
+    comparisons cost what they cost in the server, not a pointer compare."""
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(args.vocab) for _ in range(n)]
+
+    systems = [ids(args.system_len) for _ in range(args.groups)]
+    trace = []
+    for g in range(args.groups):
+        for _ in range(args.per_group):
+            prompt = systems[g] + ids(args.question_len)
+            if not args.shared_ints:
+                prompt = array("i", prompt).tolist()
+            trace.append((prompt, ids(args.output_len)))
+    rng.shuffle(trace)
+    return trace
+
+
+def serve_one(cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]) -> int:
+    """One request's KV bookkeeping, as the scheduler does it; returns the cached length."""
+    m = cache.match_prompt(prompt)
+    cache.lock_handle(m.node)
+    cached = len(m.slots)
+    n_new = len(prompt) - cached + len(output)          # uncached prompt + every output token
+    short = alloc.slots_needed(n_new, cached) - alloc.num_free
+    if short > 0:
+        cache.evict(short)
+    new = alloc.alloc(n_new, cached, m.slots[-1] if cached else 0)
+    if new is None:
+        raise RuntimeError("pool too small for one request")
+    slots = m.slots + new
+    seq = prompt + output[:-1]                          # the last output token has no KV
+    res = cache.insert_prefix(seq, slots[:-1])
+    kept = len(seq) - len(seq) % cache.page_size
+    # Duplicates the request computed itself, plus what the tree did not take.
+    alloc.free(slots[cached:res.prefix_len] + slots[kept:])
+    cache.lock_handle(m.node, unlock=True)
+    return cached
+
+
+def bench_trace(args: argparse.Namespace) -> None:
+    rng = random.Random(args.seed)
+    trace = build_trace(args, rng)
+    alloc = KVSlotAllocator(args.pool, args.page_size)
+    cache = RadixCache(alloc, args.page_size, args.policy)
+    wall, cpu, hit, total = [], [], 0, 0
+    for prompt, output in trace:
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        hit += serve_one(cache, alloc, prompt, output)
+        wall.append(time.perf_counter_ns() - t0)
+        cpu.append(time.thread_time_ns() - c0)
+        total += len(prompt)
+    check_slot_integrity(alloc, cache, 0)
+    cache.check_integrity()
+    print(f"trace: {args.groups} groups x {args.per_group} requests, system {args.system_len}, "
+          f"question {args.question_len}, output {args.output_len}, pool {args.pool}, "
+          f"page_size {args.page_size}, policy {args.policy}, "
+          f"{'shared' if args.shared_ints else 'fresh'} int objects")
+    for name, ns in (("wall", wall), ("cpu", cpu)):
+        us = sorted(t / 1000 for t in ns)
+        print(f"  per request ({name:4s}): median {statistics.median(us):6.1f} us, "
+              f"p90 {us[int(0.9 * len(us))]:6.1f} us, mean {statistics.fmean(us):6.1f} us "
+              f"over {len(us)} requests")
+    print(f"  hit rate: {hit / total:.3f} ({hit} of {total} prompt tokens)")
+
+
+def build_wide_tree(args: argparse.Namespace, rng: random.Random) -> tuple[RadixCache, KVSlotAllocator]:
+    """args.leaves evictable leaves: 100 shared prefixes of 2 pages, each with leaves of 1 page,
+    touched again in random order so the heap holds stale scores."""
+    ps = max(args.page_size, 16)
+    groups = 100
+    per = args.leaves // groups
+    alloc = KVSlotAllocator((groups * 2 + args.leaves + 4) * ps, args.page_size)
+    cache = RadixCache(alloc, args.page_size, args.policy)
+    seqs = []
+    for g in range(groups):
+        prefix = [g] + [rng.randrange(args.vocab) for _ in range(2 * ps - 1)]
+        for i in range(per):
+            seq = prefix + [i] + [rng.randrange(args.vocab) for _ in range(ps - 1)]
+            slots = alloc.alloc(len(seq))
+            res = cache.insert_prefix(seq, slots)
+            alloc.free(slots[: res.prefix_len])
+            seqs.append(seq)
+    rng.shuffle(seqs)
+    for seq in seqs[: len(seqs) // 2]:
+        cache.match_prefix(seq)
+    return cache, alloc
+
+
+def bench_evict(args: argparse.Namespace) -> None:
+    rng = random.Random(args.seed)
+    times = []
+    for _ in range(args.evict_repeats):
+        cache, alloc = build_wide_tree(args, rng)
+        t0 = time.perf_counter_ns()
+        freed = cache.evict(args.evict_tokens)
+        times.append((time.perf_counter_ns() - t0) / 1000)
+        cache.check_integrity()
+        check_slot_integrity(alloc, cache, 0)
+    med = statistics.median(times)
+    print(f"evict({args.evict_tokens}) from {args.leaves} evictable leaves "
+          f"(leaf = {max(args.page_size, 16)} tokens, freed {freed}): median {med:.0f} us "
+          f"over {args.evict_repeats} trees, {med * 1000 / freed:.0f} ns per freed token")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--policy", default="lru", choices=policy_names())
+    p.add_argument("--groups", type=int, default=64)
+    p.add_argument("--per-group", type=int, default=16)
+    p.add_argument("--system-len", type=int, default=2048)
+    p.add_argument("--question-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--pool", type=int, default=200_000)
+    p.add_argument("--vocab", type=int, default=32_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-ints", action="store_true",
+                   help="requests of a group share the system prompt's int objects (optimistic)")
+    p.add_argument("--leaves", type=int, default=10_000)
+    p.add_argument("--evict-tokens", type=int, default=1_000)
+    p.add_argument("--evict-repeats", type=int, default=5)
+    args = p.parse_args()
+    bench_trace(args)
+    bench_evict(args)
+
+
+if __name__ == "__main__":
+    main()

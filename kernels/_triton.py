@@ -1,0 +1,59 @@
+"""Imports Triton so that its kernels also run on machines without a GPU.
+
+Triton compiles for GPUs only. Without CUDA, its interpreter (``TRITON_INTERPRET=1``) runs the
+very same kernels on CPU tensors, slowly; the tests and the ``triton`` backend on CPU rely on
+that. Every kernel module imports ``triton`` from here, before defining its kernels, because
+Triton reads the variable when a function is *decorated*. An explicit setting is respected.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+__all__ = ["triton", "tl", "dot_precision", "sm_major"]
+
+
+def _interpret_language_library() -> None:
+    """Makes Triton's own jit'd library functions (tl.sum, tl.max, tl.zeros, ...) interpretable.
+
+    They are decorated when ``triton.language`` is first imported. Other libraries import it
+    early (loading a transformers model does, through torch), often before the variable above
+    is set; those functions then stay compile-only and raise inside interpreted kernels. Wrapping
+    them again is what decorating them with the variable set would have done."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    wrapped: dict[int, InterpretedFunction] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in wrapped:
+                    wrapped[id(value)] = InterpretedFunction(value.fn)
+                setattr(module, attr, wrapped[id(value)])
+
+
+if triton.knobs.runtime.interpret and isinstance(tl.zeros, JITFunction):
+    _interpret_language_library()
+
+
+@functools.cache
+def sm_major(device_index: int) -> int:
+    """The GPU's compute capability major (8: Ampere, 9: Hopper); sizes tiles and pipelines."""
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs use exact products: tf32 (the GPU default) is off by ~1e-3 relative."""
+    return "ieee" if dtype == torch.float32 else "tf32"

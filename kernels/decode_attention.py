@@ -1,0 +1,163 @@
+"""Decode attention over a paged KV pool: one query token per request (flash-decoding).
+
+    q:            [B, Hq, D]     the newest token of each request (its K/V already stored)
+    k_pool/v_pool [S, Hkv, D]    Hq = g * Hkv (grouped-query attention)
+    kv_indptr:    [B+1] int32    request b's context is kv_slots[kv_indptr[b] : kv_indptr[b+1]]
+    kv_slots:     [N] int64
+    returns o:    [B, Hq, D]
+
+Stage 1 splits every context into ``num_kv_splits`` equal parts; one program handles one
+(request, KV head, split) and all g query heads that share that KV head, so each K/V row is
+read from memory once. It writes the split's normalised partial output and its log-sum-exp
+(log2 units) into a float32 scratch buffer [B, Hq, num_kv_splits, D+1] (LSE in the last
+column). Stage 2 merges the splits of one (request, query head).
+
+Made for CUDA graphs: the grids and every kernel argument depend only on shapes
+(B, heads, D) and ``num_kv_splits``; each program reads its context length from kv_indptr on
+the device, so a captured launch replays correctly with new indptr/slots contents.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._triton import dot_precision, sm_major, tl, triton
+from kernels.extend_attention import _attend_block
+
+
+@triton.jit(do_not_specialize=["group", "num_splits"])  # one compiled kernel for all of them
+def _decode_split_kernel(
+    Q, K, V, Scratch, KvIndptr, KvSlots, qk_scale,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_sb, stride_sh, stride_ss,
+    group, num_splits,  # Hq // Hkv; splits per context
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_start = tl.load(KvIndptr + b)
+    seq_len = tl.load(KvIndptr + b + 1) - kv_start
+    split_len = (seq_len + num_splits - 1) // num_splits
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)  # lo >= hi: an empty split (short context)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < group
+    d_ok = offs_d < HEAD_DIM
+    heads = kv_head * group + offs_h
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_ok, other=0.0)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        col_ok = cols < hi
+        slots = tl.load(KvSlots + kv_start + cols, mask=col_ok, other=0)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, slots, col_ok, col_ok[None, :],
+                                      kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+                                      offs_d, d_ok, qk_scale, DOT_PRECISION)
+
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    base = Scratch + b * stride_sb + heads * stride_sh + split * stride_ss  # [BLOCK_H]
+    tl.store(base[:, None] + offs_d[None, :], out, mask=hd_ok)
+    tl.store(base + HEAD_DIM, lse, mask=h_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge_kernel(
+    Scratch, Out,
+    stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = Scratch + b * stride_sb + head * stride_sh + offs_s * stride_ss  # [BLOCK_S]
+    lse = tl.load(base + HEAD_DIM, mask=offs_s < num_splits, other=float("-inf"))
+    used = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # no split used (empty context): output zeros
+    w = tl.where(used, tl.exp2(lse - m), 0.0)
+    parts = tl.load(base[:, None] + offs_d[None, :], mask=used[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _launch_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of stage 1: memory bound, so several K/V tiles in flight."""
+    if device.type != "cuda":
+        return 32, 4, 1
+    major = sm_major(device.index if device.index is not None else torch.cuda.current_device())
+    if major < 8:
+        return 32, 4, 1
+    if dtype.itemsize >= 4:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def decode_attention(
+    q: torch.Tensor,          # [B, Hq, D]
+    k_pool: torch.Tensor,     # [S, Hkv, D]
+    v_pool: torch.Tensor,     # [S, Hkv, D]
+    kv_indptr: torch.Tensor,  # [B+1] int32
+    kv_slots: torch.Tensor,   # [N] int64
+    sm_scale: float,
+    num_kv_splits: int,
+    block_n: int | None = None,  # tile override (tests, tuning)
+) -> torch.Tensor:            # [B, Hq, D]
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even if q is a view
+    if batch == 0:
+        return o
+    group = num_heads // num_kv_heads
+    bn, warps, stages = _launch_config(q.dtype, q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # scratch[b, h, s, :D] = split s's output, scratch[b, h, s, D] = its log2-sum-exp
+    scratch = torch.empty(batch, num_heads, num_kv_splits, head_dim + 1, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+        q, k_pool, v_pool, scratch, kv_indptr, kv_slots, sm_scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        scratch.stride(0), scratch.stride(1), scratch.stride(2),
+        group, num_kv_splits, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows on GPUs
+        BLOCK_D=block_d, BLOCK_N=block_n or bn, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        scratch, o, scratch.stride(0), scratch.stride(1), scratch.stride(2), o.stride(0), o.stride(1),
+        num_kv_splits, HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_D=block_d,
+    )
+    return o
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+    kv_indptr: torch.Tensor, kv_slots: torch.Tensor, sm_scale: float, num_kv_splits: int = 1,
+) -> torch.Tensor:
+    """Plain-PyTorch reference of decode_attention (float32 math, one request at a time)."""
+    o = torch.empty_like(q)
+    group = q.shape[1] // k_pool.shape[1]
+    for b in range(q.shape[0]):
+        slots = kv_slots[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
+        kb = k_pool[slots].float().repeat_interleave(group, 1)  # [L, Hq, D]
+        vb = v_pool[slots].float().repeat_interleave(group, 1)  # [L, Hq, D]
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), kb) * sm_scale
+        o[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vb).to(q.dtype)
+    return o

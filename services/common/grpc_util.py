@@ -1,0 +1,58 @@
+"""The standard gRPC extras every radixserve server carries: health checking and reflection.
+
+Works for both ``grpc.server`` (scheduler, worker) and ``grpc.aio.server`` (frontend). The
+health servicer kind follows the server kind, because the synchronous servicer blocks on
+threading conditions, which would stall an asyncio event loop.
+
+    health = add_health_and_reflection(server, ["radixserve.v1.Generation"])
+    set_serving(health, ["radixserve.v1.Generation"], True)          # grpc.server
+    await aset_serving(health, ["radixserve.v1.Generation"], True)   # grpc.aio.server
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+HealthServicer = health.HealthServicer | health.aio.HealthServicer
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def add_health_and_reflection(server, service_names: list[str]) -> HealthServicer:
+    """Registers grpc.health.v1 and server reflection on ``server``; returns the health servicer.
+
+    ``service_names`` are the full names of the application services (e.g.
+    ``generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name``). A synchronous
+    server starts SERVING for "" and every name; an aio server starts with only "" SERVING
+    (the aio servicer's setter is a coroutine): call ``aset_serving`` once the loop runs.
+    """
+    is_aio = isinstance(server, grpc.aio.Server)
+    servicer = health.aio.HealthServicer() if is_aio else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    if not is_aio:
+        set_serving(servicer, service_names, True)
+    return servicer
+
+
+def _statuses(service_names: list[str], serving: bool):
+    status = _SERVING if serving else _NOT_SERVING
+    return [(name, status) for name in ["", *service_names]]
+
+
+def set_serving(servicer: health.HealthServicer, service_names: list[str], serving: bool) -> None:
+    """Sets "" and every name to SERVING or NOT_SERVING (synchronous servicer)."""
+    for name, status in _statuses(service_names, serving):
+        servicer.set(name, status)
+
+
+async def aset_serving(
+    servicer: health.aio.HealthServicer, service_names: list[str], serving: bool
+) -> None:
+    """Sets "" and every name to SERVING or NOT_SERVING (aio servicer)."""
+    for name, status in _statuses(service_names, serving):
+        await servicer.set(name, status)

@@ -1,0 +1,100 @@
+"""The frontend process: public gRPC (and OpenAI-compatible HTTP) in one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+
+from services.common.config import FrontendConfig
+from services.common.grpc_util import add_health_and_reflection, aset_serving
+from services.frontend.engine_client import EngineClient
+from services.frontend.http_api import HttpServer
+from services.frontend.pipeline import Frontend
+from services.frontend.server import SERVICE_NAME, add_generation_servicer
+from services.frontend.tokenizer import Tokenizer
+
+log = logging.getLogger("radixserve.frontend")
+
+
+def model_id_of(cfg: FrontendConfig) -> str:
+    return cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path))
+
+
+class FrontendServer:
+    """Builds and runs the frontend; ``start`` binds (port 0 picks a free one), ``stop`` ends."""
+
+    def __init__(self, cfg: FrontendConfig) -> None:
+        self.cfg = cfg
+        self.grpc_port = 0
+        self.http_port = -1
+        self._grpc: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
+        self._health = None
+        self.engines: EngineClient | None = None
+
+    async def _on_engine_health(self, healthy: bool) -> None:
+        await aset_serving(self._health, [SERVICE_NAME], healthy)
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        tokenizer = Tokenizer(cfg.model_path)
+        self._grpc = grpc.aio.server()
+        self._health = add_health_and_reflection(self._grpc, [SERVICE_NAME])
+        # NOT_SERVING until the engines answer (they may start after us).
+        await aset_serving(self._health, [SERVICE_NAME], False)
+        self.engines = EngineClient(
+            cfg.scheduler_addrs, cfg.scheduler_control_addrs, cfg.max_model_len, on_health=self._on_engine_health
+        )
+        frontend = Frontend(tokenizer, self.engines, model_id_of(cfg))
+        add_generation_servicer(self._grpc, frontend)
+        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind gRPC on {cfg.host}:{cfg.port}")
+        await self._grpc.start()
+        await self.engines.start()
+        if cfg.http_port != -1:
+            self._http = HttpServer(frontend, cfg.host, cfg.http_port)
+            self.http_port = await self._http.start()
+        http = f"{cfg.host}:{self.http_port}" if self._http else "off"
+        log.info("frontend: gRPC on %s:%d, HTTP on %s", cfg.host, self.grpc_port, http)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._http is not None:
+            await self._http.stop()
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self.engines is not None:
+            await self.engines.close()
+
+
+async def serve(cfg: FrontendConfig, stop: asyncio.Event) -> None:
+    """Runs the frontend until ``stop`` is set."""
+    server = FrontendServer(cfg)
+    try:
+        await server.start()
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+async def _serve_until_signal(cfg: FrontendConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(cfg, stop)
+
+
+def main(cfg: FrontendConfig) -> None:
+    """Blocks serving the frontend; returns after SIGTERM or SIGINT."""
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(_serve_until_signal(cfg))
+    log.info("frontend: stopped")

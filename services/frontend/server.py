@@ -1,0 +1,44 @@
+"""The public gRPC service radixserve.v1.Generation (grpc.aio), a thin shell over Frontend."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from radixserve.v1 import generation_pb2 as pb
+from radixserve.v1 import generation_pb2_grpc
+from services.frontend.pipeline import Frontend, FrontendError
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self._fe = frontend
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for resp in self._fe.generate(request):
+                yield resp
+        except FrontendError as e:
+            await context.abort(e.code, e.message)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            return self._fe.tokenize(request)
+        except FrontendError as e:
+            await context.abort(e.code, e.message)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        try:
+            return self._fe.model_info()
+        except FrontendError as e:
+            await context.abort(e.code, e.message)
+
+    async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+        return await self._fe.flush_cache()
+
+
+def add_generation_servicer(server: grpc.aio.Server, frontend: Frontend) -> None:
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)

@@ -1,0 +1,65 @@
+"""The served model's tokenizer, chat template and EOS ids, read from the model folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def read_eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """EOS ids: generation_config.json first (it may list several), else the tokenizer's."""
+    path = os.path.join(model_path, "generation_config.json")
+    ids: list[int] = []
+    if os.path.exists(path):
+        with open(path) as f:
+            ids = _as_id_list(json.load(f).get("eos_token_id"))
+    if not ids:
+        ids = _as_id_list(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+class Tokenizer:
+    """Text <-> ids for one model folder (transformers AutoTokenizer)."""
+
+    def __init__(self, model_path: str) -> None:
+        self.hf = AutoTokenizer.from_pretrained(model_path)
+        self.eos_token_ids = read_eos_token_ids(model_path, self.hf)
+        # len() counts added special tokens, which vocab_size leaves out.
+        self.vocab_size = len(self.hf)
+        if self.hf.chat_template is None:
+            log.warning("tokenizer in %s has no chat template: chat requests will fail", model_path)
+
+    def encode(self, text: str) -> list[int]:
+        """A raw prompt, with the special tokens the tokenizer adds by default (e.g. BOS)."""
+        return list(self.hf.encode(text))
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
+        """The prompt text the chat template makes of (role, content) pairs, ready to answer."""
+        if self.hf.chat_template is None:
+            raise ValueError("the model has no chat template; send text or input_ids")
+        conv = [{"role": role, "content": content} for role, content in messages]
+        return self.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        # The template already writes BOS and friends: add nothing more.
+        return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return [t if t is not None else "" for t in self.hf.convert_ids_to_tokens(list(ids))]

@@ -1,0 +1,118 @@
+"""Request validation: every field checked against the limits generation.proto documents.
+
+Errors name the field by its path in GenerateRequest (``sampling.top_p``) and state the
+limit, so the gRPC layer answers INVALID_ARGUMENT and the HTTP layer can map the field to
+the OpenAI parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from radixserve.v1 import generation_pb2 as pb
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_LEN = 256
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+DEFAULT_MAX_TOKENS = 128
+
+
+class ValidationError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class _Range:
+    lo: float
+    hi: float
+    lo_open: bool = False  # (lo, ...] instead of [lo, ...]
+
+    def holds(self, x: float) -> bool:
+        above = x > self.lo if self.lo_open else x >= self.lo
+        return math.isfinite(x) and above and x <= self.hi
+
+    def text(self) -> str:
+        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+_FLOAT_RANGES = {
+    "temperature": _Range(0, 100),
+    "top_p": _Range(0, 1, lo_open=True),
+    "min_p": _Range(0, 1),
+    "repetition_penalty": _Range(0, 2, lo_open=True),
+    "frequency_penalty": _Range(-2, 2),
+    "presence_penalty": _Range(-2, 2),
+}
+
+
+def _check_token_ids(field: str, ids, vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValidationError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_sampling(sp: pb.SamplingParams, vocab_size: int) -> None:
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        raise ValidationError("sampling.max_tokens", f"must be >= 1, got {sp.max_tokens}")
+    for name, rng in _FLOAT_RANGES.items():
+        if sp.HasField(name) and not rng.holds(getattr(sp, name)):
+            raise ValidationError(f"sampling.{name}", f"must be in {rng.text()}, got {getattr(sp, name):g}")
+    if sp.HasField("top_k") and sp.top_k < 0:
+        raise ValidationError("sampling.top_k", f"must be >= 0 (0 = off), got {sp.top_k}")
+    if sp.HasField("top_logprobs") and not 0 <= sp.top_logprobs <= 20:
+        raise ValidationError("sampling.top_logprobs", f"must be in [0, 20], got {sp.top_logprobs}")
+    if len(sp.stop) > MAX_STOP_STRINGS:
+        raise ValidationError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}")
+    for i, s in enumerate(sp.stop):
+        if not s:
+            raise ValidationError(f"sampling.stop[{i}]", "stop strings must be non-empty")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValidationError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
+    _check_token_ids("sampling.stop_token_ids", sp.stop_token_ids, vocab_size)
+
+
+def validate_input(req: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int) -> None:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise ValidationError("input", "one of text, input_ids or messages is required")
+    if kind == "text" and not req.text:
+        raise ValidationError("text", "the prompt is empty")
+    if kind == "input_ids":
+        if not req.input_ids.ids:
+            raise ValidationError("input_ids", "the prompt is empty")
+        _check_token_ids("input_ids.ids", req.input_ids.ids, vocab_size)
+    if kind == "messages":
+        if not req.messages.messages:
+            raise ValidationError("messages", "at least one message is required")
+        for i, m in enumerate(req.messages.messages):
+            if m.role not in CHAT_ROLES:
+                raise ValidationError(f"messages[{i}].role", f"unknown role {m.role!r}; one of {sorted(CHAT_ROLES)}")
+
+
+def validate_request(req: pb.GenerateRequest, vocab_size: int) -> None:
+    """Everything that can be checked before tokenizing."""
+    if len(req.request_id) > MAX_REQUEST_ID_LEN:
+        raise ValidationError("request_id", f"at most {MAX_REQUEST_ID_LEN} characters")
+    validate_input(req, vocab_size)
+    validate_sampling(req.sampling, vocab_size)
+
+
+def validate_length(prompt_len: int, sp: pb.SamplingParams, max_model_len: int) -> None:
+    """Prompt + max_tokens must fit in the context (an unset max_tokens is cut to fit later)."""
+    if max_model_len <= 0:
+        return  # not known yet: the scheduler still enforces it
+    if prompt_len == 0:
+        raise ValidationError("input", "the prompt is empty after tokenization")
+    if prompt_len >= max_model_len:
+        raise ValidationError(
+            "input", f"the prompt has {prompt_len} tokens; the model's context is {max_model_len} (max_model_len)"
+        )
+    if sp.HasField("max_tokens") and prompt_len + sp.max_tokens > max_model_len:
+        raise ValidationError(
+            "sampling.max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) exceeds max_model_len {max_model_len}",
+        )

@@ -1,0 +1,97 @@
+"""Integrity checks of the KV bookkeeping: the slot invariant and a full recount of a tree.
+
+Both are debugging aids the scheduler runs when it goes idle and the tests run after every
+step; they walk everything, so they are not for the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.scheduler.allocator import KVSlotAllocator
+    from services.scheduler.radix_cache import BasePrefixCache
+
+
+class SlotLeakError(RuntimeError):
+    """free + evictable + protected + held-by-requests != total: a slot leaked or is counted twice."""
+
+
+class CacheIntegrityError(RuntimeError):
+    """The radix tree disagrees with itself (counters, lock counts, keys vs values)."""
+
+
+def check_slot_integrity(
+    allocator: KVSlotAllocator, cache: BasePrefixCache, held_by_requests: int
+) -> None:
+    """Every slot is in exactly one place: the free list, the tree, or an in-flight request."""
+    info = cache.size_info()
+    free, total = allocator.num_free, allocator.total
+    seen = free + info.evictable + info.protected + held_by_requests
+    if seen != total:
+        raise SlotLeakError(
+            f"KV slots do not add up: free {free} + evictable {info.evictable} + protected "
+            f"{info.protected} + held by requests {held_by_requests} = {seen}, but total is "
+            f"{total} ({'leaked' if seen < total else 'counted twice'}: {abs(total - seen)})"
+        )
+
+
+def recount_tree(root: Any, page_size: int, allocator: KVSlotAllocator | None) -> tuple[int, int]:
+    """Walks the whole tree, checking each node; returns the recounted (evictable, protected).
+
+    Checked per node: keys and values of equal, non-zero, whole-page length; the child key
+    is the first token (page); parent links; a node's lock count covers its children's
+    (each lock also counts on every ancestor); no slot appears twice or is free.
+    """
+    evictable = protected = 0
+    slots: set[int] = set()
+    n_slots = 0
+    stack = [(anchor, ns) for ns, anchor in root.children.items()]
+    for anchor, ns in stack:
+        if not anchor.anchor or anchor.parent is not root or anchor.key:
+            raise CacheIntegrityError(f"namespace anchor {ns!r} is malformed")
+    while stack:
+        node, _ = stack.pop()
+        child_locks = 0
+        for ckey, child in node.children.items():
+            _check_node(child, ckey, node, page_size)
+            child_locks += child.lock_ref
+            n = len(child.key)
+            if child.lock_ref:
+                protected += n
+            else:
+                evictable += n
+            slots.update(child.value)
+            n_slots += n
+            stack.append((child, ckey))
+        if not node.anchor and node.lock_ref < child_locks:
+            raise CacheIntegrityError(
+                f"node lock count {node.lock_ref} is below its children's total {child_locks}"
+            )
+    if len(slots) != n_slots:
+        raise CacheIntegrityError(f"{n_slots - len(slots)} slots appear twice in the tree")
+    if allocator is not None:
+        free_in_tree = [s for s in slots if allocator.is_free(s)]
+        if free_in_tree:
+            raise CacheIntegrityError(f"tree holds slots the allocator calls free: {free_in_tree[:8]}")
+    return evictable, protected
+
+
+def _check_node(node: Any, ckey: Any, parent: Any, page_size: int) -> None:
+    n = len(node.key)
+    if node.parent is not parent:
+        raise CacheIntegrityError("a child's parent link does not point at its parent")
+    if n == 0 or n != len(node.value):
+        raise CacheIntegrityError(f"node has {n} key tokens but {len(node.value)} slots")
+    if n % page_size:
+        raise CacheIntegrityError(f"node of {n} tokens is not whole pages of {page_size}")
+    want = node.key[0] if page_size == 1 else tuple(node.key[:page_size])
+    if ckey != want:
+        raise CacheIntegrityError(f"child filed under {ckey!r} but its key starts {want!r}")
+    if page_size > 1:
+        for i in range(0, n, page_size):
+            first = node.value[i]
+            if first % page_size or node.value[i:i + page_size] != list(range(first, first + page_size)):
+                raise CacheIntegrityError(f"slots {node.value[i:i + page_size]} are not one whole page")
+    if node.lock_ref < 0:
+        raise CacheIntegrityError(f"negative lock count {node.lock_ref}")

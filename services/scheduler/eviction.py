@@ -1,0 +1,172 @@
+"""Eviction policies of the radix cache, and the heap of leaves they order.
+
+A policy only *scores* a cached leaf; the cache evicts the unlocked leaf with the smallest
+score first. A policy cannot pin a node: when nothing else is left, the highest-scored
+leaves go too; only locks protect.
+
+Scores are ints: a lexicographic pair (major, clock) is packed as major * CLOCK_SPAN +
+clock, so the heap compares plain ints (several times cheaper than tuples). Every score
+must be non-decreasing over a node's life (clocks and hit counts only grow, a priority is
+a running max): a heap entry older than the node's current score is then only ever too
+*small*, so a popped entry is re-scored and pushed back instead of being searched for in
+the heap (lazy invalidation, no whole-tree scan).
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Protocol
+
+CLOCK_SPAN = 1 << 64   # the logical clock stays below this; it packs (major, clock) into one int
+_SEQ_SPAN = 1 << 48    # heap entries pack (score, sequence number) the same way
+
+
+class ScoredNode(Protocol):
+    """What a policy may read from a tree node (the cache keeps these up to date)."""
+
+    last_access: int   # logical clock of the last match/insert that reached the node
+    hit_count: int     # matches that reached the node
+    priority: int      # max priority of the requests that inserted or matched it
+    heap_seq: int      # sequence number of the node's live heap entry (-1: none)
+
+
+class EvictionPolicy(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def score(self, node: ScoredNode) -> int:
+        """The smallest is evicted first; non-decreasing over the node's life."""
+
+    @classmethod
+    def create(cls, slru_protected_hits: int) -> EvictionPolicy:
+        """Builds the policy from the cache's options (most policies take none)."""
+        return cls()
+
+
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+@register_policy
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first (logical clock, so a busy or idle machine evicts alike)."""
+
+    name = "lru"
+
+    def score(self, node: ScoredNode) -> int:
+        return node.last_access
+
+
+@register_policy
+class LFUPolicy(EvictionPolicy):
+    """Fewest hits first; among equals the least recently used."""
+
+    name = "lfu"
+
+    def score(self, node: ScoredNode) -> int:
+        return node.hit_count * CLOCK_SPAN + node.last_access
+
+
+@register_policy
+class SLRUPolicy(EvictionPolicy):
+    """Segmented LRU: the probationary segment (fewer than ``protected_hits`` hits) goes
+    before the protected one; LRU inside each segment."""
+
+    name = "slru"
+
+    def __init__(self, slru_protected_hits: int = 2):
+        if slru_protected_hits < 1:
+            raise ValueError(f"slru_protected_hits must be >= 1, got {slru_protected_hits}")
+        self.protected_hits = slru_protected_hits
+
+    @classmethod
+    def create(cls, slru_protected_hits: int) -> EvictionPolicy:
+        return cls(slru_protected_hits)
+
+    def score(self, node: ScoredNode) -> int:
+        return (node.hit_count >= self.protected_hits) * CLOCK_SPAN + node.last_access
+
+
+@register_policy
+class PriorityPolicy(EvictionPolicy):
+    """Lowest request priority first (a larger value is more important); then LRU."""
+
+    name = "priority"
+
+    def score(self, node: ScoredNode) -> int:
+        return node.priority * CLOCK_SPAN + node.last_access
+
+
+def policy_names() -> list[str]:
+    """Registered policy names, sorted: the CLI's ``--radix-eviction-policy`` choices."""
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, slru_protected_hits: int = 2) -> EvictionPolicy:
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {policy_names()}") from None
+    return cls.create(slru_protected_hits)
+
+
+class LeafHeap:
+    """Candidate leaves ordered by score, invalidated lazily.
+
+    Entries are ints ``score * _SEQ_SPAN + seq``; ``seq`` finds the node in a dict. A node
+    has at most one live entry (its ``heap_seq``); re-pushing it orphans the older one,
+    which pop() then skips. Orphans are swept when they outnumber live entries.
+    """
+
+    def __init__(self, score: Callable[[ScoredNode], int]):
+        self._score = score
+        self._heap: list[int] = []
+        self._nodes: dict[int, ScoredNode] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, node: ScoredNode) -> bool:
+        return self._nodes.get(node.heap_seq) is node
+
+    def push(self, node: ScoredNode) -> None:
+        self._nodes.pop(node.heap_seq, None)
+        self._seq += 1
+        node.heap_seq = self._seq
+        self._nodes[self._seq] = node
+        heapq.heappush(self._heap, self._score(node) * _SEQ_SPAN + self._seq)
+        if len(self._heap) > 2 * len(self._nodes) + 1024:
+            self._heap = [k for k in self._heap if k % _SEQ_SPAN in self._nodes]
+            heapq.heapify(self._heap)
+
+    def discard(self, node: ScoredNode) -> None:
+        self._nodes.pop(node.heap_seq, None)
+        node.heap_seq = -1
+
+    def pop(self, is_candidate: Callable[[ScoredNode], bool]) -> ScoredNode | None:
+        """The lowest-scored node that is still a candidate, or None when there is none."""
+        heap, nodes = self._heap, self._nodes
+        while heap:
+            score, seq = divmod(heapq.heappop(heap), _SEQ_SPAN)
+            node = nodes.pop(seq, None)
+            if node is None:
+                continue
+            node.heap_seq = -1
+            if not is_candidate(node):
+                continue   # locked or grew children: pushed again when it is a leaf again
+            if self._score(node) != score:
+                self.push(node)   # touched since filed: scores only grow, so re-file it
+                continue
+            return node
+        return None
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._nodes.clear()

@@ -1,0 +1,468 @@
+"""The radix tree of cached KV: token runs -> KV slot numbers (RadixAttention).
+
+Each node holds a run of token ids (``key``) and the KV slots of those tokens (``value``);
+its children are filed under their first token (page_size 1) or their first page (a tuple
+of page_size tokens), so only whole pages are ever cached when page_size > 1.
+
+    root
+     +- anchor ""            one child of the root per namespace (cache salt, adapter id):
+     |   +- [P ...] -------- sequences under different namespaces never share a node
+     |   |   +- [q1 ...]     A = P + q1
+     |   |   +- [q2 ...]     B = P + q2
+     +- anchor "adapter-7"
+         +- ...
+
+Requests lock the path from their node up to the anchor (reference counts); the tree keeps
+the evictable (unlocked) and protected (locked) token counts incrementally. Unlocked leaves
+wait in a heap keyed by the eviction policy's score; entries are invalidated lazily (see
+eviction.py), so ``evict`` never scans the tree.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from services.scheduler.allocator import KVSlotAllocator
+from services.scheduler.cache_integrity import (
+    CacheIntegrityError,
+    SlotLeakError,
+    check_slot_integrity,
+    recount_tree,
+)
+from services.scheduler.eviction import LeafHeap, make_policy
+
+__all__ = [
+    "BasePrefixCache", "CacheIntegrityError", "CacheLockError", "DisabledCache", "InsertResult",
+    "MatchResult", "RadixCache", "SizeInfo", "SlotLeakError", "TreeNode", "check_slot_integrity",
+    "create_prefix_cache",
+]
+
+
+_INTERN_MIN = 32   # shorter runs are not worth re-pointing (see _walk)
+
+
+class CacheLockError(RuntimeError):
+    """Unlocking an unlocked node, locking an evicted one, or flushing a locked tree."""
+
+
+class TreeNode:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "hit_count",
+                 "priority", "heap_seq", "anchor")
+
+    def __init__(self, key: list[int], value: list[int], parent: TreeNode | None,
+                 anchor: bool = False):
+        self.key = key                   # token ids of this run
+        self.value = value               # their KV slots, same length
+        self.children: dict[Any, TreeNode] = {}
+        self.parent = parent             # None once evicted (or for the root)
+        self.lock_ref = 0                # in-flight requests whose path runs through here
+        self.last_access = 0             # logical clock (policy input)
+        self.hit_count = 0               # matches that reached this node (policy input)
+        self.priority = 0                # max priority of requests that used it (policy input)
+        self.heap_seq = -1               # sequence number of this node's live heap entry
+        self.anchor = anchor             # the root or a namespace root: holds no tokens
+
+    def __repr__(self) -> str:
+        return f"TreeNode(len={len(self.key)}, lock={self.lock_ref}, children={len(self.children)})"
+
+
+class MatchResult(NamedTuple):
+    slots: list[int]      # KV slots of the matched prefix; len(slots) == matched tokens
+    node: TreeNode        # lock this node to keep the match alive
+
+
+class InsertResult(NamedTuple):
+    prefix_len: int       # tokens that were already in the tree (their given slots are duplicates)
+    node: TreeNode        # the node ending at the last inserted token
+
+
+class SizeInfo(NamedTuple):
+    evictable: int        # tokens in unlocked nodes
+    protected: int        # tokens in locked nodes
+
+
+class BasePrefixCache(ABC):
+    page_size: int
+    root: TreeNode
+
+    @abstractmethod
+    def match_prefix(self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *,
+                     peek: bool = False) -> MatchResult:
+        """Longest cached prefix (whole pages only); counts a hit for the eviction policy
+        unless ``peek`` (e.g. ordering the waiting queue is not a use of the cache)."""
+
+    def match_prompt(self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *,
+                     peek: bool = False) -> MatchResult:
+        """match_prefix(prompt[:-1]): the last prompt token is always computed (its logits)."""
+        return self.match_prefix(prompt[:-1], namespace, priority, peek=peek)
+
+    @abstractmethod
+    def insert_prefix(self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "",
+                      priority: int = 0) -> InsertResult:
+        """Caches tokens -> slots (whole pages only). Slots at positions [0, prefix_len) were
+        already cached: the caller frees those it owns, and any tail beyond the whole pages."""
+
+    @abstractmethod
+    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None: ...
+
+    @abstractmethod
+    def evict(self, n: int) -> int:
+        """Frees at least n tokens' slots to the allocator when possible; returns how many."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Flush: every cached slot back to the allocator; raises if anything is locked."""
+
+    @abstractmethod
+    def size_info(self) -> SizeInfo: ...
+
+    @abstractmethod
+    def check_integrity(self) -> None: ...
+
+
+class RadixCache(BasePrefixCache):
+    def __init__(self, allocator: KVSlotAllocator, page_size: int = 1, policy: str = "lru",
+                 slru_protected_hits: int = 2):
+        if page_size != allocator.page_size:
+            raise ValueError(f"cache page_size {page_size} != allocator page_size {allocator.page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.policy = make_policy(policy, slru_protected_hits)
+        self.root = TreeNode([], [], None, anchor=True)
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+        self._clock = 0
+        self._leaves = LeafHeap(self.policy.score)   # unlocked leaves: eviction candidates
+
+    # -- match ------------------------------------------------------------------------
+    def match_prefix(self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *,
+                     peek: bool = False) -> MatchResult:
+        """See BasePrefixCache. A plain list argument gets the tree's int objects for the
+        tokens it matched (equal values): a later insert of the same tokens (or of a list
+        built from them) then compares pointers instead of ints, which halves its cost."""
+        tokens = _as_list(tokens)
+        return self._match(tokens, len(tokens), namespace, priority, peek)
+
+    def match_prompt(self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *,
+                     peek: bool = False) -> MatchResult:
+        prompt = _as_list(prompt)   # no prompt[:-1] copy: the walk stops one token short
+        return self._match(prompt, max(0, len(prompt) - 1), namespace, priority, peek)
+
+    def _match(self, tokens: list[int], end: int, namespace: str, priority: int,
+               peek: bool) -> MatchResult:
+        anchor = self.root.children.get(namespace)
+        if anchor is None:
+            return MatchResult([], self.root)
+        node, pos, path = self._walk(anchor, tokens, end - end % self.page_size)
+        slots: list[int] = []
+        for n in path:
+            slots += n.value
+        if not peek and path:
+            self._clock += 1
+            clock = self._clock
+            for n in path:
+                n.last_access = clock
+                n.hit_count += 1
+                if priority > n.priority:
+                    n.priority = priority
+        return MatchResult(slots, node)
+
+    def _walk(self, node: TreeNode, tokens: list[int], end: int) -> tuple[TreeNode, int, list[TreeNode]]:
+        """Follows tokens[:end] down from node, splitting where the match ends inside a node.
+        Returns the last matched node, the matched length and the matched path."""
+        ps = self.page_size
+        pos = 0
+        path: list[TreeNode] = []
+        while pos < end:
+            child = node.children.get(tokens[pos] if ps == 1 else tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = _common_len(child.key, tokens, pos, end)
+            if ps > 1:
+                n -= n % ps
+            if n >= _INTERN_MIN:
+                # Equal values, the tree's int objects: the same tokens' next walk (the
+                # insert after a match) then compares pointers instead of int values.
+                tokens[pos:pos + n] = child.key if n == len(child.key) else child.key[:n]
+            if n < len(child.key):   # the match ends inside child: cut it there and stop
+                child = self._split(child, n)
+                path.append(child)
+                return child, pos + n, path
+            path.append(child)
+            node = child
+            pos += n
+        return node, pos, path
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cuts child after n tokens: a new parent takes the first n, child keeps the rest.
+        The child object survives (requests may hold it); the parent inherits its stats."""
+        parent = child.parent
+        assert parent is not None
+        new = TreeNode(child.key[:n], child.value[:n], parent)
+        new.lock_ref = child.lock_ref
+        new.last_access = child.last_access
+        new.hit_count = child.hit_count
+        new.priority = child.priority
+        parent.children[self._child_key(new.key)] = new
+        child.key = child.key[n:]
+        child.value = child.value[n:]
+        child.parent = new
+        new.children[self._child_key(child.key)] = child
+        self._num_nodes += 1
+        return new
+
+    def _child_key(self, key: list[int]) -> Any:
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    # -- insert -----------------------------------------------------------------------
+    def insert_prefix(self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "",
+                      priority: int = 0) -> InsertResult:
+        tokens, slots = _as_list(tokens), _as_list(slots)
+        if len(tokens) != len(slots):
+            raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
+        end = len(tokens) - len(tokens) % self.page_size
+        anchor = self._anchor(namespace) if end else self.root.children.get(namespace, self.root)
+        if not end:
+            return InsertResult(0, anchor)
+        self._clock += 1
+        node, pos, path = self._walk(anchor, tokens, end)
+        clock = self._clock
+        for n in path:
+            n.last_access = clock
+            if priority > n.priority:
+                n.priority = priority
+        if pos < end:
+            if self.page_size > 1:
+                _check_pages(slots, pos, end, self.page_size)
+            node = self._add_leaf(node, tokens[pos:end], slots[pos:end], priority)
+        return InsertResult(pos, node)
+
+    def _anchor(self, namespace: str) -> TreeNode:
+        anchor = self.root.children.get(namespace)
+        if anchor is None:
+            if not isinstance(namespace, str):
+                raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+            anchor = TreeNode([], [], self.root, anchor=True)
+            self.root.children[namespace] = anchor
+        return anchor
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], priority: int) -> TreeNode:
+        leaf = TreeNode(key, value, parent)
+        leaf.last_access = self._clock
+        leaf.priority = priority
+        parent.children[self._child_key(key)] = leaf
+        self._evictable += len(key)
+        self._num_nodes += 1
+        self._leaves.push(leaf)
+        return leaf
+
+    # -- locking ----------------------------------------------------------------------
+    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None:
+        if node.anchor:
+            return   # the root or a namespace root: holds nothing, so "no match" needs no case
+        if node.parent is None:
+            raise CacheLockError(f"{node!r} is no longer in the tree (evicted or flushed)")
+        if unlock:
+            self._unlock(node)
+        else:
+            self._lock(node)
+
+    def _lock(self, node: TreeNode) -> None:
+        while not node.anchor:
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self._evictable -= n
+                self._protected += n
+            node.lock_ref += 1
+            node = node.parent
+
+    def _unlock(self, node: TreeNode) -> None:
+        if node.lock_ref <= 0:
+            raise CacheLockError(f"unlock of {node!r}, which is not locked")
+        while not node.anchor:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self._protected -= n
+                self._evictable += n
+                if not node.children:
+                    self._leaves.push(node)
+            node = node.parent
+
+    # -- eviction ---------------------------------------------------------------------
+    def evict(self, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"evict: cannot free a negative number of tokens ({n})")
+        # Values are whole pages of consecutive slots, so one slot per page names the page
+        # for the allocator (16x less work at page_size 16).
+        step = self.page_size
+        freed: list[int] = []
+        count = 0
+        while count < n:
+            node = self._leaves.pop(_is_evictable_leaf)
+            if node is None:
+                break   # everything left is locked
+            count += len(node.value)
+            freed += node.value[::step]
+            self._remove_leaf(node)
+        if freed:
+            self.allocator.free(freed)
+        return count
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[self._child_key(node.key)]
+        node.parent = None
+        self._leaves.discard(node)
+        self._evictable -= len(node.key)
+        self._num_nodes -= 1
+        if parent.anchor:
+            if not parent.children and parent is not self.root:
+                self._drop_anchor(parent)
+        elif not parent.children and parent.lock_ref == 0:
+            self._leaves.push(parent)   # the parent is a leaf now: it becomes a candidate
+
+    def _drop_anchor(self, anchor: TreeNode) -> None:
+        for ns, a in self.root.children.items():
+            if a is anchor:
+                del self.root.children[ns]
+                return
+
+    def reset(self) -> None:
+        if self._protected:
+            raise CacheLockError(
+                f"cannot flush the cache: {self._protected} cached tokens are locked by "
+                "in-flight requests"
+            )
+        slots: list[int] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            slots += node.value[:: self.page_size]   # one slot per page names the page
+            node.parent = None
+        self.root.children.clear()
+        self._leaves.clear()
+        self._evictable = self._num_nodes = 0
+        if slots:
+            self.allocator.free(slots)
+
+    # -- sizes and checks -------------------------------------------------------------
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(self._evictable, self._protected)
+
+    def check_integrity(self) -> None:
+        evictable, protected = recount_tree(self.root, self.page_size, self.allocator)
+        if (evictable, protected) != (self._evictable, self._protected):
+            raise CacheIntegrityError(
+                f"counters say evictable {self._evictable}, protected {self._protected}; "
+                f"a recount finds evictable {evictable}, protected {protected}"
+            )
+        leaves = _evictable_leaves(self.root)
+        missing = sum(1 for leaf in leaves if leaf not in self._leaves)
+        if missing:
+            raise CacheIntegrityError(f"{missing} evictable leaves are missing from the eviction heap")
+
+
+class DisabledCache(BasePrefixCache):
+    """--disable-radix-cache: matches nothing and keeps nothing (the caller frees every slot)."""
+
+    def __init__(self, allocator: KVSlotAllocator, page_size: int = 1):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = TreeNode([], [], None, anchor=True)
+
+    def match_prefix(self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *,
+                     peek: bool = False) -> MatchResult:
+        return MatchResult([], self.root)
+
+    def insert_prefix(self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "",
+                      priority: int = 0) -> InsertResult:
+        if len(tokens) != len(slots):
+            raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
+        return InsertResult(0, self.root)
+
+    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None:
+        if node is not self.root:
+            raise CacheLockError("the disabled cache only hands out its root")
+
+    def evict(self, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"evict: cannot free a negative number of tokens ({n})")
+        return 0
+
+    def reset(self) -> None:
+        return None   # nothing is ever cached, so a flush has nothing to give back
+
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(0, 0)
+
+    def check_integrity(self) -> None:
+        if self.root.children or self.root.lock_ref:
+            raise CacheIntegrityError("the disabled cache's root grew children or locks")
+
+
+def create_prefix_cache(allocator: KVSlotAllocator, page_size: int, disable: bool, policy: str,
+                        slru_protected_hits: int) -> BasePrefixCache:
+    if disable:
+        return DisabledCache(allocator, page_size)
+    return RadixCache(allocator, page_size, policy, slru_protected_hits)
+
+
+# -- helpers ----------------------------------------------------------------------------
+def _as_list(seq: Sequence[int]) -> list[int]:
+    """Keys are compared as lists (list == list runs in C); a tuple never equals a list."""
+    if type(seq) is list:
+        return seq
+    tolist = getattr(seq, "tolist", None)   # numpy arrays and tensors: plain ints, not scalars
+    return tolist() if tolist is not None else list(seq)
+
+
+def _common_len(key: list[int], tokens: list[int], start: int, end: int) -> int:
+    """Length of the common prefix of key and tokens[start:end].
+
+    Whole-slice comparisons run in C; a per-token Python loop would dominate the cost of a
+    request. When the slices differ, bisect with slice comparisons (O(len) C work in all).
+    """
+    n = min(len(key), end - start)
+    if (key if n == len(key) else key[:n]) == tokens[start:start + n]:
+        return n
+    lo, hi = 0, n   # key[:lo] matches; the first mismatch lies in [lo, hi)
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        if key[lo:mid] == tokens[start + lo:start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    while key[lo] == tokens[start + lo]:
+        lo += 1
+    return lo
+
+
+def _check_pages(slots: list[int], start: int, end: int, ps: int) -> None:
+    """Cheap guard (two slots per page) that slots[start:end] are whole allocator pages in
+    order, as eviction frees a page by naming its first slot."""
+    firsts, lasts = slots[start:end:ps], slots[start + ps - 1:end:ps]
+    for first, last in zip(firsts, lasts, strict=True):
+        if first % ps or last != first + ps - 1:
+            raise ValueError(
+                f"insert_prefix: slots {first}..{last} are not one whole page of {ps} slots; "
+                "the slots of a sequence must come from KVSlotAllocator.alloc in order"
+            )
+
+
+def _is_evictable_leaf(node: TreeNode) -> bool:
+    return node.parent is not None and node.lock_ref == 0 and not node.children
+
+
+def _evictable_leaves(root: TreeNode) -> list[TreeNode]:
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if not node.anchor and _is_evictable_leaf(node):
+            out.append(node)
+    return out

@@ -1,0 +1,112 @@
+"""The plain-PyTorch attention backend: the CPU default and the reference for the kernels.
+
+Store: the new K/V go to their slots with one index_copy_ per layer.
+Decode (one new token per request): prepare() turns kv_slots into a padded [B, Lmax] slot
+matrix once per batch (padding reads slot 0, which is zeros) plus a length mask; each
+layer then does one gather and one batched attention over the whole batch.
+Extend (prefill, possibly on top of a cached prefix): per request, scaled_dot_product_attention
+of its new rows over its whole context, the causal mask shifted by prefix_len:
+
+    query row i (position prefix + i) sees keys 0 .. prefix + i
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention.base import AttentionBackend, AttentionMeta, register_backend
+
+
+@dataclass
+class _ExtendItem:
+    q_start: int
+    q_end: int
+    kv_slots: torch.Tensor | None    # [seq_len] context slots; None when there is no prefix
+    mask: torch.Tensor | None        # [extend, seq_len] bool; None: plain causal
+
+
+@register_backend
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim, sm_scale)
+        self.group = num_heads // num_kv_heads
+        self._decode_slots: torch.Tensor | None = None   # [B, Lmax] int64
+        self._decode_mask: torch.Tensor | None = None    # [B, 1, 1, Lmax] additive float
+        self._extend: list[_ExtendItem] = []
+
+    # ---- once per batch -------------------------------------------------------------
+
+    def prepare(self, meta: AttentionMeta) -> None:
+        if meta.is_decode:
+            self._prepare_decode(meta)
+        else:
+            self._prepare_extend(meta)
+
+    def _prepare_decode(self, meta: AttentionMeta) -> None:
+        seq_lens = meta.seq_lens.long()
+        cols = torch.arange(meta.max_seq_len, device=seq_lens.device)[None, :]   # [1, Lmax]
+        valid = cols < seq_lens[:, None]                                          # [B, Lmax]
+        idx = (meta.kv_indptr[:-1].long()[:, None] + cols).clamp_(max=max(meta.kv_slots.numel() - 1, 0))
+        self._decode_slots = meta.kv_slots[idx].masked_fill_(~valid, 0)
+        # Additive mask (0 / -inf) broadcast over heads: one add per layer, no masked_fill.
+        mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        self._decode_mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+
+    def _prepare_extend(self, meta: AttentionMeta) -> None:
+        qo = meta.qo_indptr.tolist()
+        kv = meta.kv_indptr.tolist()
+        prefix = meta.prefix_lens.tolist()
+        self._extend = []
+        for b, p in enumerate(prefix):
+            n_new, seq_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+            if p == 0:
+                self._extend.append(_ExtendItem(qo[b], qo[b + 1], None, None))
+                continue
+            rows = torch.arange(n_new, device=meta.kv_slots.device)[:, None] + p
+            mask = torch.arange(seq_len, device=meta.kv_slots.device)[None, :] <= rows
+            self._extend.append(_ExtendItem(qo[b], qo[b + 1], meta.kv_slots[kv[b] : kv[b + 1]], mask))
+
+    # ---- per layer ------------------------------------------------------------------
+
+    def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMeta) -> torch.Tensor:
+        k_pool.index_copy_(0, meta.out_slots, k)
+        v_pool.index_copy_(0, meta.out_slots, v)
+        if meta.is_decode:
+            return self._decode(q, k_pool, v_pool)
+        return self._extend_attention(q, k, v, k_pool, v_pool)
+
+    def _decode(self, q, k_pool, v_pool) -> torch.Tensor:
+        b = q.shape[0]
+        slots = self._decode_slots
+        keys = k_pool[slots].permute(0, 2, 3, 1)     # keys: [B, KVH, D, Lmax]
+        values = v_pool[slots].transpose(1, 2)        # values: [B, KVH, Lmax, D]
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)   # qg: [B, KVH, G, D]
+        scores = torch.matmul(qg, keys).float() * self.sm_scale        # [B, KVH, G, Lmax]
+        probs = torch.softmax(scores + self._decode_mask, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)                             # [B, KVH, G, D]
+        return out.reshape(b, self.num_heads, self.head_dim)
+
+    def _extend_attention(self, q, k, v, k_pool, v_pool) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for item in self._extend:
+            s, e = item.q_start, item.q_end
+            qh = q[s:e].transpose(0, 1)[None]                          # qh: [1, H, E, D]
+            if item.kv_slots is None:
+                kh, vh = k[s:e], v[s:e]
+            else:
+                kh, vh = k_pool[item.kv_slots], v_pool[item.kv_slots]   # [S, KVH, D]
+            kh, vh = kh.transpose(0, 1)[None], vh.transpose(0, 1)[None]  # [1, KVH, S, D]
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh,
+                attn_mask=item.mask,
+                is_causal=item.mask is None,
+                scale=self.sm_scale,
+                enable_gqa=self.group > 1,
+            )
+            out[s:e] = o[0].transpose(0, 1)
+        return out

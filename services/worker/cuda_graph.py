@@ -1,0 +1,150 @@
+"""CUDA graphs for decode: capture the whole forward once per batch size, then replay.
+
+A decode step of a small model is hundreds of tiny kernel launches; replaying a captured
+graph removes the per-launch CPU cost. A graph replays fixed kernels on fixed addresses,
+so every input lives in a static buffer that ``replay`` refills, and the attention kernels
+must read all per-step sizes (context lengths) from those buffers on the device. The
+``triton`` backend does; a backend that reads tensor values on the host (``.item()``,
+``.tolist()``) cannot be captured.
+
+Batch sizes captured: 1, 2, 4, 8, then every multiple of 8 up to ``max_bs`` (and max_bs).
+A batch of n requests replays the smallest captured size >= n; the extra rows are padding:
+
+    row:         0 .. n-1 (real)              n .. bs-1 (padding)
+    input_ids    the real tokens               0
+    positions    the real positions            0
+    out_slots    the real new-token slots      0 (the padding slot)
+    kv_indptr    the real context offsets      N+1, N+2, ... (one context slot each)
+    kv_slots     [0, N): the real contexts     [N, N + bs - n): 0 (the padding slot)
+    seq_lens     the real lengths              1     (prefix 0, extend 1)
+
+Padding rows write their (finite) K/V into slot 0 and attend to it alone; nothing real
+reads slot 0, so their results are simply dropped.
+
+How the model runner uses it (CUDA, ``--disable-cuda-graph`` off, ``triton`` backend):
+
+    self.graphs = CudaGraphRunner(model, cfg.cuda_graph_max_bs, context_len, device)  # once
+    if meta.is_decode and self.graphs is not None and self.graphs.can_run(meta.batch_size):
+        logits = self.graphs.replay(input_ids, positions, meta)   # [B, vocab]
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.worker.attention.base import AttentionMeta
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to max_bs, plus max_bs itself."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs]
+    sizes += list(range(16, max_bs + 1, 8))
+    if max_bs >= 1 and max_bs not in sizes:
+        sizes.append(max_bs)
+    return sizes
+
+
+class CudaGraphRunner:
+    """Captured decode graphs of ``model`` (forward + compute_logits), one per batch size."""
+
+    def __init__(self, model, max_bs: int, max_context: int, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        self.capacity = self.max_bs * max_context  # kv_slots entries of the largest batch
+        self._alloc_buffers(device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}   # static output of each graph: [bs, vocab]
+        self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by all graphs
+        for bs in reversed(self.sizes):               # largest first: smaller ones reuse its memory
+            self._capture(bs)
+        torch.cuda.synchronize(device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _alloc_buffers(self, device: torch.device) -> None:
+        """Static inputs, in their all-padding state (every row: slot 0, seq_len 1)."""
+        n = self.max_bs
+
+        def i32(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=torch.int32)
+
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.qo_indptr = i32(torch.arange(n + 1))      # one new token per row, forever
+        self.kv_indptr = i32(torch.arange(n + 1))
+        self.kv_slots = torch.zeros(self.capacity, dtype=torch.int64, device=device)
+        self.prefix_lens = i32(torch.zeros(n))
+        self.extend_lens = i32(torch.ones(n))          # forever 1
+        self.seq_lens = i32(torch.ones(n))
+        self._ramp = i32(torch.arange(n + 1))          # 0, 1, 2, ...: padding offsets
+
+    def _static_meta(self, bs: int) -> AttentionMeta:
+        """Views of the static buffers: the graph of size bs reads exactly these addresses."""
+        return AttentionMeta(
+            is_decode=True,
+            out_slots=self.out_slots[:bs],
+            qo_indptr=self.qo_indptr[: bs + 1],
+            kv_indptr=self.kv_indptr[: bs + 1],
+            kv_slots=self.kv_slots,  # the whole buffer; kv_indptr says what is used
+            prefix_lens=self.prefix_lens[:bs],
+            extend_lens=self.extend_lens[:bs],
+            seq_lens=self.seq_lens[:bs],
+            max_seq_len=self.capacity // self.max_bs,  # an upper bound; decode kernels ignore it
+            max_extend_len=1,
+        )
+
+    def _run(self, bs: int, meta: AttentionMeta) -> torch.Tensor:
+        hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], meta)
+        return self.model.compute_logits(hidden)   # [bs, vocab]
+
+    def _capture(self, bs: int) -> None:
+        meta = self._static_meta(bs)
+        # Warm up on a side stream (as torch's docs ask): Triton compiles, cuBLAS picks its
+        # kernels and workspaces here, not during capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(bs, meta)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.logits[bs] = self._run(bs, meta)
+        self.graphs[bs] = graph
+
+    def can_run(self, batch_size: int) -> bool:
+        return 1 <= batch_size <= self.max_bs
+
+    def _graph_size(self, batch_size: int) -> int:
+        return next(bs for bs in self.sizes if bs >= batch_size)
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of a decode batch of B <= max_bs requests."""
+        n, bs = meta.batch_size, self._graph_size(meta.batch_size)
+        pad, used = bs - n, meta.kv_slots.numel()
+        if used + pad > self.capacity:
+            raise ValueError(f"decode batch holds {used} context slots, the graphs at most {self.capacity - pad}")
+        self.input_ids[:n].copy_(input_ids)
+        self.input_ids[n:bs].zero_()
+        self.positions[:n].copy_(positions)
+        self.positions[n:bs].zero_()
+        self.out_slots[:n].copy_(meta.out_slots)
+        self.out_slots[n:bs].zero_()
+        self.kv_indptr[: n + 1].copy_(meta.kv_indptr)
+        torch.add(self._ramp[1 : pad + 1], used, out=self.kv_indptr[n + 1 : bs + 1])
+        self.kv_slots[:used].copy_(meta.kv_slots)
+        self.kv_slots[used : used + pad].zero_()
+        self.prefix_lens[:n].copy_(meta.prefix_lens)
+        self.prefix_lens[n:bs].zero_()
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:bs].fill_(1)
+        self.graphs[bs].replay()
+        # A copy: the static output is overwritten by the next replay.
+        return self.logits[bs][:n].clone()

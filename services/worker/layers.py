@@ -1,0 +1,174 @@
+"""Building blocks of the decoder models: RMSNorm, rotary embedding, gated MLP, attention.
+
+The attention layer never keeps a KV cache of its own: it hands q/k/v to the attention
+backend together with this layer's slice of the paged KV pool, and the backend stores the
+new K/V by slot and attends over the slots of each request's context.
+
+Projections that read the same input are fused (q/k/v into ``qkv_proj``, gate/up into
+``gate_up_proj``): one matrix product instead of three (two) is what makes small-batch
+decode fast on CPU. ``FusedLinear.shard_sizes`` tells the loader where each checkpoint
+tensor goes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention.base import AttentionBackend, AttentionMeta
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the weights' dtype (what the reference models do).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class FusedLinear(nn.Linear):
+    """A Linear whose output rows are several checkpoint tensors stacked (shard_sizes)."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = list(shard_sizes)
+
+
+# ---- rotary embedding ---------------------------------------------------------------
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings whichever way transformers keeps them (rope_parameters in 5.x,
+    rope_scaling + rope_theta before)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, a smooth ramp in between."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies (on CPU; the model moves them)."""
+    p = rope_parameters(config)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (float(p["rope_theta"]) ** exponents)
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(p["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, p)
+    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (the halves of head_dim rotate together)."""
+
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        # A plain attribute, not a buffer: the model is built on the meta device and this
+        # must hold real values.
+        self.inv_freq = rope_inv_freq(config, head_dim)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once per forward, shared by every layer: cos, sin [T, head_dim // 2]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos/sin: [T, D/2] broadcast over heads
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+# ---- MLP and attention -------------------------------------------------------------
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported ({sorted(_ACTIVATIONS)})")
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = _ACTIVATIONS[act]
+        self.intermediate = intermediate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged pool: qkv projection, optional q/k norm, rope, backend."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm_eps: float | None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_id = layer_id
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        # Qwen3 normalises each head of q and k before rope.
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(
+        self,
+        x: torch.Tensor,                 # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMeta,
+        backend: AttentionBackend,
+        k_pool: torch.Tensor,            # [slots + 1, kv_heads, head_dim]
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)      # q: [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)   # k: [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, k_pool, v_pool, meta)   # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))

@@ -1,0 +1,110 @@
+"""Loads an HF-format model folder into radixserve's own model classes.
+
+config.json goes through transformers' AutoConfig; weights are read memory-mapped with
+safetensors (one file, or shards listed in model.safetensors.index.json) and copied once
+into parameters of the target dtype and device. The model is built on the meta device
+first, so no time or memory goes into random initialisation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from services.worker.models import get_model_class
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_config(model_path: str) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(model_path)
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU (fast and exact there), the checkpoint's dtype on CUDA."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared)
+    return declared if declared in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def architecture_of(config: PretrainedConfig) -> str:
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise ValueError("config.json names no architectures; cannot pick a model class")
+    return archs[0]
+
+
+def safetensors_files(model_path: str) -> list[Path]:
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_path}")
+    return files
+
+
+def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor, memory-mapped, with a progress bar over tensors."""
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_model(
+    model_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: PretrainedConfig | None = None,
+    progress: bool = True,
+) -> tuple[torch.nn.Module, PretrainedConfig]:
+    """Builds the model class named in config.json and fills it from the safetensors.
+
+    Raises ValueError naming an unknown architecture, a missing tensor or a shape mismatch."""
+    config = config if config is not None else load_config(model_path)
+    cls = get_model_class(architecture_of(config))
+    files = safetensors_files(model_path)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(iter_tensors(files, progress))
+    model.eval()
+    log.info("loaded %s (%d parameters, %s) from %s", cls.__name__, num_parameters(model), dtype, model_path)
+    return model, config
+
+
+def eos_token_ids(model_path: str, config: PretrainedConfig) -> list[int]:
+    """EOS ids from generation_config.json when present, else from config.json."""
+    gen = Path(model_path) / "generation_config.json"
+    eos = None
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

@@ -1,0 +1,182 @@
+"""Llama-family decoders: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+They differ only in a few switches read from the HF config, so one implementation serves
+all four. The interface the runner (and the CUDA-graph code) relies on:
+
+    model.forward(input_ids [T], positions [T], meta) -> hidden [T, hidden_size]
+    model.compute_logits(hidden [N, hidden_size])     -> logits [N, vocab] float32
+
+The model holds its attention backend and the KV pool (``attach``); each layer reads and
+writes its own slice of the pool through the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from services.worker.attention.base import AttentionBackend, AttentionMeta
+from services.worker.kv_pool import KVPool
+from services.worker.layers import Attention, FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding
+
+# Checkpoint tensors that land in a fused parameter: (fused name, checkpoint name, shard).
+_STACKED = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# Checkpoint tensors that carry nothing we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = Attention(
+            hidden=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim_of(config),
+            layer_id=layer_id,
+            qkv_bias=qkv_bias,
+            o_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm_eps=eps if qk_norm else None,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+    def forward(self, x, cos, sin, meta, backend, k_pool, v_pool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend, k_pool, v_pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """Named ``model`` inside the causal LM so parameter names match the checkpoints."""
+
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Per-architecture switches (subclasses flip them).
+    qkv_bias_default = False
+    qk_norm = False
+
+    def __init__(self, config, backend: AttentionBackend | None = None, kv_pool: KVPool | None = None):
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias_default or bool(getattr(config, "attention_bias", False))
+        self.model = DecoderBody(config, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Tied: compute_logits reads the embedding; no second Parameter object, so moving
+        # the model between devices can never untie them.
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config))
+        self.backend = backend
+        self.kv_pool = kv_pool
+
+    def attach(self, backend: AttentionBackend, kv_pool: KVPool) -> None:
+        self.backend, self.kv_pool = backend, kv_pool
+
+    # ---- the runner's interface -------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        assert self.backend is not None and self.kv_pool is not None, "attach() a backend and a KV pool first"
+        x = self.model.embed_tokens(input_ids)                     # x: [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        self.backend.prepare(meta)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, meta, self.backend, self.kv_pool.k[i], self.kv_pool.v[i])
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()   # [N, vocab]
+
+    # ---- weights ----------------------------------------------------------------------
+
+    def checkpoint_names(self) -> dict[str, torch.Size]:
+        """Every tensor the checkpoint must hold, with its shape."""
+        names: dict[str, torch.Size] = {}
+        modules = dict(self.named_modules())
+        for name, param in self.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, FusedLinear):
+                for fused, ckpt, shard in _STACKED:
+                    if module_name.endswith("." + fused):
+                        rows = module.shard_sizes[shard]
+                        ckpt_name = module_name[: -len(fused)] + ckpt + "." + leaf
+                        names[ckpt_name] = torch.Size([rows, *param.shape[1:]])
+            else:
+                names[name] = param.shape
+        return names
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors into the parameters (converting dtype and device).
+
+        Raises ValueError naming a missing tensor or one whose shape differs."""
+        expected = self.checkpoint_names()
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name not in expected:
+                continue  # extra tensors (e.g. another head) are harmless
+            if tuple(tensor.shape) != tuple(expected[name]):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name])}"
+                )
+            target = self._target(name, params)
+            target.copy_(tensor)
+            seen.add(name)
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+
+    def _target(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
+        """The parameter (or the rows of a fused one) a checkpoint tensor is copied into."""
+        for fused, ckpt, shard in _STACKED:
+            marker = "." + ckpt + "."
+            if marker in name:
+                fused_name = name.replace(marker, "." + fused + ".")
+                module = self.get_submodule(fused_name.rpartition(".")[0])
+                start = sum(module.shard_sizes[:shard])
+                return params[fused_name].data[start : start + module.shard_sizes[shard]]
+        return params[name].data
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same weights and math as Llama (sliding window not applied; see docs)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,340 @@
+"""The Helm chart (helm/radixserve) rendered and linted by Helm's own library, and the rendered
+objects validated against the Kubernetes API schemas of the version k3s runs.
+
+What a cluster would reject (bad YAML, a wrong field, a value outside the schema) fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import typing
+
+import helm_render as hr
+import kubernetes_validate
+import pytest
+
+from services.common import config as rs_config
+
+K8S_VERSION = "1.34.0"  # resource.k8s.io/v1 (DRA) is GA from 1.34
+GPU_MODES = ["dra", "device-plugin", "none"]
+# Everything optional switched on, so every branch of every template is rendered.
+EVERYTHING_ON = {
+    "engine": {"replicas": 2, "runtimeClassName": "nvidia", "worker": {"extraArgs": ["--disable-cuda-graph"]},
+               "scheduler": {"extraEnv": [{"name": "FOO", "value": "bar"}]}},
+    "frontend": {"replicas": 2, "extraArgs": ["--max-model-len=512"], "extraEnv": [{"name": "A", "value": "b"}]},
+    "model": {"servedName": "zen", "pvc": {"existingClaim": "models", "accessModes": ["ReadWriteMany"]},
+              "hfCache": {"enabled": True, "existingClaim": "hf"}},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "tracing": {"jaeger": {"enabled": True}},
+    "gpu": {"count": 2, "dra": {"selectors": ['device.attributes["gpu.nvidia.com"].productName == "H100"']}},
+    "imagePullSecrets": [{"name": "regcred"}],
+}
+# Kinds with no schema in the Kubernetes API (CRDs of other projects).
+CRD_KINDS = {"ServiceMonitor"}
+# Fields the chart sets itself (ports, addresses, model, device, metrics, tracing), not via config.
+CHART_FIXED = {
+    "host", "port", "http_port", "metrics_port", "scheduler_addrs", "scheduler_control_addrs",
+    "scheduler_addr", "worker_addr", "control_port", "worker_grpc_port", "model_path", "device",
+    "engine_replica", "enable_metrics", "otlp_traces_endpoint", "served_model_name",
+}
+PROBE_PORTS = {("Deployment", "frontend"): 30000, ("StatefulSet", "scheduler"): 30101,
+               ("StatefulSet", "worker"): 30201}
+
+
+def _config_fields() -> dict[str, dataclasses.Field]:
+    fields: dict[str, dataclasses.Field] = {}
+    for cls in (rs_config.WorkerConfig, rs_config.SchedulerConfig, rs_config.FrontendConfig):
+        for f in dataclasses.fields(cls):
+            fields.setdefault(f.name, f)
+    return fields
+
+
+def _field_type(name: str) -> type:
+    for cls in (rs_config.WorkerConfig, rs_config.SchedulerConfig, rs_config.FrontendConfig):
+        hints = typing.get_type_hints(cls)
+        if name in hints:
+            return rs_config._base_type(hints[name])
+    raise KeyError(name)
+
+
+def _schema() -> dict:
+    return json.loads((hr.CHART_DIR / "values.schema.json").read_text())
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+def _configmap_env(docs: list[dict]) -> dict[str, str]:
+    return hr.find(docs, "ConfigMap", "-env")["data"]
+
+
+@pytest.mark.parametrize("mode", GPU_MODES)
+def test_strict_lint_is_clean_for_each_gpu_mode(mode: str) -> None:
+    assert hr.lint({"gpu": {"mode": mode}}) == []
+
+
+def test_strict_lint_is_clean_with_every_option_on() -> None:
+    assert hr.lint(EVERYTHING_ON) == []
+
+
+@pytest.mark.parametrize("values", [{"gpu": {"mode": m}} for m in GPU_MODES] + [EVERYTHING_ON],
+                         ids=GPU_MODES + ["everything-on"])
+def test_rendered_objects_match_the_kubernetes_schemas(values: dict) -> None:
+    docs = hr.manifests(values)
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        # strict: an unknown field (a typo, a field at the wrong level) is an error too.
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 7
+
+
+def test_gpu_through_dra() -> None:
+    docs = hr.manifests({"gpu": {"mode": "dra", "count": 2}})
+    rct = hr.find(docs, "ResourceClaimTemplate", "-gpu")
+    assert rct["apiVersion"] == "resource.k8s.io/v1"
+    (request,) = rct["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"] == {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 2}
+    pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": rct["metadata"]["name"]}]
+    worker = hr.container(docs, "StatefulSet", "worker")
+    assert worker["resources"]["claims"] == [{"name": "gpu"}]
+    assert "nvidia.com/gpu" not in worker["resources"].get("limits", {})
+    assert "--device=cuda" in worker["args"]
+    # The scheduler holds no tensors: it never gets the GPU.
+    assert "claims" not in hr.container(docs, "StatefulSet", "scheduler")["resources"]
+
+
+def test_gpu_through_the_device_plugin() -> None:
+    docs = hr.manifests({"gpu": {"mode": "device-plugin", "count": 4}})
+    assert not [d for d in docs if d["kind"] == "ResourceClaimTemplate"]
+    worker = hr.container(docs, "StatefulSet", "worker")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert worker["resources"]["limits"]["memory"] == "64Gi"  # the values' limits are kept
+    assert "claims" not in worker["resources"]
+    assert "resourceClaims" not in hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+
+
+def test_no_gpu_runs_the_worker_on_cpu() -> None:
+    docs = hr.manifests({"gpu": {"mode": "none"}})
+    assert not [d for d in docs if d["kind"] == "ResourceClaimTemplate"]
+    worker = hr.container(docs, "StatefulSet", "worker")
+    assert "--device=cpu" in worker["args"]
+    assert "nvidia.com/gpu" not in json.dumps(worker["resources"])
+
+
+def test_frontends_find_every_engine_through_the_headless_service() -> None:
+    docs = hr.manifests({"engine": {"replicas": 3}}, release="prod", namespace="llm")
+    sts = hr.find(docs, "StatefulSet", "-engine")
+    svc = hr.find(docs, "Service", "-engine-headless")
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"] == "prod-radixserve-engine-headless"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    args = dict(a.split("=", 1) for a in hr.container(docs, "Deployment", "frontend")["args"])
+    hosts = [f"prod-radixserve-engine-{i}.prod-radixserve-engine-headless.llm.svc.cluster.local" for i in range(3)]
+    assert args["--scheduler-addrs"] == ",".join(f"tcp://{h}:30100" for h in hosts)
+    assert args["--scheduler-control-addrs"] == ",".join(f"{h}:30101" for h in hosts)
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+
+
+def test_fixed_ports_and_flags_of_each_container() -> None:
+    docs = hr.manifests()
+    frontend = hr.container(docs, "Deployment", "frontend")["args"]
+    scheduler = hr.container(docs, "StatefulSet", "scheduler")["args"]
+    worker = hr.container(docs, "StatefulSet", "worker")["args"]
+    assert {"--host=0.0.0.0", "--port=30000", "--http-port=30080", "--metrics-port=30090",
+            "--model-path=/models/radixserve-zen"} <= set(frontend)
+    assert {"--host=0.0.0.0", "--scheduler-addr=tcp://0.0.0.0:30100", "--control-port=30101",
+            "--metrics-port=30102", "--worker-addr=tcp://127.0.0.1:30200"} <= set(scheduler)
+    assert {"--host=0.0.0.0", "--worker-addr=tcp://127.0.0.1:30200", "--worker-grpc-port=30201",
+            "--metrics-port=30202", "--model-path=/models/radixserve-zen"} <= set(worker)
+    env = hr.container(docs, "StatefulSet", "scheduler")["env"]
+    assert {"name": "RADIXSERVE_ENGINE_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in env
+
+
+def test_every_flag_is_reachable_through_one_configmap() -> None:
+    """Each config field is set by the chart or is a key of `config` with the right type."""
+    schema_config = _schema()["properties"]["config"]["properties"]
+    fields = _config_fields()
+    missing = [n for n in fields if n not in CHART_FIXED and _camel(n) not in schema_config]
+    assert missing == [], f"config.py fields with no value in the chart: {missing}"
+    unknown = [k for k in schema_config if re.sub(r"([A-Z])", r"_\1", k).lower() not in fields]
+    assert unknown == [], f"values config keys that are no radixserve flag: {unknown}"
+    json_type = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
+    for key, prop in schema_config.items():
+        name = re.sub(r"([A-Z])", r"_\1", key).lower()
+        assert prop["type"] == json_type[_field_type(name)], key
+        if choices := fields[name].metadata.get("choices"):
+            assert prop["enum"] == choices, key
+
+
+def test_config_values_become_env_vars_every_container_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    samples = {"boolean": True, "integer": 16, "number": 0.5, "string": None}
+    schema_config = _schema()["properties"]["config"]["properties"]
+    config = {k: p["enum"][-1] if "enum" in p else samples[p["type"]] for k, p in schema_config.items()}
+    config["attentionBackend"] = "torch"
+    config["maxTotalTokens"] = 1_000_000  # must reach the service as 1000000, never 1e+06
+    docs = hr.manifests({"config": config})
+    env = _configmap_env(docs)
+    cm_name = hr.find(docs, "ConfigMap", "-env")["metadata"]["name"]
+    for kind, name in PROBE_PORTS:
+        assert hr.container(docs, kind, name)["envFrom"] == [{"configMapRef": {"name": cm_name}}]
+    # What each service parses from that environment (no flags) is what the values said.
+    for var, raw in env.items():
+        monkeypatch.setenv(var, raw)
+    for cls in (rs_config.WorkerConfig, rs_config.SchedulerConfig, rs_config.FrontendConfig):
+        parser = argparse.ArgumentParser()
+        rs_config.add_dataclass_args(parser, cls)
+        parsed = rs_config.from_args(cls, parser.parse_args([]))
+        for key, value in config.items():
+            name = re.sub(r"([A-Z])", r"_\1", key).lower()
+            if hasattr(parsed, name):
+                assert getattr(parsed, name) == value, (cls.__name__, name)
+
+
+def test_left_out_config_keeps_the_services_defaults() -> None:
+    env = _configmap_env(hr.manifests())
+    assert set(env) == {"RADIXSERVE_ENABLE_METRICS", "RADIXSERVE_OTLP_TRACES_ENDPOINT", "RADIXSERVE_LOG_LEVEL"}
+    assert env["RADIXSERVE_ENABLE_METRICS"] == "true" and env["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == ""
+
+
+def test_grpc_probes_and_a_patient_startup() -> None:
+    docs = hr.manifests()
+    for (kind, name), port in PROBE_PORTS.items():
+        c = hr.container(docs, kind, name)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": port}, (name, probe)
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, name
+
+
+def test_pods_are_locked_down() -> None:
+    docs = hr.manifests(EVERYTHING_ON)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    pods += [d["spec"] for d in docs if d["kind"] == "Pod"]
+    assert len(pods) == 4  # frontend, engine, jaeger, helm test
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
+        for c in pod["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_engine_volumes_model_and_shm() -> None:
+    docs = hr.manifests()
+    pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    pvc = hr.find(docs, "PersistentVolumeClaim", "-models")
+    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"], "readOnly": True}
+    mounts = {m["mountPath"]: m["name"] for m in hr.container(docs, "StatefulSet", "worker")["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm" and mounts["/models"] == "models"
+
+
+def test_existing_claim_and_image_model() -> None:
+    docs = hr.manifests({"model": {"pvc": {"existingClaim": "weights"}}})
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    docs = hr.manifests({"model": {"source": "image"}})
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert "--model-path=/opt/radixserve/models/radixserve-zen" in hr.container(docs, "StatefulSet", "worker")["args"]
+
+
+def test_tracing_to_the_bundled_jaeger_or_an_endpoint() -> None:
+    docs = hr.manifests({"tracing": {"jaeger": {"enabled": True}}})
+    svc = hr.find(docs, "Service", "-jaeger")
+    assert {p["port"] for p in svc["spec"]["ports"]} == {4317, 4318, 16686}
+    hr.find(docs, "Deployment", "-jaeger")
+    assert _configmap_env(docs)["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == "rs-radixserve-jaeger.ns.svc.cluster.local:4317"
+    docs = hr.manifests({"tracing": {"otlpEndpoint": "otel.obs:4317", "jaeger": {"enabled": True}}})
+    assert _configmap_env(docs)["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == "otel.obs:4317"
+
+
+def test_metrics_annotations_and_service_monitors() -> None:
+    docs = hr.manifests({"metrics": {"serviceMonitor": {"enabled": True}}})
+    engine = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["metadata"]["annotations"]
+    assert engine["prometheus.io/scrape"] == "true" and engine["prometheus.io/port"] == "30102"
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
+    ports = {n: [e["port"] for e in m["spec"]["endpoints"]] for n, m in monitors.items()}
+    assert ports == {"rs-radixserve-engine": ["sched-metrics", "work-metrics"], "rs-radixserve-frontend": ["metrics"]}
+    docs = hr.manifests({"metrics": {"enabled": False}})
+    assert _configmap_env(docs)["RADIXSERVE_ENABLE_METRICS"] == "false"
+    assert "prometheus.io/scrape" not in json.dumps(docs)
+
+
+def test_helm_test_runs_the_smoke_script_against_the_frontend() -> None:
+    docs = hr.manifests({"engine": {"replicas": 2}})
+    pod = hr.find(docs, "Pod", "-smoke-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["python", "/smoke/smoke_test.py"]
+    assert "--target=rs-radixserve-frontend.ns.svc.cluster.local:30000" in c["args"]
+    assert "--expect-engines=2" in c["args"]
+    script = hr.find(docs, "ConfigMap", "-smoke-test")["data"]["smoke_test.py"]
+    assert script == (hr.CHART_DIR / "files" / "smoke_test.py").read_text()
+
+
+def test_notes_tell_how_to_reach_the_server() -> None:
+    notes = hr.render({"tracing": {"jaeger": {"enabled": True}}})["radixserve/templates/NOTES.txt"]
+    assert "port-forward svc/rs-radixserve-frontend 30000:30000" in notes
+    assert "radixserve.v1.Generation/Generate" in notes and "helm test rs" in notes
+    assert "port-forward svc/rs-radixserve-jaeger 16686:16686" in notes
+
+
+@pytest.mark.parametrize(
+    "values, where",
+    [
+        ({"gpu": {"mode": "tpu"}}, "/gpu/mode"),
+        ({"gpu": {"count": 0}}, "/gpu/count"),
+        ({"config": {"radixEvictionPolicy": "fifo"}}, "/config/radixEvictionPolicy"),
+        ({"config": {"schedulePolicy": "sjf"}}, "/config/schedulePolicy"),
+        ({"config": {"pageSize": 0}}, "/config/pageSize"),
+        ({"config": {"memFractionStatic": 1.5}}, "/config/memFractionStatic"),
+        ({"config": {"maxRunningRequests": "many"}}, "/config/maxRunningRequests"),
+        ({"config": {"pageSise": 16}}, "pageSise"),  # a typo is named, not ignored
+        ({"engine": {"replicas": 0}}, "/engine/replicas"),
+        ({"model": {"path": ""}}, "/model/path"),
+        ({"model": {"source": "s3"}}, "/model/source"),
+        ({"frontend": {"extraArgs": "--foo"}}, "/frontend/extraArgs"),
+    ],
+)
+def test_bad_values_fail_at_install_with_a_clear_message(values: dict, where: str) -> None:
+    with pytest.raises(hr.HelmValuesError, match=re.escape(where)):
+        hr.validate_values(values)
+    with pytest.raises(hr.HelmError):
+        hr.render(values)  # install renders after the same check
+
+
+def test_default_values_pass_the_schema() -> None:
+    hr.validate_values(None)
+    hr.validate_values(EVERYTHING_ON)
+
+
+def test_dockerfile_targets_match_the_chart() -> None:
+    stages = hr.dockerfile_targets()
+    docs = hr.manifests()
+    ports = {"frontend": ("Deployment", {30000, 30080, 30090}),
+             "scheduler": ("StatefulSet", {30100, 30101, 30102}),
+             "worker": ("StatefulSet", {30201, 30202})}
+    run_as = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    for target, (kind, want_ports) in ports.items():
+        stage = stages[target]
+        assert stage["entrypoint"] == ["radixserve", target]
+        assert stage["user"].split(":")[0] == str(run_as)  # numeric, so runAsNonRoot can check it
+        assert set(stage["expose"]) == want_ports
+        c = hr.container(docs, kind, target)
+        assert {p["containerPort"] for p in c["ports"]} == want_ports
+        assert "command" not in c  # the image's ENTRYPOINT runs, the chart adds flags
+    # The light images are built without torch (the Dockerfile fails the build if it sneaks in).
+    text = hr.DOCKERFILE.read_text()
+    assert 'ARG WORKER_ONLY_DEPS="torch triton"' in text and '! python -c "import torch"' in text

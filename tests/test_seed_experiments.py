@@ -1,0 +1,199 @@
+"""The five experiments of shared/SEED-EXPERIMENTS.md, end to end over the three real processes.
+
+Token counts depend on the tokenizer, so every check is a relation: cached(X) is what the
+server reports for X, common(X, Y) the common prefix of their token ids (from Tokenize).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.v1 import generation_pb2
+from tests.server_util import Server, free_port, greedy
+
+pytestmark = pytest.mark.slow
+
+
+def common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class Client:
+    def __init__(self, server: Server, metrics_port: int | None = None):
+        self.server = server
+        self.metrics_port = metrics_port
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.server.stub.Tokenize(generation_pb2.TokenizeRequest(text=text)).ids)
+
+    def run(self, max_tokens: int = 1, **kw) -> generation_pb2.GenerateResponse:
+        return self.server.generate(sampling=greedy(max_tokens), **kw)[2]
+
+    def flush(self) -> generation_pb2.FlushCacheResponse:
+        return self.server.stub.FlushCache(generation_pb2.FlushCacheRequest())
+
+    def metrics(self) -> dict[str, float]:
+        """The scheduler's samples by name (labels dropped; one engine, one model)."""
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(body.decode()):
+            for s in fam.samples:
+                if "finish_reason" not in s.labels and "le" not in s.labels:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def p1():
+    mport = free_port()
+    # serve gives the scheduler --metrics-port + 1 (frontend: +0, worker: +2).
+    with Server("--enable-metrics", "--enable-mfu-metrics", "--metrics-port", str(mport),
+                "--max-total-tokens", "60000") as s:
+        client = Client(s, mport + 1)
+        yield client
+        assert client.flush().flushed   # idle at the end: flush is accepted
+
+
+@pytest.fixture(scope="module")
+def p16():
+    with Server("--page-size", "16", "--max-total-tokens", "60000") as s:
+        yield Client(s)
+
+
+def test_1_the_tree_grows_branches(p1):
+    assert p1.flush().flushed
+    P = " Zephyr audit note zf732150a: the operator shall keep every record."
+    A = P + " Question one: how long is the period?"
+    B = P + " Request two: who may open the archive?"
+    C = A + " Answer in one word."
+    a, b, c = (p1.ids(x) for x in (A, B, C))
+    assert p1.run(text=A).cached_tokens == 0
+    cached_b = p1.run(text=B).cached_tokens
+    cached_c = p1.run(text=C).cached_tokens
+    assert cached_b == common(a, b)
+    assert cached_c == common(a, c)
+    assert cached_c > cached_b
+
+
+def _pair(client: Client, n: int, marker: str) -> tuple[list[int], list[int]]:
+    """Two prompts sharing marker + n repeats, differing only in their last token."""
+    first = client.ids(f"{marker}" + " archive" * n + " end")
+    second = first[:-1] + [(first[-1] + 1) % 200 + 10]
+    return first, second
+
+
+@pytest.mark.parametrize("n", [0, 2, 7, 20])
+def test_2_any_shared_length_is_reused(p1, p16, n):
+    rows = []
+    for page, client in ((1, p1), (16, p16)):
+        first, second = _pair(client, n, f"Marker {n}-{page} q{n * 7 + page}:")
+        client.run(input_ids=generation_pb2.InputIds(ids=first))
+        hit = client.run(input_ids=generation_pb2.InputIds(ids=second)).cached_tokens
+        shared = common(first, second)
+        assert shared == len(second) - 1
+        want = shared if page == 1 else 16 * (shared // 16)
+        assert hit == want, f"page size {page}, N={n}: hit {hit}, want {want}"
+        rows.append((page, len(second), shared, hit))
+    print(f"\nN={n}: " + "; ".join(f"page {p}: prompt {L}, shared {s}, hit {h}" for p, L, s, h in rows))
+
+
+def test_3_the_cache_outlives_the_request(p1):
+    assert p1.flush().flushed
+    text = "The cache outlives the request: a prompt sent twice, five seconds apart, hits."
+    prompt = len(p1.ids(text))
+    before = p1.metrics()
+    first = p1.run(max_tokens=1, text=text)
+    time.sleep(2.0)
+    second = p1.run(max_tokens=1, text=text)
+    after = p1.metrics()
+    assert first.cached_tokens == 0 and second.cached_tokens == prompt - 1
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["radixserve:prompt_tokens_total"] == 2 * prompt
+    assert delta["radixserve:cached_tokens_total"] == prompt - 1
+    # Greedy: both requests leave the same prompt + 0 decoded tokens of KV (max_tokens 1).
+    assert delta["radixserve:kv_evictable_tokens"] == prompt
+    assert delta["radixserve:kv_available_tokens"] == -prompt
+    assert after["radixserve:cache_hit_rate"] == pytest.approx((prompt - 1) / prompt)
+
+
+def test_4_flush_removes_hits_and_is_refused_while_busy(p1):
+    assert p1.flush().flushed
+    text = "Flushing the tree removes the hits; every token is computed again."
+    prompt = len(p1.ids(text))
+    p1.run(text=text)
+    assert p1.run(text=text).cached_tokens == prompt - 1
+    assert p1.flush().flushed
+    assert p1.run(text=text).cached_tokens == 0
+
+    started = threading.Event()
+    call = p1.server.stub.Generate(generation_pb2.GenerateRequest(
+        text="A long one.", sampling=greedy(400, ignore_eos=True)), timeout=120)
+
+    def consume():
+        try:
+            for _ in call:
+                started.set()
+        except grpc.RpcError:
+            pass
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert started.wait(60)
+    refused = p1.flush()
+    call.cancel()
+    t.join(30)
+    assert not refused.flushed
+    assert "running" in refused.message and "1 request(s) running" in refused.message
+
+
+def test_5_hits_save_compute(p1):
+    prefix = " ".join(f"rule{i} keep the record" for i in range(40))
+    groups = {
+        "shared": [f"{prefix} question {i}?" for i in range(20)],
+        "distinct": [f"{i} {prefix} question {i}?" for i in range(20)],
+    }
+    out = {}
+    for name, prompts in groups.items():
+        assert p1.flush().flushed
+        before = p1.metrics()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            finals = list(pool.map(lambda t: p1.run(text=t), prompts))
+        after = p1.metrics()
+        prompt = sum(f.prompt_tokens for f in finals)
+        cached = sum(f.cached_tokens for f in finals)
+        flops = after["radixserve:estimated_flops_total"] - before.get("radixserve:estimated_flops_total", 0.0)
+        out[name] = (cached / prompt, prompt - cached, flops)
+    hit, computed, flops = out["shared"]
+    assert hit > 0.9, out
+    assert out["distinct"][0] < 0.1, out
+    num_params = _num_parameters(p1)
+    assert flops == pytest.approx(2 * num_params * computed, rel=0.10), (flops, num_params, computed)
+
+
+def _num_parameters(client: Client) -> int:
+    from safetensors import safe_open
+
+    from tests.server_util import DEFAULT_MODEL
+
+    total = 0
+    with safe_open(str(DEFAULT_MODEL / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            total += _prod(f.get_slice(k).get_shape())
+    return total
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
