@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))   # for tests.server_util when run as `python bench/...`
 
 import grpc  # noqa: E402
+import torch  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
 from seed_experiments import count_parameters, make_random_llama  # noqa: E402
 
@@ -168,9 +169,10 @@ def prompts_for(server: Server, k: int) -> list[list[int]]:
 def bench_model(model: Path, args, sink: SpanSink, sink_port: int) -> ModelResult:
     res = ModelResult(model.name, count_parameters(model))
     flags = ["--max-total-tokens", str(POOL_TOKENS)]
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     print(f"# {model.name}: {res.params:,} parameters; starting servers and the in-process runner", flush=True)
-    with Server(*flags, model=model, timeout=600) as plain, \
-            Server(*flags, "--otlp-traces-endpoint", f"127.0.0.1:{sink_port}", model=model, timeout=600) as traced:
+    with Server(*flags, model=model, timeout=600, env=env) as plain, \
+            Server(*flags, "--otlp-traces-endpoint", f"127.0.0.1:{sink_port}", model=model, timeout=600, env=env) as traced:
         runner = TimedRunner(ModelRunner(WorkerConfig(model_path=str(model), device="cpu",
                                                       max_total_tokens=POOL_TOKENS, max_running_requests=64)))
         one = prompts_for(plain, 1)[0]
@@ -243,7 +245,8 @@ def section(results: list[ModelResult], args, cmd: str) -> str:
         f"{args.streams} concurrent streams (one asyncio gRPC client) against one in-process batch of the "
         "same prompts, prefill included. Tracing: a second server with `--otlp-traces-endpoint` at an "
         "OTLP/gRPC sink in the benchmark process that only counts spans. All configurations interleaved in "
-        f"each of {args.reps} repetitions in one run; medians. CPU only (torch backend), on a 2-core "
+        f"each of {args.reps} repetitions in one run; medians. CPU only (torch backend), "
+        f"{args.threads or 'default'} torch thread(s) in the worker processes and in-process, on a 2-core "
         f"machine shared with other work at the time ({when}): figures are noisy, ratios more than "
         "absolutes.\n\n"
         f"```\n{cmd}\n```\n\n" + table(results, args) + "\n"
@@ -273,7 +276,12 @@ def main() -> int:
     ap.add_argument("--stream-tokens", type=int, default=64, help="output tokens of each concurrent stream")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch/OpenMP threads of the worker processes and of the in-process runner (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        # The same thread count on both sides; one steadies timings on a small shared CPU.
+        torch.set_num_threads(args.threads)
     cmd = ".venv/bin/python bench/bench_streaming.py " + " ".join(sys.argv[1:])
     sink_server, sink, sink_port = start_sink()
     results = []

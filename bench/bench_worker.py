@@ -25,7 +25,10 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from radixserve.internal.v1 import engine_pb2  # noqa: E402
+from radixserve.v1 import generation_pb2  # noqa: E402
 from services.common.config import WorkerConfig  # noqa: E402
+from services.common.transport import pack_i32  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.offline import generate  # noqa: E402
 
@@ -50,13 +53,16 @@ def build_model(folder: Path) -> transformers.LlamaForCausalLM:
     return model
 
 
-def timed(fn, repeats: int) -> float:
-    times = []
+def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
+    """Median seconds of fn_a and fn_b, runs interleaved so that load from other processes
+    hits both alike."""
+    a, b = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, times in ((fn_a, a), (fn_b, b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b)
 
 
 def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> None:
@@ -77,35 +83,52 @@ def rs_generate(runner, prompts, new_tokens: int) -> None:
     generate(runner, prompts, new_tokens, stop_at_eos=False)
 
 
-def decode_rate(run, model_or_runner, prompts, new_tokens: int, repeats: int) -> float:
-    """Tokens/s of the decode steps alone: (full run - prefill-only run)."""
-    full = timed(lambda: run(model_or_runner, prompts, new_tokens), repeats)
-    prefill = timed(lambda: run(model_or_runner, prompts, 1), repeats)
-    return len(prompts) * (new_tokens - 1) / max(full - prefill, 1e-9)
+def decode_rates(runner, hf, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """Decode tokens/s (radixserve, transformers): (full run - prefill-only run) per side."""
+    full_rs, full_hf = timed_pair(
+        lambda: rs_generate(runner, prompts, new_tokens), lambda: hf_generate(hf, prompts, new_tokens), repeats
+    )
+    pre_rs, pre_hf = timed_pair(lambda: rs_generate(runner, prompts, 1), lambda: hf_generate(hf, prompts, 1), repeats)
+    tokens = len(prompts) * (new_tokens - 1)
+    return tokens / max(full_rs - pre_rs, 1e-9), tokens / max(full_hf - pre_hf, 1e-9)
 
 
-def outside_matmul_share(runner, prompts, new_tokens: int) -> tuple[float, float]:
-    """(share outside linear-layer GEMMs, share outside all matmuls) of decode steps."""
+def decode_batches(runner, prompts: list[list[int]], steps: int) -> list[engine_pb2.ForwardBatch]:
+    """Prefills ``prompts`` (rows 0..B-1) and returns ``steps`` consecutive decode batches."""
+    prefill = engine_pb2.ForwardBatch()
+    span = max(len(p) for p in prompts) + steps + 1
+    for i, p in enumerate(prompts):
+        prefill.reqs.add(
+            req_slot=i, input_ids=pack_i32(p), prefix_len=0, out_slots=pack_i32(range(1 + i * span, 1 + i * span + len(p))),
+            is_new=True, sample=True, sampling=generation_pb2.SamplingParams(temperature=0.0),
+        )
+    runner.forward(prefill)
+    batches = []
+    for step in range(steps):
+        batch = engine_pb2.ForwardBatch(batch_id=step, is_decode=True)
+        for i, p in enumerate(prompts):
+            pos = len(p) + step
+            batch.reqs.add(req_slot=i, input_ids=pack_i32([5]), prefix_len=pos, out_slots=pack_i32([1 + i * span + pos]), sample=True)
+        batches.append(batch)
+    return batches
+
+
+def outside_matmul_share(runner, prompts, steps: int) -> tuple[float, float]:
+    """(share outside the linear layers' GEMMs, share outside all matrix products) of the
+    wall time of ``steps`` decode steps, from torch.profiler's per-op times."""
     from torch.profiler import ProfilerActivity, profile
 
+    batches = decode_batches(runner, prompts, steps)
+    runner.forward(batches[0])   # warm-up (the same positions are simply rewritten)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        rs_generate(runner, prompts, new_tokens)
-        total = time.perf_counter() - start
-    with profile(activities=[ProfilerActivity.CPU]) as prof_prefill:
-        start = time.perf_counter()
-        rs_generate(runner, prompts, 1)
-        total_prefill = time.perf_counter() - start
-
-    def gemm_us(p, names):
-        return sum(e.self_cpu_time_total for e in p.key_averages() if e.key in names)
-
-    linear = ("aten::mm", "aten::addmm")
-    every = linear + ("aten::bmm",)
-    decode_time = (total - total_prefill) * 1e6
-    lin = gemm_us(prof, linear) - gemm_us(prof_prefill, linear)
-    allm = gemm_us(prof, every) - gemm_us(prof_prefill, every)
-    return 1 - lin / decode_time, 1 - allm / decode_time
+        for batch in batches:
+            runner.forward(batch)
+        total_us = (time.perf_counter() - start) * 1e6
+    ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    linear = ops.get("aten::mm", 0) + ops.get("aten::addmm", 0)
+    attention = sum(v for k, v in ops.items() if "scaled_dot_product" in k or k == "aten::bmm")
+    return 1 - linear / total_us, 1 - (linear + attention) / total_us
 
 
 def main() -> None:
@@ -113,7 +136,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = 1 if args.quick else args.repeats
     new_tokens = 12 if args.quick else args.new_tokens
     batches = [1, 16, 64]
@@ -126,13 +152,11 @@ def main() -> None:
             WorkerConfig(model_path=tmp, device="cpu", dtype="float32", max_total_tokens=16384, max_running_requests=64)
         )
         long_prompt = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(1024)]
-        t_hf = timed(lambda: hf_generate(hf, [long_prompt], 1), repeats)
-        t_rs = timed(lambda: rs_generate(runner, [long_prompt], 1), repeats)
+        t_rs, t_hf = timed_pair(lambda: rs_generate(runner, [long_prompt], 1), lambda: hf_generate(hf, [long_prompt], 1), repeats)
         rows.append(("prefill, 1 x 1,024 tokens", 1024 / t_rs, 1024 / t_hf))
         for b in batches:
             prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randrange(48, 81))] for _ in range(b)]
-            rs = decode_rate(rs_generate, runner, prompts, new_tokens, repeats)
-            ref = decode_rate(hf_generate, hf, prompts, new_tokens, repeats)
+            rs, ref = decode_rates(runner, hf, prompts, new_tokens, repeats)
             rows.append((f"decode, batch {b}", rs, ref))
         prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(64)] for _ in range(64)]
         share_lin, share_all = outside_matmul_share(runner, prompts, new_tokens)
@@ -142,8 +166,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, rs, ref in rows:
         print(f"| {name} | {rs:,.0f} | {ref:,.0f} | {rs / ref:.2f}x |")
-    print(f"\ndecode batch 64: {share_lin:.0%} of the step outside the linear layers' GEMMs "
-          f"({share_all:.0%} outside all matrix products incl. attention)")
+    print(f"\ndecode batch 64 (prompts of 64 tokens): {share_lin:.0%} of a step's wall time outside the "
+          f"linear layers' GEMMs, {share_all:.0%} outside them and the attention kernel")
 
 
 if __name__ == "__main__":

@@ -102,14 +102,14 @@ def _chat(messages: list[tuple[str, str]]) -> pb.ChatMessages:
     return pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
 
 
-def start_server(page_size: int, model: Path, max_total_tokens: int, metrics: bool) -> Client:
+def start_server(page_size: int, model: Path, max_total_tokens: int, metrics: bool, env: dict[str, str]) -> Client:
     flags = ["--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens)]
     mport = free_port() if metrics else None
     if metrics:
         # serve gives the scheduler --metrics-port + 1 (frontend +0, worker +2).
         flags += ["--enable-metrics", "--enable-mfu-metrics", "--metrics-port", str(mport)]
     t0 = time.monotonic()
-    server = Server(*flags, model=model, timeout=600)
+    server = Server(*flags, model=model, timeout=600, env=env)
     client = Client(server, mport + 1 if mport else None)
     print(f"# server up in {time.monotonic() - t0:.0f} s: {model.name}, page size {page_size}, "
           f"max_model_len {client.info.max_model_len}, {client.info.max_total_num_tokens} KV slots", flush=True)
@@ -195,6 +195,8 @@ def exp2_rows(c: Client, ns: list[int]) -> list[tuple[int, int, int, int]]:
     rows = []
     for n in ns:
         first, second = pair(c, n, f"Marker {n}-{page} q{n * 7 + page}:")
+        if len(first) + 1 > c.info.max_model_len:
+            continue   # does not fit the context with max_tokens 1
         c.run_ids(first)
         hit = c.run_ids(second)[1].cached_tokens
         rows.append((n, len(second), common(first, second), hit))
@@ -207,8 +209,11 @@ def exp2_section(r1: list, r16: list, img_dir: Path) -> Section:
                 "`hit` is cached(second); page 16 is expected to give 16 x floor(shared / 16), "
                 "what vLLM-style hash-of-full-blocks caches give.")
     rows = []
-    for (n, plen, sh, h1), (_, _, sh16, h16) in zip(r1, r16, strict=True):
-        rows.append([n, plen, sh, h1, plen - 1, sh16, h16, 16 * (sh16 // 16), sh16 - h16])
+    by16 = {r[0]: r for r in r16}
+    for n, plen, sh, h1 in r1:
+        _, _, sh16, h16 = by16.get(n, (n, "-", "-", "-"))
+        want16 = 16 * (sh16 // 16) if n in by16 else "-"
+        rows.append([n, plen, sh, h1, plen - 1, sh16, h16, want16, sh16 - h16 if n in by16 else "-"])
     s.table(["N", "prompt", "shared", "hit p1", "want p1 (prompt-1)", "shared p16", "hit p16",
              "want p16 (16 floor(shared/16))", "gap p16"], rows)
     bad1 = [n for n, plen, sh, h in r1 if not (h == plen - 1 == sh)]
@@ -590,7 +595,7 @@ def cs_section(res: dict[int, dict], n: int) -> Section:
                 f"{pct(p16[1] / p16[0])} vs {pct(p1[1] / p1[0])}", p16[1] / p16[0] < 0.5 * p1[1] / p1[0])
     s.notes.append("A 64-token opening is 4 whole pages of 16, so a page-16 cache keeps all of it; the gap "
                    "between page sizes 1 and 16 here comes only from the partial last page of each turn's "
-                   "history. With one send per conversation no cache can pass 63/128 = 49 %: the claimed "
+                   "history. With one send per conversation no cache can pass 64/128 = 50 %: the claimed "
                    "96 % needs each conversation to be re-sent as it grows.")
     return s
 
@@ -630,7 +635,7 @@ def summary(sections: list[Section]) -> str:
 def sizes(quick: bool) -> dict:
     if quick:
         return dict(ns=[0, 2, 7, 20], exp5_n=10, exp5_prefix=200, wait_s=2.0, turns=3, answer=12, cs_n=8)
-    return dict(ns=list(range(0, 41)) + [50, 63, 64, 65, 80, 100], exp5_n=50, exp5_prefix=1000, wait_s=5.0,
+    return dict(ns=list(range(0, 61)) + [70, 80, 90], exp5_n=50, exp5_prefix=1000, wait_s=5.0,
                 turns=8, answer=24, cs_n=64)
 
 
@@ -665,7 +670,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "seed-experiments.md")
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--exp5-model", default="", help="model folder for experiment 5 (default: see above)")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the servers (0: torch's default)")
     args = ap.parse_args()
+    # On a small CPU shared with other work, torch's default (one OpenMP thread per core)
+    # stalls at every sync point when a core is taken away; one thread gives steadier timings.
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     if not (args.model / "config.json").exists():
         print(f"no model at {args.model} (train it: scripts/train_default_model.py)", file=sys.stderr)
         return 2
@@ -677,7 +686,7 @@ def main() -> int:
     cs: dict[int, dict] = {}
     exp2: dict[int, list] = {}
     with tempfile.TemporaryDirectory(prefix="seed-exp-") as tmp:
-        with start_server(1, args.model, 60000, metrics=True) as c:
+        with start_server(1, args.model, 60000, metrics=True, env=env) as c:
             sections.append(timed("experiment 1", exp1_branches, c))
             exp2[1] = timed("experiment 2, page 1", exp2_rows, c, z["ns"])
             sections.append(timed("experiment 3", exp3_outlives, c, z["wait_s"]))
@@ -686,7 +695,7 @@ def main() -> int:
                        "tpl": timed("chat template, page 1", chat_turns_template, c, z["turns"], z["answer"])}
             cs[1] = timed("customer service, page 1", customer_service, c, z["cs_n"], 8)
             max_len = c.info.max_model_len
-        with start_server(16, args.model, 60000, metrics=False) as c:
+        with start_server(16, args.model, 60000, metrics=False, env=env) as c:
             exp2[16] = timed("experiment 2, page 16", exp2_rows, c, z["ns"])
             chat[16] = {"ids": timed("chat ids, page 16", chat_turns_ids, c, z["turns"], z["answer"]),
                         "tpl": timed("chat template, page 16", chat_turns_template, c, z["turns"], z["answer"])}
@@ -694,7 +703,7 @@ def main() -> int:
         sections.insert(1, timed("experiment 2 table", exp2_section, exp2[1], exp2[16], img_dir))
         model5, note5 = exp5_model(args, Path(tmp), z["exp5_prefix"])
         need = z["exp5_n"] * (z["exp5_prefix"] + 10) + 4096
-        with start_server(1, model5, need, metrics=True) as c:
+        with start_server(1, model5, need, metrics=True, env=env) as c:
             sections.append(timed("experiment 5", exp5_compute, c, model5, z["exp5_n"], z["exp5_prefix"], note5, img_dir))
     sections.append(chat_section(chat, z["turns"], z["answer"]))
     sections.append(cs_section(cs, z["cs_n"]))
@@ -710,7 +719,8 @@ def doc_header(args, started: str, max_len: int) -> str:
             f"public gRPC API and its scheduler's Prometheus metrics by `bench/seed_experiments.py` "
             f"(`{cmd}`{', QUICK sizes' if args.quick else ''}), started {started}. Servers: `radixserve serve` "
             f"on `{args.model.name}` (max_model_len {max_len}), page size 1 (metrics on) and "
-            f"`--page-size 16`; CPU only, 2 cores shared with other work, so wall times are noisy. "
+            f"`--page-size 16`; CPU only, OMP_NUM_THREADS={args.threads or 'default'} for the servers, on a 2-core "
+            f"machine shared with other work (load average well above 2), so wall times are noisy. "
             f"Published figures: SGLang on one L40S with Qwen2.5-7B-Instruct-AWQ, page size 1.\n\n")
 
 

@@ -21,7 +21,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-__all__ = ["triton", "tl", "dot_precision", "sm_major"]
+__all__ = ["triton", "tl", "dot_precision", "sm_major", "check_head_dim_contiguous"]
 
 
 def _interpret_language_library() -> None:
@@ -44,7 +44,11 @@ def _interpret_language_library() -> None:
                 setattr(module, attr, wrapped[id(value)])
 
 
-if triton.knobs.runtime.interpret and isinstance(tl.zeros, JITFunction):
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+if _interpreting() and isinstance(tl.zeros, JITFunction):
     _interpret_language_library()
 
 
@@ -57,3 +61,10 @@ def sm_major(device_index: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs use exact products: tf32 (the GPU default) is off by ~1e-3 relative."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_head_dim_contiguous(*tensors: torch.Tensor) -> None:
+    """The kernels address the last (head) dim with stride 1; every other stride is free."""
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"the kernels need the last dim contiguous, got strides {t.stride()}")

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from kernels._triton import dot_precision, sm_major, tl, triton
+from kernels._triton import check_head_dim_contiguous, dot_precision, sm_major, tl, triton
 from kernels.extend_attention import _attend_block
 
 
@@ -122,6 +122,7 @@ def decode_attention(
     num_kv_heads = k_pool.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    check_head_dim_contiguous(q, k_pool, v_pool)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even if q is a view
     if batch == 0:
         return o

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from kernels._triton import dot_precision, sm_major, tl, triton
+from kernels._triton import check_head_dim_contiguous, dot_precision, sm_major, tl, triton
 
 
 @triton.jit
@@ -154,6 +154,7 @@ def extend_attention(
     num_kv_heads = k_pool.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    check_head_dim_contiguous(q, k_pool, v_pool)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even if q is a view
     batch = prefix_lens.shape[0]
     if num_tokens == 0 or batch == 0 or max_extend_len <= 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton
+from kernels._triton import check_head_dim_contiguous, tl, triton
 
 
 @triton.jit
@@ -37,12 +37,6 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(VPool.dtype.element_ty), mask=mask)
 
 
-def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.stride(-1) != 1:
-            raise ValueError("kernels need the head dim contiguous (stride 1)")
-
-
 def store_kv(
     k_pool: torch.Tensor,  # [S, Hkv, D]
     v_pool: torch.Tensor,  # [S, Hkv, D]
@@ -54,7 +48,7 @@ def store_kv(
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_last_dim_contiguous(k_pool, v_pool, k, v)
+    check_head_dim_contiguous(k_pool, v_pool, k, v)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_pool, v_pool, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

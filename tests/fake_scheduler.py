@@ -133,8 +133,10 @@ class FakeScheduler:
     def _on_message(self, identity: bytes, msg, running: dict[str, _Running]) -> None:
         if msg.WhichOneof("kind") == "abort":
             self.aborts.append((msg.abort, time.monotonic()))
-            if running.pop(msg.abort.rid, None) is not None:
-                self._send(identity, engine_pb2.TokenDelta(rid=msg.abort.rid, finish_reason="abort"))
+            r = running.pop(msg.abort.rid, None)
+            if r is not None:  # like the real scheduler: a closing delta with the totals
+                delta = engine_pb2.TokenDelta(rid=r.req.rid, finish_reason="abort", finish_message=msg.abort.reason)
+                self._send(identity, _with_totals(delta, r))
             return
         req = msg.generate
         self.requests.append(req)
@@ -149,7 +151,7 @@ class FakeScheduler:
 
     def _step(self, r: _Running) -> bool:
         """Emits one token; True when the request is done."""
-        sp, n_prompt = r.req.sampling, len(transport.unpack_i32(r.req.input_ids))
+        sp = r.req.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 128
         slow = r.req.cache_salt == "slow"
         token = self.script[r.emitted % len(self.script)] if slow or r.emitted < len(self.script) else EOS_ID
@@ -164,14 +166,21 @@ class FakeScheduler:
         elif r.emitted >= max_tokens:
             delta.finish_reason = "length"
         if delta.finish_reason:
-            delta.prompt_tokens, delta.cached_tokens, delta.completion_tokens = n_prompt, n_prompt // 2, r.emitted
-            delta.queue_time, delta.prefill_time, delta.decode_time = 0.001, 0.002, 0.003
+            _with_totals(delta, r)
         self._send(r.identity, delta)
         r.next_at = time.monotonic() + r.step_s
         return bool(delta.finish_reason)
 
     def _send(self, identity: bytes, delta: engine_pb2.TokenDelta) -> None:
         transport.send(self._sock, engine_pb2.SchedulerToFrontend(outputs=[delta]), identity=identity)
+
+
+def _with_totals(delta: engine_pb2.TokenDelta, r: _Running) -> engine_pb2.TokenDelta:
+    """Counts and timings, which the scheduler sends on a request's last delta only."""
+    n_prompt = len(transport.unpack_i32(r.req.input_ids))
+    delta.prompt_tokens, delta.cached_tokens, delta.completion_tokens = n_prompt, n_prompt // 2, r.emitted
+    delta.queue_time, delta.prefill_time, delta.decode_time = 0.001, 0.002, 0.003
+    return delta
 
 
 class _Control(engine_pb2_grpc.SchedulerControlServicer):

@@ -127,10 +127,17 @@ def test_utf8_never_split_and_eos_finish(stub, fake, tok):
     assert sent.rid == "utf8-1" and list(sent.eos_token_ids) == [EOS_ID] and sent.arrival_time > 0
 
 
-def test_stop_string_cuts_text_and_aborts_scheduler(stub, fake):
-    out = _generate(stub, text="hi", request_id="stop-1", sampling=pb.SamplingParams(stop=["STOP", "zzz"]))
+def test_stop_string_cuts_text_and_aborts_scheduler(stub, fake, tok):
+    prompt = "hello there world"
+    out = _generate(stub, text=prompt, request_id="stop-1", sampling=pb.SamplingParams(stop=["STOP", "zzz"]))
     assert "".join(r.text for r in out) == SCRIPT_TEXT[: SCRIPT_TEXT.index("STOP")]
-    assert out[-1].finish_reason == "stop" and out[-1].matched_stop == "STOP"
+    last = out[-1]
+    assert last.finish_reason == "stop" and last.matched_stop == "STOP"
+    # Totals come from the scheduler's closing delta; completion counts what was streamed.
+    n_prompt = len(tok.encode(prompt))
+    assert (last.prompt_tokens, last.cached_tokens) == (n_prompt, n_prompt // 2)
+    assert last.completion_tokens == sum(len(r.token_ids) for r in out)
+    assert last.timings.decode_time == pytest.approx(0.003)
     _wait_for(lambda: any(a.rid == "stop-1" for a, _ in fake.aborts))
 
 

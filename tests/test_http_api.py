@@ -147,10 +147,14 @@ def test_bad_completion_body_is_400(client, frontend):
         client.completions.create(model="other", prompt="hi")
 
 
-def test_health_metrics_openapi_flush(frontend, fake):
+def test_health_metrics_openapi_flush(frontend, fake, client):
     base = frontend.http_base
     assert httpx.get(base + "/health").status_code == 200
-    assert "python_info" in httpx.get(base + "/metrics").text
+    client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    metrics = httpx.get(base + "/metrics").text
+    assert "python_info" in metrics  # the default registry
+    assert 'radixserve:frontend_requests_total{finish_reason="length",model_name="tiny"}' in metrics
+    assert 'radixserve:time_to_first_token_seconds_count{model_name="tiny"}' in metrics
     paths = httpx.get(base + "/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(paths)
     r = httpx.post(base + "/flush_cache")

@@ -175,8 +175,8 @@ def test_store_kv_writes_exactly_the_given_slots(dtype):
     k, v = kv[:, 0], kv[:, 1]                               # strided views, like the model's
     want_k, want_v = k_pool.clone(), v_pool.clone()
     store_kv_ref(want_k, want_v, slots, k, v)
-    untouched = torch.ones(40, dtype=torch.bool)
-    untouched[slots.cpu()] = False
+    untouched = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
     # The reference itself: exactly the given slots changed, to the cast inputs.
     assert torch.equal(want_k[slots], k.to(dtype)) and torch.equal(want_v[slots], v.to(dtype))
     assert torch.equal(want_k[untouched], k_pool[untouched]) and torch.equal(want_v[untouched], v_pool[untouched])

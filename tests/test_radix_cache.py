@@ -10,7 +10,7 @@ import pytest
 
 from services.scheduler.allocator import KVSlotAllocator
 from services.scheduler.cache_integrity import CacheIntegrityError, SlotLeakError
-from services.scheduler.eviction import policy_names
+from services.scheduler.eviction import LeafHeap, LRUPolicy, policy_names
 from services.scheduler.radix_cache import (
     CacheLockError,
     DisabledCache,
@@ -334,6 +334,24 @@ def test_evict_negative_raises(ps):
     cache, _ = make(ps)
     with pytest.raises(ValueError, match="negative"):
         cache.evict(-1)
+
+
+def test_leaf_heap_re_files_touched_nodes_and_stays_bounded():
+    class Node:
+        def __init__(self, t: int):
+            self.last_access, self.hit_count, self.priority, self.heap_seq = t, 0, 0, -1
+
+    heap = LeafHeap(LRUPolicy().score)
+    a, b = Node(1), Node(2)
+    heap.push(a)
+    heap.push(b)
+    a.last_access = 3                              # touched after filing: b is older now
+    assert heap.pop(lambda n: True) is b
+    for _ in range(5000):                          # lock/unlock cycles re-file the same node
+        heap.push(a)
+    assert len(heap) == 1 and len(heap._heap) <= 2 * len(heap) + 1024
+    assert heap.pop(lambda n: False) is None       # no candidate left
+    assert len(heap) == 0
 
 
 # -- reset --------------------------------------------------------------------------------

@@ -154,10 +154,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.held -= r.held
         self.in_flight.remove(r)
 
-    @rule(tokens=st.data(), ns=st.sampled_from(NAMESPACES))
-    def match(self, tokens, ns):
+    @rule(tokens=st.data(), ns=st.sampled_from(NAMESPACES), peek=st.booleans())
+    def match(self, tokens, ns, peek):
         tokens = tokens.draw(token_lists(self.page_size))
-        assert len(self.cache.match_prefix(tokens, ns).slots) == self.expected_match(tokens, ns)
+        got = self.cache.match_prefix(tokens, ns, peek=peek).slots
+        assert len(got) == self.expected_match(tokens, ns)
 
     @rule(n=st.integers(0, 60))
     def evict_some(self, n):

@@ -1,4 +1,5 @@
-"""A whole model through the ``triton`` attention backend gives the ``torch`` backend's tokens.
+"""A whole model through the ``triton`` attention backend gives the ``torch`` backend's tokens,
+and the CUDA-graph runner's padded static buffers give the logits of an eager forward.
 
 Without CUDA the Triton kernels run in the interpreter, so the model is tiny and the runs short.
 """
@@ -13,6 +14,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from services.common.config import WorkerConfig  # noqa: E402
+from services.worker.attention.base import AttentionMeta  # noqa: E402
+from services.worker.cuda_graph import CudaGraphRunner, capture_sizes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.offline import generate  # noqa: E402
 
@@ -33,3 +36,61 @@ def test_triton_backend_greedy_tokens_equal_torch_backend(arch_dir, request):
     want = _greedy(model_dir, "torch")
     assert [len(t) for t in want] == [6, 6, 6]
     assert _greedy(model_dir, "triton") == want
+
+
+class EagerGraphRunner(CudaGraphRunner):
+    """CudaGraphRunner's static buffers and padding, with each graph replaced by an eager
+    forward over the same buffers: what a replay computes, checkable without a GPU."""
+
+    def _capture_all(self, device: torch.device) -> None:
+        pass
+
+    def _launch(self, bs: int) -> torch.Tensor:
+        return self._run(bs, self._static_meta(bs))
+
+
+def test_capture_sizes():
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(3) == [1, 2, 3]
+
+
+def _decode_meta(rows: list[tuple[int, int]]) -> AttentionMeta:
+    """Decode metadata for requests given as (first slot, context length): contiguous slots."""
+    seq_lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    return AttentionMeta(
+        is_decode=True,
+        out_slots=torch.tensor([base + n - 1 for base, n in rows]),
+        qo_indptr=torch.arange(len(rows) + 1, dtype=torch.int32),
+        kv_indptr=torch.cat([torch.zeros(1, dtype=torch.int32), seq_lens.cumsum(0).int()]),
+        kv_slots=torch.cat([torch.arange(base, base + n) for base, n in rows]),
+        prefix_lens=seq_lens - 1,
+        extend_lens=torch.ones(len(rows), dtype=torch.int32),
+        seq_lens=seq_lens,
+        max_seq_len=int(seq_lens.max()),
+        max_extend_len=1,
+    )
+
+
+def test_graph_runner_pads_batches_and_returns_the_eager_logits(tiny_llama_dir):
+    cfg = WorkerConfig(model_path=str(tiny_llama_dir), device="cpu", dtype="float32", attention_backend="triton",
+                       max_total_tokens=256, max_running_requests=4, context_length=64)
+    runner = ModelRunner(cfg)
+    model = runner.model
+    # Fill the pool: offline.generate gives request i the slots base_i + 1 .. (see its docstring),
+    # and after 2 new tokens the KV of prompt + first token is stored.
+    outputs = generate(runner, PROMPTS, max_new_tokens=2, stop_at_eos=False)
+    spans = [len(p) + 2 for p in PROMPTS]
+    bases = [1 + sum(spans[:i]) for i in range(len(PROMPTS))]
+    graphs = EagerGraphRunner(model, max_bs=4, max_context=64, device=torch.device("cpu"))
+    assert graphs.sizes == [1, 2, 4] and graphs.can_run(4) and not graphs.can_run(5)
+    # Three requests replay the size-4 graph (one padding row), then subsets replay smaller
+    # ones after it: stale padding from a larger batch must not leak.
+    for rows in ([0, 1, 2], [2], [1, 0]):
+        meta = _decode_meta([(bases[i], len(PROMPTS[i]) + 2) for i in rows])
+        ids = torch.tensor([outputs[i][1] for i in rows])
+        positions = torch.tensor([len(PROMPTS[i]) + 1 for i in rows])
+        want = model.compute_logits(model.forward(ids, positions, meta))   # [n, vocab]
+        got = graphs.replay(ids, positions, meta)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import types
 import typing
@@ -56,10 +57,10 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     page_size: int = _opt(1, "tokens per KV page; the radix tree caches whole pages only")
-    radix_eviction_policy: str = _opt("lru", "which cached leaves go first", choices=["lru", "lfu", "slru", "priority"])
+    radix_eviction_policy: str = _opt("lru", "which cached leaves go first", choices="services.scheduler.eviction:policy_names")
     slru_protected_hits: int = _opt(2, "slru: hits after which a node moves to the protected segment")
     disable_radix_cache: bool = _opt(False, "compute every prompt from scratch (nothing cached)")
-    schedule_policy: str = _opt("lpm", "waiting-queue order", choices=["lpm", "fcfs", "dfs-weight", "lof", "random", "priority"])
+    schedule_policy: str = _opt("lpm", "waiting-queue order", choices="services.scheduler.schedule_policy:policy_names")
     chunked_prefill_size: int = _opt(2048, "prefill at most this many new tokens of one request per batch (-1: no chunking)")
     max_prefill_tokens: int = _opt(8192, "new tokens in one prefill batch at most")
     max_running_requests: int = _opt(64, "requests decoded at once (rows of the request-slot table)")
@@ -110,6 +111,14 @@ def _env_default(name: str, default, tp: type):
     return tp(raw)
 
 
+def _choices(spec):
+    """A list, or "module:function" naming the registry that lists the names (one place to add one)."""
+    if isinstance(spec, str):
+        module, fn = spec.split(":")
+        return getattr(importlib.import_module(module), fn)()
+    return spec
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, seen: set[str] | None = None) -> None:
     """Adds one ``--flag`` per field of ``cls``; names already in ``seen`` are skipped."""
     seen = set() if seen is None else seen
@@ -128,7 +137,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, seen: set[str
         elif tp is list:
             parser.add_argument(flag, type=lambda s: [x for x in s.split(",") if x], **kw)
         else:
-            parser.add_argument(flag, type=tp, choices=f.metadata.get("choices"), **kw)
+            parser.add_argument(flag, type=tp, choices=_choices(f.metadata.get("choices")), **kw)
 
 
 def from_args(cls: type, ns: argparse.Namespace, **overrides):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.v1 import generation_pb2 as pb
 from services.frontend.pipeline import Frontend, FrontendError
+from services.frontend.spans import carrier_from
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -254,9 +255,9 @@ class _Api:
         if model and model != self.fe.model_id:
             raise ApiError(404, f"The model {model!r} does not exist; this server serves {self.fe.model_id!r}", "model", "not_found_error")
 
-    def open(self, req: pb.GenerateRequest, input_param: str) -> AsyncIterator[pb.GenerateResponse]:
+    def open(self, req: pb.GenerateRequest, input_param: str, http: Request) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            return self.fe.open(req)
+            return self.fe.open(req, carrier_from(http.headers.items()))
         except FrontendError as e:
             raise _api_error(e, input_param) from e
 
@@ -315,7 +316,8 @@ def create_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(REGISTRY).decode(), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(REGISTRY) + generate_latest(frontend.metrics.registry)
+        return PlainTextResponse(text.decode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
@@ -329,9 +331,9 @@ def create_app(frontend: Frontend) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: Request):
         api.check_model(body.model)
-        stream = api.open(completion_to_request(body), "prompt")
+        stream = api.open(completion_to_request(body), "prompt", http)
         rid, created, model = _new_id("cmpl"), int(time.time()), frontend.model_id
 
         def chunk(text, finish, lps, usage=None) -> dict:
@@ -348,9 +350,9 @@ def create_app(frontend: Frontend) -> FastAPI:
         return {**chunk(text, final.finish_reason, lps), "usage": _usage(final)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
         api.check_model(body.model)
-        stream = api.open(chat_to_request(body), "messages")
+        stream = api.open(chat_to_request(body), "messages", http)
         rid, created, model = _new_id("chatcmpl"), int(time.time()), frontend.model_id
 
         def chunk(delta, finish, lps, usage=None) -> dict:

@@ -9,10 +9,12 @@ import signal
 
 import grpc
 
+from services.common import tracing
 from services.common.config import FrontendConfig
 from services.common.grpc_util import add_health_and_reflection, aset_serving
 from services.frontend.engine_client import EngineClient
 from services.frontend.http_api import HttpServer
+from services.frontend.metrics import FrontendMetrics
 from services.frontend.pipeline import Frontend
 from services.frontend.server import SERVICE_NAME, add_generation_servicer
 from services.frontend.tokenizer import Tokenizer
@@ -49,7 +51,8 @@ class FrontendServer:
         self.engines = EngineClient(
             cfg.scheduler_addrs, cfg.scheduler_control_addrs, cfg.max_model_len, on_health=self._on_engine_health
         )
-        frontend = Frontend(tokenizer, self.engines, model_id_of(cfg))
+        metrics = FrontendMetrics(model_id_of(cfg))
+        frontend = Frontend(tokenizer, self.engines, model_id_of(cfg), metrics)
         add_generation_servicer(self._grpc, frontend)
         self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.grpc_port == 0:
@@ -60,7 +63,8 @@ class FrontendServer:
             self._http = HttpServer(frontend, cfg.host, cfg.http_port)
             self.http_port = await self._http.start()
         http = f"{cfg.host}:{self.http_port}" if self._http else "off"
-        log.info("frontend: gRPC on %s:%d, HTTP on %s", cfg.host, self.grpc_port, http)
+        extra = f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}" if cfg.enable_metrics else ""
+        log.info("frontend: gRPC on %s:%d, HTTP on %s%s", cfg.host, self.grpc_port, http, extra)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._health is not None:
@@ -96,5 +100,9 @@ def main(cfg: FrontendConfig) -> None:
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(_serve_until_signal(cfg))
+    tracing.setup_tracing("radixserve-frontend", cfg.otlp_traces_endpoint)
+    try:
+        asyncio.run(_serve_until_signal(cfg))
+    finally:
+        tracing.shutdown()  # flush buffered spans
     log.info("frontend: stopped")

@@ -8,10 +8,11 @@ scheduler at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,6 +22,8 @@ from radixserve.v1 import generation_pb2 as pb
 from services.common.transport import pack_i32
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import DuplicateRequestError, EngineClient
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.spans import RequestSpan
 from services.frontend.stop_strings import StopStringMatcher
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.validation import (
@@ -31,6 +34,9 @@ from services.frontend.validation import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long a stop-string finish waits for the scheduler's closing delta (counts, timings).
+FINAL_DELTA_WAIT_S = 0.5
 
 
 class FrontendError(Exception):
@@ -53,18 +59,26 @@ def _status_from_name(name: str) -> grpc.StatusCode:
 
 @dataclass
 class _Progress:
-    """Counts and timings of a request so far (the last delta's values win)."""
+    """Counts and timings of a request so far; the scheduler's last delta carries its totals."""
 
-    completion_tokens: int = 0
+    delivered: int = 0            # tokens streamed to the client
     cached_tokens: int = 0
     last: engine_pb2.TokenDelta = field(default_factory=engine_pb2.TokenDelta)
 
+    def note(self, delta: engine_pb2.TokenDelta | None) -> None:
+        if delta is not None:
+            self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+            self.last = delta
+
 
 class Frontend:
-    def __init__(self, tokenizer: Tokenizer, engines: EngineClient, model_id: str) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, engines: EngineClient, model_id: str, metrics: FrontendMetrics | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.engines = engines
         self.model_id = model_id
+        self.metrics = metrics or FrontendMetrics(model_id)
 
     # ---- small calls -------------------------------------------------------------
 
@@ -137,35 +151,60 @@ class Frontend:
         )
         return treq, ids
 
-    def open(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    def open(
+        self, req: pb.GenerateRequest, caller_trace: Mapping[str, str] | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """Validates and submits now (raising FrontendError); returns the response stream.
 
         The caller must iterate the stream (or ``aclose`` it): its end releases the request.
+        ``caller_trace`` is the caller's W3C context (traceparent, tracestate), if any.
         """
         arrival = time.time()
-        treq, ids = self._prepare(req, arrival)
+        span = RequestSpan(self.model_id, caller_trace)
         try:
-            queue = self.engines.submit(treq, ids)
+            with span.child("tokenize"):
+                treq, ids = self._prepare(req, arrival)
+            treq.trace_context.update(span.carrier())
+            queue = self._submit(treq, ids)
+        except FrontendError as e:
+            self.metrics.on_error(e.code.name)
+            span.finish(req.request_id, None, e.code.name)
+            raise
+        return self._run(treq, ids, queue, arrival, span)
+
+    def _submit(self, treq: engine_pb2.TokenizedRequest, ids: list[int]) -> asyncio.Queue:
+        try:
+            return self.engines.submit(treq, ids)
         except DuplicateRequestError as e:
             raise FrontendError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {treq.rid!r} is already in flight") from e
-        return self._run(treq, ids, queue, arrival)
 
-    async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, req: pb.GenerateRequest, caller_trace: Mapping[str, str] | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """Streams the responses; raises FrontendError for a bad or failed request."""
-        async for resp in self.open(req):
+        async for resp in self.open(req, caller_trace):
             yield resp
 
-    async def _run(self, treq, ids, queue, arrival) -> AsyncIterator[pb.GenerateResponse]:
-        finished = False
+    async def _run(self, treq, ids, queue, arrival, span: RequestSpan) -> AsyncIterator[pb.GenerateResponse]:
+        final, error, last_t = None, "CANCELLED", None
         try:
             async for resp in self._stream(treq, ids, queue, arrival):
-                finished = finished or bool(resp.finish_reason)
+                now = time.time()
+                self.metrics.on_tokens(len(resp.token_ids), now - arrival, None if last_t is None else now - last_t)
+                last_t = now
+                if resp.finish_reason:
+                    final, error = resp, ""
+                    self.metrics.on_finish(resp)
                 yield resp
-            finished = True
+        except FrontendError as e:
+            error = e.code.name
+            self.metrics.on_error(error)
+            raise
         finally:
-            if not finished:  # cancelled, disconnected or failed: free the engine's work now
+            if final is None:  # cancelled, disconnected or failed: free the engine's work now
                 self.engines.abort(treq.rid, "cancelled by the client")
             self.engines.release(treq.rid)
+            span.finish(treq.rid, final, error)
 
     async def _stream(self, treq, ids, queue, arrival) -> AsyncIterator[pb.GenerateResponse]:
         sp = treq.sampling
@@ -176,9 +215,8 @@ class Frontend:
             delta: engine_pb2.TokenDelta = await queue.get()
             if delta.error_code:
                 raise FrontendError(_status_from_name(delta.error_code), delta.finish_message or delta.error_code)
-            progress.completion_tokens += len(delta.token_ids)
-            progress.cached_tokens = max(progress.cached_tokens, delta.cached_tokens)
-            progress.last = delta
+            progress.delivered += len(delta.token_ids)
+            progress.note(delta)
             text = stops.feed(detok.add(delta.token_ids))
             if delta.finish_reason and stops.matched is None:
                 text += stops.feed(detok.flush())
@@ -187,13 +225,17 @@ class Frontend:
             if sp.logprobs:
                 resp.logprobs.extend(delta.logprobs)
             if stops.matched is not None:
-                # The scheduler does not see text: tell it to stop now.
+                # The scheduler does not see text: tell it to stop now, and take the counts
+                # and timings from its last delta (they ride only on that one).
                 self.engines.abort(treq.rid, "stop string matched")
-                self._finish(resp, "stop", stops.matched, len(ids), progress, arrival)
+                if not delta.finish_reason:
+                    progress.note(await _final_delta(queue))
+                self._finish(resp, "stop", stops.matched, len(ids), progress, arrival, progress.delivered)
                 yield resp
                 return
             if delta.finish_reason:
-                self._finish(resp, delta.finish_reason, self._stop_token_text(delta), len(ids), progress, arrival)
+                n_out = max(delta.completion_tokens, progress.delivered)
+                self._finish(resp, delta.finish_reason, self._stop_token_text(delta), len(ids), progress, arrival, n_out)
                 yield resp
                 return
             yield resp
@@ -204,13 +246,13 @@ class Frontend:
         return self.tokenizer.token_strings([delta.matched_stop_token])[0]
 
     @staticmethod
-    def _finish(resp, reason: str, matched: str, prompt_len: int, progress: _Progress, arrival: float) -> None:
+    def _finish(resp, reason: str, matched: str, prompt_len: int, progress: _Progress, arrival: float, n_out: int) -> None:
         last = progress.last
         resp.finish_reason = reason
         resp.matched_stop = matched
         resp.prompt_tokens = last.prompt_tokens or prompt_len
         resp.cached_tokens = progress.cached_tokens
-        resp.completion_tokens = max(last.completion_tokens, progress.completion_tokens)
+        resp.completion_tokens = n_out
         resp.timings.CopyFrom(
             pb.Timings(
                 queue_time=last.queue_time,
@@ -219,3 +261,14 @@ class Frontend:
                 total_time=time.time() - arrival,
             )
         )
+
+
+async def _final_delta(queue: asyncio.Queue) -> engine_pb2.TokenDelta | None:
+    """The scheduler's closing delta after an abort, or None if it is slow to come."""
+    try:
+        async with asyncio.timeout(FINAL_DELTA_WAIT_S):
+            while not (delta := await queue.get()).finish_reason:
+                pass
+            return delta
+    except TimeoutError:
+        return None

@@ -9,6 +9,7 @@ import grpc
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
 from services.frontend.pipeline import Frontend, FrontendError
+from services.frontend.spans import carrier_from
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -19,7 +20,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for resp in self._fe.generate(request):
+            caller = carrier_from(context.invocation_metadata() or ())
+            async for resp in self._fe.generate(request, caller):
                 yield resp
         except FrontendError as e:
             await context.abort(e.code, e.message)

@@ -102,7 +102,8 @@ class KVManager:
         dup = req.kv_slots[req.locked_len:res.prefix_len]
         if dup:
             self.allocator.free(dup)
-        m = self.cache.match_prefix(key, req.namespace, req.priority)
+        # peek: re-finding what was just inserted is not a hit.
+        m = self.cache.match_prefix(key, req.namespace, req.priority, peek=True)
         self.cache.lock_handle(m.node)
         self.cache.lock_handle(req.node, unlock=True)
         changed = bool(dup)

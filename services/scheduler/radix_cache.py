@@ -105,7 +105,9 @@ class BasePrefixCache(ABC):
         already cached: the caller frees those it owns, and any tail beyond the whole pages."""
 
     @abstractmethod
-    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None: ...
+    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None:
+        """Locks (or unlocks) the path from node up to the root against eviction; counted,
+        so each lock needs one unlock. The root (a match of nothing) is a no-op."""
 
     @abstractmethod
     def evict(self, n: int) -> int:
@@ -133,7 +135,6 @@ class RadixCache(BasePrefixCache):
         self.root = TreeNode([], [], None, anchor=True)
         self._evictable = 0
         self._protected = 0
-        self._num_nodes = 0
         self._clock = 0
         self._leaves = LeafHeap(self.policy.score)   # unlocked leaves: eviction candidates
 
@@ -183,7 +184,7 @@ class RadixCache(BasePrefixCache):
             n = _common_len(child.key, tokens, pos, end)
             if ps > 1:
                 n -= n % ps
-            if n >= _INTERN_MIN:
+            if n >= _INTERN_MIN and tokens[pos + n - 1] is not child.key[n - 1]:
                 # Equal values, the tree's int objects: the same tokens' next walk (the
                 # insert after a match) then compares pointers instead of int values.
                 tokens[pos:pos + n] = child.key if n == len(child.key) else child.key[:n]
@@ -211,7 +212,6 @@ class RadixCache(BasePrefixCache):
         child.value = child.value[n:]
         child.parent = new
         new.children[self._child_key(child.key)] = child
-        self._num_nodes += 1
         return new
 
     def _child_key(self, key: list[int]) -> Any:
@@ -255,7 +255,6 @@ class RadixCache(BasePrefixCache):
         leaf.priority = priority
         parent.children[self._child_key(key)] = leaf
         self._evictable += len(key)
-        self._num_nodes += 1
         self._leaves.push(leaf)
         return leaf
 
@@ -306,7 +305,7 @@ class RadixCache(BasePrefixCache):
             if node is None:
                 break   # everything left is locked
             count += len(node.value)
-            freed += node.value[::step]
+            freed += node.value if step == 1 else node.value[::step]
             self._remove_leaf(node)
         if freed:
             self.allocator.free(freed)
@@ -318,7 +317,6 @@ class RadixCache(BasePrefixCache):
         node.parent = None
         self._leaves.discard(node)
         self._evictable -= len(node.key)
-        self._num_nodes -= 1
         if parent.anchor:
             if not parent.children and parent is not self.root:
                 self._drop_anchor(parent)
@@ -346,7 +344,7 @@ class RadixCache(BasePrefixCache):
             node.parent = None
         self.root.children.clear()
         self._leaves.clear()
-        self._evictable = self._num_nodes = 0
+        self._evictable = 0
         if slots:
             self.allocator.free(slots)
 

@@ -65,8 +65,8 @@ def by_priority(waiting: list[Req], cache: BasePrefixCache) -> list[Req]:
 
 
 def _matches(waiting: list[Req], cache: BasePrefixCache):
-    # peek=True: ordering the queue is not a hit, so eviction scores stay honest.
-    return [cache.match_prompt(r.fill_ids, r.namespace) for r in waiting]
+    # peek: ordering the queue is not a use, so eviction scores stay honest.
+    return [cache.match_prompt(r.fill_ids, r.namespace, peek=True) for r in waiting]
 
 
 @register("lpm")

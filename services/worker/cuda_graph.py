@@ -52,8 +52,8 @@ class CudaGraphRunner:
     """Captured decode graphs of ``model`` (forward + compute_logits), one per batch size."""
 
     def __init__(self, model, max_bs: int, max_context: int, device: torch.device):
-        if device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+        if max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {max_bs}")
         self.model = model
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
@@ -61,6 +61,11 @@ class CudaGraphRunner:
         self._alloc_buffers(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}   # static output of each graph: [bs, vocab]
+        self._capture_all(device)
+
+    def _capture_all(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by all graphs
         for bs in reversed(self.sizes):               # largest first: smaller ones reuse its memory
             self._capture(bs)
@@ -145,6 +150,11 @@ class CudaGraphRunner:
         self.prefix_lens[n:bs].zero_()
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.seq_lens[n:bs].fill_(1)
-        self.graphs[bs].replay()
         # A copy: the static output is overwritten by the next replay.
-        return self.logits[bs][:n].clone()
+        return self._launch(bs)[:n].clone()
+
+    def _launch(self, bs: int) -> torch.Tensor:
+        """Runs the graph of size bs on the filled buffers: its logits [bs, vocab].
+        (_capture_all and _launch are what a test double overrides to run eagerly on CPU.)"""
+        self.graphs[bs].replay()
+        return self.logits[bs]

@@ -163,12 +163,16 @@ class Attention(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)      # q: [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)   # k: [T, KVH, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)                                  # qkv: [T, (H + 2 KVH) * D]
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k side by side are heads too: one rotary pass for both.
+            qk = apply_rotary(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]   # q: [T, H, D], k: [T, KVH, D]
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.forward(q, k, v, k_pool, v_pool, meta)   # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))

@@ -17,6 +17,7 @@ from services.common import tracing, transport
 from services.common.config import WorkerConfig
 from services.common.grpc_util import add_health_and_reflection
 from services.common.logs import setup_logging
+from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger("radixserve.worker")
@@ -76,8 +77,10 @@ def main(cfg: WorkerConfig) -> None:
     ctx = zmq.Context()
     sock = transport.router(ctx, cfg.worker_addr)
     server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
-    log.info("worker: ZeroMQ on %s, gRPC health on %s:%d; %s (%s, %s, %s attention), pool %d tokens",
-             cfg.worker_addr, cfg.host, port, info.model_id, info.device, info.dtype,
+    metrics = WorkerMetrics(info.model_id) if cfg.enable_metrics else None
+    extra = f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}" if metrics else ""
+    log.info("worker: ZeroMQ on %s, gRPC health on %s:%d%s; %s (%s, %s, %s attention), pool %d tokens",
+             cfg.worker_addr, cfg.host, port, extra, info.model_id, info.device, info.dtype,
              info.attention_backend, info.max_total_num_tokens)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -86,7 +89,10 @@ def main(cfg: WorkerConfig) -> None:
             if not sock.poll(POLL_MS):
                 continue
             identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
-            transport.send(sock, handle(runner, msg), identity)
+            reply = handle(runner, msg)
+            if metrics and reply.HasField("result"):
+                metrics.observe(msg.forward, reply.result)
+            transport.send(sock, reply, identity)
     except KeyboardInterrupt:
         pass
     finally:

@@ -56,6 +56,17 @@ def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
     return get_backend(name)
 
 
+def _context_length(cfg: WorkerConfig, c) -> int:
+    """--context-length or the model's, capped at a sliding window when the model uses one:
+    the attention here is full, which is exact only while the context fits the window."""
+    length = cfg.context_length or c.max_position_embeddings
+    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+    if window and length > window:
+        log.warning("context length capped at the sliding window (%d tokens; full attention beyond is not implemented)", window)
+        return int(window)
+    return int(length)
+
+
 @dataclass
 class _Req:
     """One ForwardRequest, decoded and checked."""
@@ -77,7 +88,7 @@ class ModelRunner:
         self.model, _ = load_model(cfg.model_path, self.dtype, self.device, config=self.hf_config)
         c = self.hf_config
         self.vocab_size = c.vocab_size
-        self.max_context = cfg.context_length or c.max_position_embeddings
+        self.max_context = _context_length(cfg, c)
         self.num_kv_heads = c.num_key_value_heads or c.num_attention_heads
         self.head_dim = head_dim_of(c)
         self.num_parameters = num_parameters(self.model)
@@ -99,10 +110,21 @@ class ModelRunner:
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context, self.device)
         self.sampler = Sampler(cfg.max_running_requests, self.vocab_size, self.device, cfg.random_seed)
         self.eos_token_ids = eos_token_ids(cfg.model_path, c)
+        self.graphs = self._capture_graphs(cfg)
         log.info(
             "worker ready: %d KV slots (%.1f MiB), backend %s, %s on %s",
             self.num_slots, self.kv_pool.nbytes() / 2**20, self.backend_name, self.dtype, self.device,
         )
+
+    def _capture_graphs(self, cfg: WorkerConfig):
+        """Decode CUDA graphs (services/worker/cuda_graph.py) when on CUDA with a backend
+        that reads every per-step size from device buffers (triton)."""
+        if self.device.type != "cuda" or cfg.disable_cuda_graph or self.backend_name != "triton":
+            return None
+        from services.worker.cuda_graph import CudaGraphRunner
+
+        max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        return CudaGraphRunner(self.model, max_bs, self.max_context, self.device)
 
     # ---- info -----------------------------------------------------------------------
 
@@ -136,12 +158,17 @@ class ModelRunner:
         result = engine_pb2.ForwardResult(batch_id=batch.batch_id)
         if not batch.reqs:
             return result
-        reqs, hidden, meta = self._run(batch)
+        reqs, input_ids, positions, meta = self._begin(batch)
         sampled = [i for i, msg in enumerate(batch.reqs) if msg.sample]
+        if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
+            logits = self.graphs.replay(input_ids, positions, meta)[sampled]   # [n, vocab]
+            result.cuda_graph = True
+        else:
+            hidden = self.model.forward(input_ids, positions, meta)
+            last_rows = meta.qo_indptr[1:].long()[sampled] - 1
+            logits = self.model.compute_logits(hidden[last_rows])              # [n, vocab]
         tokens = [engine_pb2.SampledToken(token_id=-1) for _ in reqs]
         if sampled:
-            last_rows = meta.qo_indptr[1:].long()[sampled] - 1
-            logits = self.model.compute_logits(hidden[last_rows])
             out = self.sampler.sample(
                 logits, [reqs[i].req_slot for i in sampled], [batch.reqs[i].allowed_token_mask for i in sampled]
             )
@@ -152,20 +179,20 @@ class ModelRunner:
         return result
 
     def logits(self, batch: engine_pb2.ForwardBatch) -> torch.Tensor:
-        """Like forward (KV written, table updated) but returns the logits of every new
-        token, [T, vocab] float32, and samples nothing. For tests and debugging."""
-        _, hidden, _ = self._run(batch)
-        return self.model.compute_logits(hidden)
+        """Like forward (KV written, table updated, eager) but returns the logits of every
+        new token, [T, vocab] float32, and samples nothing. For tests and debugging."""
+        _, input_ids, positions, meta = self._begin(batch)
+        return self.model.compute_logits(self.model.forward(input_ids, positions, meta))
 
-    def _run(self, batch: engine_pb2.ForwardBatch) -> tuple[list[_Req], torch.Tensor, AttentionMeta]:
+    def _begin(self, batch: engine_pb2.ForwardBatch) -> tuple[list[_Req], torch.Tensor, torch.Tensor, AttentionMeta]:
+        """Checks the whole batch, then updates sampling state and the table; the model inputs."""
         reqs = [self._parse(r, batch.is_decode) for r in batch.reqs]
         self._check_batch(reqs)
         for r, msg in zip(reqs, batch.reqs, strict=True):
             if msg.is_new:
                 params = msg.sampling if msg.HasField("sampling") else None
                 self.sampler.reset_slot(r.req_slot, params, unpack_i32(msg.output_ids))
-        input_ids, positions, meta = self._prepare(reqs, batch.is_decode)
-        return reqs, self.model.forward(input_ids, positions, meta), meta
+        return (reqs, *self._prepare(reqs, batch.is_decode))
 
     def _parse(self, msg: engine_pb2.ForwardRequest, is_decode: bool) -> _Req:
         where = f"request {msg.rid or '?'} (req_slot {msg.req_slot})"

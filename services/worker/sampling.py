@@ -193,7 +193,7 @@ class Sampler:
         top_p = torch.tensor([sp.top_p for sp in specs], device=dev)[:, None]
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove |= mass_before >= top_p
+        remove |= (mass_before >= top_p) & (top_p < 1.0)   # top_p 1: float rounding must not cut the tail
         min_p = torch.tensor([sp.min_p for sp in specs], device=dev)[:, None]
         remove |= probs < min_p * probs[:, :1]
         remove[:, 0] = False

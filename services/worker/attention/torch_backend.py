@@ -53,7 +53,7 @@ class TorchBackend(AttentionBackend):
         valid = cols < seq_lens[:, None]                                          # [B, Lmax]
         idx = (meta.kv_indptr[:-1].long()[:, None] + cols).clamp_(max=max(meta.kv_slots.numel() - 1, 0))
         self._decode_slots = meta.kv_slots[idx].masked_fill_(~valid, 0)
-        # Additive mask (0 / -inf) broadcast over heads: one add per layer, no masked_fill.
+        # Additive mask (0 / -inf) broadcast over heads; forward casts it to q's dtype once.
         mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         self._decode_mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
@@ -77,19 +77,26 @@ class TorchBackend(AttentionBackend):
         k_pool.index_copy_(0, meta.out_slots, k)
         v_pool.index_copy_(0, meta.out_slots, v)
         if meta.is_decode:
+            if self._decode_mask.dtype != q.dtype:
+                self._decode_mask = self._decode_mask.to(q.dtype)
             return self._decode(q, k_pool, v_pool)
         return self._extend_attention(q, k, v, k_pool, v_pool)
 
     def _decode(self, q, k_pool, v_pool) -> torch.Tensor:
-        b = q.shape[0]
-        slots = self._decode_slots
-        keys = k_pool[slots].permute(0, 2, 3, 1)     # keys: [B, KVH, D, Lmax]
-        values = v_pool[slots].transpose(1, 2)        # values: [B, KVH, Lmax, D]
-        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)   # qg: [B, KVH, G, D]
-        scores = torch.matmul(qg, keys).float() * self.sm_scale        # [B, KVH, G, Lmax]
-        probs = torch.softmax(scores + self._decode_mask, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)                             # [B, KVH, G, D]
-        return out.reshape(b, self.num_heads, self.head_dim)
+        b, lmax = self._decode_slots.shape
+        flat = self._decode_slots.view(-1)
+        # index_select copies whole rows (memcpy); advanced indexing is ~10x slower on CPU.
+        keys = k_pool.index_select(0, flat).view(b, lmax, self.num_kv_heads, self.head_dim)
+        values = v_pool.index_select(0, flat).view(b, lmax, self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.view(b, self.num_heads, 1, self.head_dim),   # [B, H, 1, D]
+            keys.transpose(1, 2),                          # [B, KVH, Lmax, D] (a view)
+            values.transpose(1, 2),
+            attn_mask=self._decode_mask,                   # [B, 1, 1, Lmax] 0 / -inf
+            scale=self.sm_scale,
+            enable_gqa=self.group > 1,
+        )
+        return out.view(b, self.num_heads, self.head_dim)
 
     def _extend_attention(self, q, k, v, k_pool, v_pool) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -99,7 +106,7 @@ class TorchBackend(AttentionBackend):
             if item.kv_slots is None:
                 kh, vh = k[s:e], v[s:e]
             else:
-                kh, vh = k_pool[item.kv_slots], v_pool[item.kv_slots]   # [S, KVH, D]
+                kh, vh = k_pool.index_select(0, item.kv_slots), v_pool.index_select(0, item.kv_slots)  # [S, KVH, D]
             kh, vh = kh.transpose(0, 1)[None], vh.transpose(0, 1)[None]  # [1, KVH, S, D]
             o = F.scaled_dot_product_attention(
                 qh, kh, vh,

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the frontend: requests, token counts, latency as clients see it.
+
+Names carry the ``radixserve:`` prefix and SGLang's suffixes (time_to_first_token_seconds,
+e2e_request_latency_seconds, ...) so its dashboards port over. Each frontend owns its
+registry (two frontends in one test process must not collide); the HTTP /metrics page
+shows it beside the default registry's process metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from radixserve.v1 import generation_pb2 as pb
+
+TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+TOKEN_GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+P = "radixserve:"
+
+
+class FrontendMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, {"model_name": model_name}
+        names = list(labels)
+        self.requests = Counter(P + "frontend_requests", "Finished requests", [*names, "finish_reason"], registry=r)
+        self.errors = Counter(P + "frontend_errors", "Requests that ended with a gRPC error", [*names, "code"], registry=r)
+        self.labels = labels
+
+        def counter(name: str, doc: str):
+            return Counter(P + name, doc, names, registry=r).labels(**labels)
+
+        def hist(name: str, doc: str, buckets):
+            return Histogram(P + name, doc, names, buckets=buckets, registry=r).labels(**labels)
+
+        self.prompt_tokens = counter("frontend_prompt_tokens", "Prompt tokens of finished requests")
+        self.cached_tokens = counter("frontend_cached_tokens", "Prompt tokens reused from the radix cache")
+        self.completion_tokens = counter("frontend_completion_tokens", "Tokens streamed to clients")
+        self.ttft = hist("time_to_first_token_seconds", "Arrival at the frontend to the first token", TIME_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Gap between streamed messages, per token", TOKEN_GAP_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival at the frontend to the last message", TIME_BUCKETS)
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts /metrics on host:port (0: a free port); returns the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+    def on_tokens(self, n_tokens: int, since_arrival: float, gap: float | None) -> None:
+        """A message with ``n_tokens`` new tokens; ``gap`` is the time since the previous one."""
+        if gap is None:
+            self.ttft.observe(since_arrival)
+        elif n_tokens:
+            self.itl.observe(gap / n_tokens)
+
+    def on_finish(self, final: pb.GenerateResponse) -> None:
+        self.requests.labels(**self.labels, finish_reason=final.finish_reason).inc()
+        self.prompt_tokens.inc(final.prompt_tokens)
+        self.cached_tokens.inc(final.cached_tokens)
+        self.completion_tokens.inc(final.completion_tokens)
+        self.e2e.observe(final.timings.total_time)
+
+    def on_error(self, code_name: str) -> None:
+        self.errors.labels(**self.labels, code=code_name).inc()

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the worker: how long forward batches take and how big they are."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from radixserve.internal.v1 import engine_pb2
+
+TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+P = "radixserve:"
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "mode"]
+        r = self.registry
+        self.model_name = model_name
+        self.forward_time = Histogram(P + "forward_time_seconds", "Model forward + sampling per batch",
+                                      labels, buckets=TIME_BUCKETS, registry=r)
+        self.batch_size = Histogram(P + "forward_batch_size", "Requests per forward batch",
+                                    labels, buckets=SIZE_BUCKETS, registry=r)
+        self.tokens = Counter(P + "forward_tokens", "Tokens computed by forward batches", labels, registry=r)
+        self.cuda_graph = Counter(P + "cuda_graph_replays", "Decode batches replayed from a CUDA graph",
+                                  ["model_name"], registry=r)
+        self.failures = Counter(P + "forward_failures", "Forward batches that failed", ["model_name"], registry=r)
+
+    def serve(self, host: str, port: int) -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+    def observe(self, batch: engine_pb2.ForwardBatch, result: engine_pb2.ForwardResult) -> None:
+        if result.error:
+            self.failures.labels(self.model_name).inc()
+            return
+        mode = "decode" if batch.is_decode else "prefill"
+        self.forward_time.labels(self.model_name, mode).observe(result.forward_time)
+        self.batch_size.labels(self.model_name, mode).observe(len(batch.reqs))
+        self.tokens.labels(self.model_name, mode).inc(sum(len(r.input_ids) // 4 for r in batch.reqs))
+        if result.cuda_graph:
+            self.cuda_graph.labels(self.model_name).inc()
