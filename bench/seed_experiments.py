@@ -102,8 +102,9 @@ def _chat(messages: list[tuple[str, str]]) -> pb.ChatMessages:
     return pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
 
 
-def start_server(page_size: int, model: Path, max_total_tokens: int, metrics: bool, env: dict[str, str]) -> Client:
-    flags = ["--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens)]
+def start_server(page_size: int, model: Path, max_total_tokens: int, metrics: bool, env: dict[str, str],
+                 extra: tuple[str, ...] = ()) -> Client:
+    flags = ["--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens), *extra]
     mport = free_port() if metrics else None
     if metrics:
         # serve gives the scheduler --metrics-port + 1 (frontend +0, worker +2).
@@ -346,6 +347,10 @@ def make_random_llama(folder: Path, tokenizer_from: Path, seed: int = 0, **overr
     return folder
 
 
+# The frontend's health probe (GetStats, 5 s deadline) waits for the scheduler's loop, so a
+# forward batch longer than ~5 s makes it fail every running request (observed with the
+# default 8192-token prefill batches of this model on a busy 2-core CPU).
+EXP5_PREFILL = 2048
 EXP5_MODEL = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
                   num_key_value_heads=4, head_dim=64, max_position_embeddings=2048)
 
@@ -425,7 +430,7 @@ def exp5_compute(c: Client, model: Path, n: int, prefix_len: int, note: str, img
     s = Section("5. Hits save compute, not just bookkeeping",
                 f"{n} concurrent requests (one thread each), max_tokens 1, a {prefix_len}-token prefix plus "
                 f"an 8-token question each; shared = one prefix, distinct = {n} different prefixes of the "
-                f"same length. Page size 1, flushed before each group. {note}")
+                f"same length. Page size 1, `--max-prefill-tokens {EXP5_PREFILL}`, flushed before each group. {note}")
     cfg = json.loads((model / "config.json").read_text())
     prompts = exp5_prompts(n, prefix_len, cfg["vocab_size"])
     res = {name: run_group(c, ps) for name, ps in prompts.items()}
@@ -455,6 +460,10 @@ def exp5_compute(c: Client, model: Path, n: int, prefix_len: int, note: str, img
                    "token), which 2 x parameters leaves out; it weighs more in a small model with a long "
                    "context than in a 7B one. The last FLOPs column divides by that cost written out "
                    "independently here (linear layers + attention + the LM head of each sampled token).")
+    s.notes.append(f"`--max-prefill-tokens {EXP5_PREFILL}` (default 8192): with 8192-token prefill batches a "
+                   "forward on this CPU takes over 5 s, the frontend's engine health probe (scheduler GetStats, "
+                   "5 s deadline, answered between batches) times out and every running request fails with "
+                   "UNAVAILABLE 'engine 0 is not answering'.")
     s.images.append(plot_exp5(res, params, img_dir))
     return s
 
@@ -490,14 +499,19 @@ def chat_turns_ids(c: Client, turns: int, answer_len: int) -> list[tuple[int, in
     return rows
 
 
+ZEN_STARTS = ["Beautiful is better than", "Explicit is better than", "Simple is better than",
+              "Complex is better than", "Flat is better than", "Sparse is better than",
+              "Readability", "Special cases aren't special enough to"]
+
+
 def chat_turns_template(c: Client, turns: int, answer_len: int) -> list[tuple[int, int, int, int]]:
     """Chat through the model's template (messages re-rendered each turn, the answer as text).
     Returns (prompt, answer, cached, common(prompt, previous prompt + answer ids)) per turn."""
-    msgs = [("system", f"You complete lines of the Zen of Python (page {c.info.page_size}).")]
+    msgs = [("system", "You complete lines of the Zen of Python.")]   # the default model's training prompt
     prev: list[int] = []
     rows = []
     for t in range(turns):
-        msgs.append(("user", f"Turn {t + 1}: Beautiful is better than"))
+        msgs.append(("user", ZEN_STARTS[t % len(ZEN_STARTS)]))
         ids = c.ids(messages=msgs)
         out, text, last = c.run(answer_len, messages=_chat(msgs))
         rows.append((len(ids), len(out), last.cached_tokens, common(ids, prev)))
@@ -703,7 +717,9 @@ def main() -> int:
         sections.insert(1, timed("experiment 2 table", exp2_section, exp2[1], exp2[16], img_dir))
         model5, note5 = exp5_model(args, Path(tmp), z["exp5_prefix"])
         need = z["exp5_n"] * (z["exp5_prefix"] + 10) + 4096
-        with start_server(1, model5, need, metrics=True, env=env) as c:
+        # Prefill batches of at most EXP5_PREFILL tokens: see the note in exp5_compute.
+        with start_server(1, model5, need, metrics=True, env=env,
+                          extra=("--max-prefill-tokens", str(EXP5_PREFILL))) as c:
             sections.append(timed("experiment 5", exp5_compute, c, model5, z["exp5_n"], z["exp5_prefix"], note5, img_dir))
     sections.append(chat_section(chat, z["turns"], z["answer"]))
     sections.append(cs_section(cs, z["cs_n"]))

@@ -338,11 +338,12 @@ class Scheduler:
         if req.logprobs:
             d.logprobs.extend(req.logprobs[req.sent_tokens:])
         req.sent_tokens = len(req.output_ids)
+        # Counts ride on every delta, so a frontend that stops early (stop string) has them.
+        d.prompt_tokens = len(req.input_ids)
+        d.cached_tokens = max(req.cached_tokens, 0)
+        d.completion_tokens = len(req.output_ids)
         if req.finished:
             first = req.first_scheduled or req.finish_time
-            d.prompt_tokens = len(req.input_ids)
-            d.cached_tokens = max(req.cached_tokens, 0)
-            d.completion_tokens = len(req.output_ids)
             d.queue_time = max(0.0, first - req.arrival_time)
             d.prefill_time = max(0.0, (req.first_token_time or req.finish_time) - first)
             d.decode_time = max(0.0, req.finish_time - (req.first_token_time or req.finish_time))
