@@ -65,7 +65,7 @@ def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
-def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> None:
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, stopping=None) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -75,7 +75,7 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> None:
     with torch.no_grad():
         model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, use_cache=True, pad_token_id=0,
+            do_sample=False, use_cache=True, pad_token_id=0, stopping_criteria=stopping,
         )
 
 
@@ -83,14 +83,53 @@ def rs_generate(runner, prompts, new_tokens: int) -> None:
     generate(runner, prompts, new_tokens, stop_at_eos=False)
 
 
+class _StepClock(transformers.StoppingCriteria):
+    """Stamps the time after every token HF generates (it never stops generation)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+class _TimedRunner:
+    """A ModelRunner that stamps the time after every forward (what offline.generate calls)."""
+
+    def __init__(self, runner):
+        self.runner, self.stamps = runner, []
+
+    def info(self):
+        return self.runner.info()
+
+    def forward(self, batch):
+        result = self.runner.forward(batch)
+        self.stamps.append(time.perf_counter())
+        return result
+
+
+def decode_seconds_hf(hf, prompts, new_tokens: int) -> float:
+    """From the first generated token to the last: the decode steps alone."""
+    clock = _StepClock()
+    hf_generate(hf, prompts, new_tokens, stopping=transformers.StoppingCriteriaList([clock]))
+    return clock.stamps[-1] - clock.stamps[0]
+
+
+def decode_seconds_rs(runner, prompts, new_tokens: int) -> float:
+    timed_runner = _TimedRunner(runner)
+    rs_generate(timed_runner, prompts, new_tokens)
+    return timed_runner.stamps[-1] - timed_runner.stamps[0]
+
+
 def decode_rates(runner, hf, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """Decode tokens/s (radixserve, transformers): (full run - prefill-only run) per side."""
-    full_rs, full_hf = timed_pair(
-        lambda: rs_generate(runner, prompts, new_tokens), lambda: hf_generate(hf, prompts, new_tokens), repeats
-    )
-    pre_rs, pre_hf = timed_pair(lambda: rs_generate(runner, prompts, 1), lambda: hf_generate(hf, prompts, 1), repeats)
+    """Decode tokens/s (radixserve, transformers), timing the decode steps inside each run."""
+    rs, ref = [], []
+    for _ in range(repeats):   # interleaved, so that load from other processes hits both alike
+        rs.append(decode_seconds_rs(runner, prompts, new_tokens))
+        ref.append(decode_seconds_hf(hf, prompts, new_tokens))
     tokens = len(prompts) * (new_tokens - 1)
-    return tokens / max(full_rs - pre_rs, 1e-9), tokens / max(full_hf - pre_hf, 1e-9)
+    return tokens / statistics.median(rs), tokens / statistics.median(ref)
 
 
 def decode_batches(runner, prompts: list[list[int]], steps: int) -> list[engine_pb2.ForwardBatch]:

@@ -130,6 +130,7 @@ class Section:
     relations: list[tuple[str, str, bool]] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    claims: bool = False   # relations test a write-up's claim, not radixserve's promise
 
     def check(self, relation: str, measured: str, ok: bool) -> None:
         self.relations.append((relation, measured, bool(ok)))
@@ -229,20 +230,31 @@ def exp2_section(r1: list, r16: list, img_dir: Path) -> Section:
 
 def plot_exp2(r1: list, r16: list, img_dir: Path) -> str:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     xs = range(0, max(sh for _, _, sh, _ in r1 + r16) + 2)
-    ax.plot(xs, xs, color="0.8", lw=1, label="all shared tokens")
-    ax.step(xs, [16 * (x // 16) for x in xs], where="post", color="0.6", lw=1, ls="--", label="16 x floor(shared/16)")
-    ax.plot([r[2] for r in r1], [r[3] for r in r1], "o", ms=4, label="radixserve, page size 1")
-    ax.plot([r[2] for r in r16], [r[3] for r in r16], "s", ms=4, mfc="none", label="radixserve, page size 16")
-    ax.set_xlabel("shared prefix length (tokens)")
-    ax.set_ylabel("cached tokens of the second request")
-    ax.set_title("Experiment 2: hit against shared length")
-    ax.legend(fontsize=8)
+    a1.plot(xs, xs, color="0.8", lw=1, label="all shared tokens")
+    a1.step(xs, [16 * (x // 16) for x in xs], where="post", color="0.6", lw=1, ls="--", label="16 x floor(shared/16)")
+    a1.plot([r[2] for r in r1], [r[3] for r in r1], "o", ms=3, label="page size 1")
+    a1.plot([r[2] for r in r16], [r[3] for r in r16], "s", ms=3, mfc="none", label="page size 16")
+    a1.set_xlabel("shared prefix length (tokens)")
+    a1.set_ylabel("cached tokens of the second request")
+    a1.set_title("hit against shared length")
+    a1.legend(fontsize=8)
+    a2.step(xs, [x % 16 for x in xs], where="post", color="0.6", lw=1, ls="--", label="shared mod 16")
+    a2.plot([r[2] for r in r1], [r[2] - r[3] for r in r1], "o", ms=3, label="page size 1")
+    a2.plot([r[2] for r in r16], [r[2] - r[3] for r in r16], "s", ms=3, mfc="none", label="page size 16")
+    a2.set_xlabel("shared prefix length (tokens)")
+    a2.set_ylabel("shared tokens computed again (shared - hit)")
+    a2.set_title("what the page size leaves on the table")
+    a2.legend(fontsize=8)
+    fig.suptitle("Experiment 2: any shared length is reused at page size 1")
     return _save(fig, img_dir / "seed-exp2-hit-vs-shared.png")
 
 
 # ---- experiment 3 ------------------------------------------------------------------
+
+SETTLE_S = 1.0   # the pool gauges are refreshed when the scheduler goes idle, after the last response
+
 
 def exp3_outlives(c: Client, wait_s: float) -> Section:
     s = Section("3. The cache outlives the request",
@@ -254,21 +266,24 @@ def exp3_outlives(c: Client, wait_s: float) -> Section:
     first = c.run(text=text)[2]
     time.sleep(wait_s)
     second = c.run(text=text)[2]
+    at_once = c.metrics()
+    time.sleep(SETTLE_S)
     after = c.metrics()
     d = {k: after[k] - before.get(k, 0.0) for k in after}
+    d0 = {k: at_once[k] - before.get(k, 0.0) for k in at_once}
     want = {
         "radixserve:prompt_tokens_total": 2 * prompt,
         "radixserve:cached_tokens_total": prompt - 1,
         "radixserve:kv_evictable_tokens": prompt,
         "radixserve:kv_available_tokens": -prompt,
     }
-    s.table(["quantity", "radixserve", "expected"],
-            [["prompt tokens", prompt, "-"], ["cached, first send", first.cached_tokens, 0],
-             ["cached, second send", second.cached_tokens, prompt - 1]]
-            + [[f"delta {k}", f"{d.get(k, float('nan')):g}", v] for k, v in want.items()]
-            + [["radixserve:cache_hit_rate (last batch gauge)", f"{after.get('radixserve:cache_hit_rate', float('nan')):.4f}", f"{(prompt - 1) / prompt:.4f}"],
+    s.table(["quantity", f"radixserve ({SETTLE_S} s after the response)", "read at once after the response", "expected"],
+            [["prompt tokens", prompt, "", "-"], ["cached, first send", first.cached_tokens, "", 0],
+             ["cached, second send", second.cached_tokens, "", prompt - 1]]
+            + [[f"delta {k}", f"{d.get(k, float('nan')):g}", f"{d0.get(k, float('nan')):g}", v] for k, v in want.items()]
+            + [["radixserve:cache_hit_rate (last batch gauge)", f"{after.get('radixserve:cache_hit_rate', float('nan')):.4f}", "", f"{(prompt - 1) / prompt:.4f}"],
                ["cumulative hit rate (cached / prompt counters, this experiment)",
-                f"{d['radixserve:cached_tokens_total'] / max(1, d['radixserve:prompt_tokens_total']):.4f}", f"{(prompt - 1) / (2 * prompt):.4f}"]])
+                f"{d['radixserve:cached_tokens_total'] / max(1, d['radixserve:prompt_tokens_total']):.4f}", "", f"{(prompt - 1) / (2 * prompt):.4f}"]])
     s.check("second send hits prompt - 1", f"{second.cached_tokens} vs {prompt - 1}", second.cached_tokens == prompt - 1 and first.cached_tokens == 0)
     for k, v in want.items():
         s.check(f"delta {k.split(':')[1]} == {v}", f"{d.get(k, float('nan')):g}", d.get(k) == v)
@@ -276,6 +291,11 @@ def exp3_outlives(c: Client, wait_s: float) -> Section:
     s.check("cache_hit_rate gauge == (prompt - 1) / prompt", f"{gauge:.4f}", abs(gauge - (prompt - 1) / prompt) < 1e-6)
     s.notes.append("The per-batch gauge only shows the last prefill batch; the cumulative counters "
                    "(`cached_tokens_total / prompt_tokens_total`) give the stable rate.")
+    lag = [k for k in want if d0.get(k) != want[k]]
+    if lag:
+        s.notes.append(f"Read at once after the response, {', '.join(k.split(':')[1] for k in lag)} still showed the "
+                       "state during the second request's prefill: the pool gauges are refreshed at batches and "
+                       "when the scheduler loop goes idle, which can come after the client has its last message.")
     return s
 
 
@@ -470,17 +490,25 @@ def exp5_compute(c: Client, model: Path, n: int, prefix_len: int, note: str, img
 
 def plot_exp5(res: dict[str, GroupResult], params: int, img_dir: Path) -> str:
     plt = _pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.6))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
     names = list(res)
-    a1.bar(names, [res[k].wall_s for k in names], color=["tab:green", "tab:red"])
+    colors = ["tab:green", "tab:red"]
+    walls = [res[k].wall_s for k in names]
+    a1.bar(names, walls, color=colors)
+    for i, w in enumerate(walls):
+        a1.annotate(f"{w:.2f} s", (i, w), ha="center", va="bottom")
+    a1.set_ylim(0, 1.15 * max(walls))
     a1.set_ylabel("wall time (s)")
     a1.set_title("wall time of the group")
-    a2.bar(names, [res[k].flops / 1e12 for k in names], color=["tab:green", "tab:red"], label="server counter")
-    a2.plot(names, [2 * params * (res[k].prompt - res[k].cached) / 1e12 for k in names], "k_", ms=30, mew=2,
-            label="2 x params x computed")
-    a2.set_ylabel("TFLOPs")
+    flops = [res[k].flops for k in names]
+    a2.bar(names, flops, color=colors, label="server's estimated_flops_total")
+    two_pn = [2 * params * (res[k].prompt - res[k].cached) for k in names]
+    a2.hlines(two_pn, [i - 0.4 for i in range(len(names))], [i + 0.4 for i in range(len(names))],
+              colors="k", lw=2, label="2 x params x computed tokens")
+    a2.set_yscale("log")
+    a2.set_ylabel("FLOPs (log scale)")
     a2.set_title("estimated FLOPs")
-    a2.legend(fontsize=8)
+    a2.legend(fontsize=8, loc="upper left")
     fig.suptitle("Experiment 5: shared against distinct prefixes")
     return _save(fig, img_dir / "seed-exp5-shared-vs-distinct.png")
 
@@ -521,7 +549,7 @@ def chat_turns_template(c: Client, turns: int, answer_len: int) -> list[tuple[in
 
 
 def chat_section(res: dict[int, dict], turns: int, answer_len: int) -> Section:
-    s = Section("Multi-turn chat",
+    s = Section("Multi-turn chat", intro=
                 f"Claim: turn n+1 hits at least all of turn n's prompt and answer. {turns} turns, "
                 f"answers of {answer_len} tokens (greedy). Token level: prompt(n+1) = prompt(n) + answer ids + "
                 "new user message ids. Template: the messages re-rendered by the chat template with the "
@@ -590,23 +618,24 @@ def customer_service(c: Client, n: int, answer_len: int) -> dict[str, tuple[int,
 
 
 def cs_section(res: dict[int, dict], n: int) -> Section:
-    s = Section("Customer-service workload",
+    s = Section("Customer-service workload", claims=True, intro=
                 f"Claim: 96 % hit rate against 23 % for a block-hashing cache. {n} conversations of 128 "
                 "tokens whose first 64 are one shared opening (random token ids), 8 at a time. "
                 "single: each conversation sent once as a 128-token prompt (max_tokens 1); turns: each "
                 "conversation sent 4 times, growing by 8 user tokens + the model's 8-token answer, up to "
-                "128 tokens.")
+                "128 tokens. Here PASS/FAIL says whether the measurement confirms the claim.")
     rows = []
     for page, r in res.items():
         for kind, (p, k) in r.items():
             rows.append([page, kind, p, k, pct(k / p)])
     s.table(["page size", "version", "prompt tokens", "cached", "hit rate"], rows)
-    best = max(k / p for r in res.values() for p, k in r.values())
-    s.check("some version reaches the claimed 96 %", pct(best), best >= 0.96)
-    p1, p16 = res.get(1, {}).get("single"), res.get(16, {}).get("single")
-    if p1 and p16:
-        s.check("page 16 single-shot hit rate far below page 1's (23 % vs 96 %)",
-                f"{pct(p16[1] / p16[0])} vs {pct(p1[1] / p1[0])}", p16[1] / p16[0] < 0.5 * p1[1] / p1[0])
+    best = max(k / p for p, k in res.get(1, {}).values()) if 1 in res else 0.0
+    s.check("claim: a 96 % hit rate (page 1, best version)", pct(best), best >= 0.96)
+    for kind in ("single", "turns"):
+        if 1 in res and 16 in res:
+            r1, r16 = (res[page][kind][1] / res[page][kind][0] for page in (1, 16))
+            s.check(f"claim: a block cache (page 16) gets far less than page 1 (23 % vs 96 %), {kind}",
+                    f"{pct(r16)} vs {pct(r1)}", r16 < 0.5 * r1)
     s.notes.append("A 64-token opening is 4 whole pages of 16, so a page-16 cache keeps all of it; the gap "
                    "between page sizes 1 and 16 here comes only from the partial last page of each turn's "
                    "history. With one send per conversation no cache can pass 64/128 = 50 %: the claimed "
@@ -640,8 +669,9 @@ def write_doc(out: Path, sections: list[Section], header: str) -> None:
 
 
 def summary(sections: list[Section]) -> str:
-    rows = [f"| {s.title} | {sum(ok for *_, ok in s.relations)}/{len(s.relations)} |" for s in sections]
-    return "\n".join(["| experiment | relations passed |", "|---|---|", *rows, ""])
+    rows = [f"| {s.title} | {sum(ok for *_, ok in s.relations)}/{len(s.relations)} "
+            f"{'claims of the second write-up confirmed' if s.claims else 'relations hold'} |" for s in sections]
+    return "\n".join(["| experiment | result |", "|---|---|", *rows, ""])
 
 
 # ---- main ----------------------------------------------------------------------------

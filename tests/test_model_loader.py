@@ -138,3 +138,13 @@ def test_unsampled_chunk_returns_minus_one(runner):
     result = runner.forward(engine_pb2.ForwardBatch(batch_id=7, reqs=[_req(req_slot=1, sample=False)]))
     assert result.batch_id == 7 and [t.token_id for t in result.tokens] == [-1]
     assert result.forward_time > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_precision_runner_generates(tiny_llama_dir, dtype):
+    from services.worker.offline import generate
+
+    r = ModelRunner(WorkerConfig(model_path=str(tiny_llama_dir), device="cpu", dtype=dtype, max_total_tokens=256, max_running_requests=2))
+    assert r.info().dtype == dtype and r.kv_pool.k[0].dtype == getattr(torch, dtype)
+    out = generate(r, [[5, 6, 7], [9, 10, 11, 12, 13]], 6, stop_at_eos=False)
+    assert [len(o) for o in out] == [6, 6] and all(0 <= t < 300 for o in out for t in o)

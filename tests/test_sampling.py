@@ -125,3 +125,18 @@ def test_logprobs_are_log_softmax_of_raw_logits():
         assert [v for _, v in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-6)
     plain = sampler_with(generation_pb2.SamplingParams(temperature=0.0), rows=1).sample(logits[:1], [0], [b""])
     assert plain.logprobs == [None] and plain.top_logprobs == [None]
+
+
+def test_seeded_generation_ignores_batch_company(tiny_llama_dir):
+    """Through the runner: a seeded request draws the same tokens alone or batched."""
+    from services.common.config import WorkerConfig
+    from services.worker.model_runner import ModelRunner
+    from services.worker.offline import generate
+
+    runner = ModelRunner(WorkerConfig(model_path=str(tiny_llama_dir), device="cpu", max_total_tokens=512, max_running_requests=4))
+    params = generation_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    prompt, other = [5, 6, 7, 8], [40, 41]
+    alone = generate(runner, [prompt], 10, params, stop_at_eos=False)[0]
+    batched = generate(runner, [other, prompt], 10, params, stop_at_eos=False)[1]
+    assert alone == batched
+    assert len(set(alone)) > 3

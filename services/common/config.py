@@ -111,7 +111,7 @@ def _env_default(name: str, default, tp: type):
     return tp(raw)
 
 
-def _choices(spec):
+def resolve_choices(spec):
     """A list, or "module:function" naming the registry that lists the names (one place to add one)."""
     if isinstance(spec, str):
         module, fn = spec.split(":")
@@ -137,7 +137,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, seen: set[str
         elif tp is list:
             parser.add_argument(flag, type=lambda s: [x for x in s.split(",") if x], **kw)
         else:
-            parser.add_argument(flag, type=tp, choices=_choices(f.metadata.get("choices")), **kw)
+            parser.add_argument(flag, type=tp, choices=resolve_choices(f.metadata.get("choices")), **kw)
 
 
 def from_args(cls: type, ns: argparse.Namespace, **overrides):

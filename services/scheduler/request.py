@@ -21,7 +21,7 @@ from radixserve.v1 import generation_pb2
 DEFAULT_MAX_TOKENS = 128
 
 
-@dataclass
+@dataclass(eq=False)   # identity: requests are compared in queue lookups, never by value
 class Req:
     rid: str
     identity: bytes                       # the frontend socket that gets this request's output
