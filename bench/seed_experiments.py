@@ -172,7 +172,8 @@ def exp1_branches(c: Client) -> Section:
     a, b, cc = (c.ids(x) for x in (A, B, C))
     hits = [c.run(text=x)[2].cached_tokens for x in (A, B, C)]
     s.table(["request", "prompt tokens", "cached (radixserve)", "common prefix with A", "published: prompt / hit"],
-            [["A", len(a), hits[0], "-", "30 / 0"],
+            [["(P alone, not sent)", len(c.ids(P)), "-", common(a, c.ids(P)), "21 / -"],
+             ["A", len(a), hits[0], "-", "30 / 0"],
              ["B", len(b), hits[1], common(a, b), "? / 21 (= P)"],
              ["C", len(cc), hits[2], common(a, cc), "? / 30 (= all of A)"]])
     s.check("cached(A) == 0 (fresh tree)", str(hits[0]), hits[0] == 0)

@@ -101,7 +101,6 @@ class SchedulerMetrics:
     def on_prefill_batch(self, new_tokens: int, cached: int, sched: Scheduler) -> None:
         if self.enabled:
             self.hit_rate.set(cached / max(1, cached + new_tokens))
-            self.update_gauges(sched)
 
     def on_batch(self, info: engine_pb2.WorkerInfo, items: list[Item]) -> None:
         if self.mfu:

@@ -137,6 +137,9 @@ class Scheduler:
         self.dirty_since_check = True
         result = self._run(items)
         self._apply(items, result)
+        # Before this step's outputs go out, so a client that just got its last token
+        # reads gauges that already count the KV its request left behind.
+        self.metrics.update_gauges(self)
         return True
 
     def _ordered_waiting(self) -> list[Req]:
@@ -426,7 +429,6 @@ class Scheduler:
                  len(self.running) - len(admitted), len(self.waiting))
 
     def _log_decode(self, result: engine_pb2.ForwardResult) -> None:
-        self.metrics.update_gauges(self)
         if self.decode_steps % max(1, self.cfg.decode_log_interval):
             return
         now = time.perf_counter()

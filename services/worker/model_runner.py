@@ -230,43 +230,39 @@ class ModelRunner:
             raise ValueError(f"KV slot out of range [1, {self.num_slots}] (slot 0 is padding)")
 
     def _prepare(self, reqs: list[_Req], is_decode: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
-        """Writes the table rows and builds the batch's tensors (vectorised over tokens)."""
+        """Writes the table rows and builds the batch's tensors (vectorised over tokens).
+
+        Index arithmetic runs on the host (no device sync for sizes); only the results move."""
         dev = self.device
 
-        def tensor(values) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(values, dtype=np.int64), device=dev)
+        def host(values) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
-        req_slots = tensor([r.req_slot for r in reqs])
-        prefix_lens = tensor([r.prefix_len for r in reqs])
-        extend_lens = tensor([len(r.input_ids) for r in reqs])
+        req_slots = host([r.req_slot for r in reqs])
+        prefix_lens = host([r.prefix_len for r in reqs])
+        extend_lens = host([len(r.input_ids) for r in reqs])
         seq_lens = prefix_lens + extend_lens
         new = [i for i, r in enumerate(reqs) if r.prefix_slots is not None and r.prefix_len > 0]
         if new:
-            self.table.write(
-                req_slots[new],
-                torch.zeros(len(new), dtype=torch.int64, device=dev),
-                prefix_lens[new],
-                tensor(np.concatenate([reqs[i].prefix_slots for i in new])),
-            )
-        out_slots = tensor(np.concatenate([r.out_slots for r in reqs]))
+            prefix_slots = host(np.concatenate([reqs[i].prefix_slots for i in new]))
+            self.table.write(req_slots[new], torch.zeros(len(new), dtype=torch.int64), prefix_lens[new], prefix_slots.to(dev))
+        out_slots = host(np.concatenate([r.out_slots for r in reqs])).to(dev)
         self.table.write(req_slots, prefix_lens, extend_lens, out_slots)
-        zero = torch.zeros(1, dtype=torch.int64, device=dev)
-        qo_indptr = torch.cat([zero, torch.cumsum(extend_lens, 0)]).int()
-        kv_indptr = torch.cat([zero, torch.cumsum(seq_lens, 0)]).int()
+        zero = torch.zeros(1, dtype=torch.int64)
         meta = AttentionMeta(
             is_decode=is_decode,
             out_slots=out_slots,
-            qo_indptr=qo_indptr,
-            kv_indptr=kv_indptr,
+            qo_indptr=torch.cat([zero, torch.cumsum(extend_lens, 0)]).int().to(dev),
+            kv_indptr=torch.cat([zero, torch.cumsum(seq_lens, 0)]).int().to(dev),
             kv_slots=self.table.gather(req_slots, seq_lens),
-            prefix_lens=prefix_lens.int(),
-            extend_lens=extend_lens.int(),
-            seq_lens=seq_lens.int(),
-            max_seq_len=max(r.prefix_len + len(r.input_ids) for r in reqs),
-            max_extend_len=max(len(r.input_ids) for r in reqs),
+            prefix_lens=prefix_lens.int().to(dev),
+            extend_lens=extend_lens.int().to(dev),
+            seq_lens=seq_lens.int().to(dev),
+            max_seq_len=int(seq_lens.max()),
+            max_extend_len=int(extend_lens.max()),
         )
-        input_ids = tensor(np.concatenate([r.input_ids for r in reqs]))
-        positions = segment_arange(extend_lens, prefix_lens)
+        input_ids = host(np.concatenate([r.input_ids for r in reqs])).to(dev)
+        positions = segment_arange(extend_lens, prefix_lens).to(dev)
         return input_ids, positions, meta
 
 

@@ -4,7 +4,9 @@
 
 The scheduler owns the bookkeeping; the worker only writes what each ForwardRequest
 says (prefix_slots when is_new, out_slots always) and gathers each request's context.
-Everything here is vectorised: no Python loop per token.
+Everything here is vectorised: no Python loop per token. Index tensors may live on the host
+(the runner computes them there, sizes known without a device sync); they move to the
+table's device for the indexing itself.
 """
 
 from __future__ import annotations
@@ -39,16 +41,12 @@ class ReqToTokenTable:
             return
         rows = torch.repeat_interleave(req_slots, lens, output_size=slots.numel())
         cols = segment_arange(lens, starts)
-        self.table[rows, cols] = slots.to(self.table.dtype)
+        dev = self.table.device
+        self.table[rows.to(dev), cols.to(dev)] = slots.to(device=dev, dtype=self.table.dtype)
 
     def gather(self, req_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Each request's slots of positions [0, seq_lens[b]), concatenated: [sum(seq_lens)] int64."""
         rows = torch.repeat_interleave(req_slots, seq_lens, output_size=int(seq_lens.sum()))
         cols = segment_arange(seq_lens)
-        return self.table[rows, cols].long()
-
-    def padded(self, req_slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-        """[B, max_len] int64 slots, 0 (the padding slot) past each request's length."""
-        rows = self.table[req_slots, :max_len].long()
-        pad = torch.arange(max_len, device=rows.device)[None, :] >= seq_lens[:, None]
-        return rows.masked_fill_(pad, 0)
+        dev = self.table.device
+        return self.table[rows.to(dev), cols.to(dev)].long()

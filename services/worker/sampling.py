@@ -211,7 +211,8 @@ class Sampler:
                 gen = torch.Generator(device=probs.device)
                 gen.manual_seed(step_seed(sp.seed, steps[j]))
                 noise[j].exponential_(generator=gen)
-        return torch.argmax(probs / noise, dim=-1)
+        # A zero draw would make 0/0 = NaN for a zero-probability token.
+        return torch.argmax(probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny), dim=-1)
 
     def _record(self, slots: list[int], token_ids: torch.Tensor) -> None:
         for s in slots:
