@@ -15,7 +15,10 @@ repetition, medians reported):
 Fixed lengths: ignore_eos, greedy. The radix cache is flushed before each server run, so
 no run reuses another's prompt.
 
-    .venv/bin/python bench/bench_streaming.py [--random-30m] [--reps 5] [--out docs/benchmarks.md]
+One torch thread on both sides by default (--threads): on a small shared CPU, OpenMP's
+default of one thread per core stalls at every barrier when another process takes a core.
+
+    .venv/bin/python bench/bench_streaming.py [--random-30m] [--reps 5] [--threads 1] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations

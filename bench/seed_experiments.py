@@ -10,7 +10,7 @@ Experiment 5 needs a ~1,000-token prefix; when the default model's context is sh
 a random-weight Llama with a longer context and the default model's tokenizer is built
 in a temporary folder for it (said so in the document).
 
-    .venv/bin/python bench/seed_experiments.py [--quick] [--out docs/seed-experiments.md]
+    .venv/bin/python bench/seed_experiments.py [--quick] [--out docs/seed-experiments.md] [--threads 1]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,10 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))   # for tests.server_util when run as `python bench/...`
 
 import grpc  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from radixserve.v1 import generation_pb2 as pb  # noqa: E402
-from tests.server_util import DEFAULT_MODEL, Server, free_port, greedy  # noqa: E402
+from tests.server_util import DEFAULT_MODEL, Server, common_prefix, greedy, scrape_metrics  # noqa: E402
 
 # Published figures (SGLang, L40S, Qwen2.5-7B-Instruct-AWQ), from SEED-EXPERIMENTS.md.
 PUBLISHED_5 = {"shared_hit": 0.9587, "shared_s": 3.8, "distinct_hit": 0.0026, "distinct_s": 19.5}
@@ -46,12 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # ---- talking to a server -----------------------------------------------------------
 
-def common(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two id lists."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+common = common_prefix
 
 
 class Client:
@@ -88,14 +81,7 @@ class Client:
 
     def metrics(self) -> dict[str, float]:
         """The scheduler's samples by name (labels summed away; one engine, one model)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        body = urllib.request.urlopen(url, timeout=5).read().decode()
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(body):
-            for s in fam.samples:
-                if "finish_reason" not in s.labels and "le" not in s.labels:
-                    out[s.name] = out.get(s.name, 0.0) + s.value
-        return out
+        return scrape_metrics(self.metrics_port)
 
 
 def _chat(messages: list[tuple[str, str]]) -> pb.ChatMessages:
@@ -105,13 +91,11 @@ def _chat(messages: list[tuple[str, str]]) -> pb.ChatMessages:
 def start_server(page_size: int, model: Path, max_total_tokens: int, metrics: bool, env: dict[str, str],
                  extra: tuple[str, ...] = ()) -> Client:
     flags = ["--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens), *extra]
-    mport = free_port() if metrics else None
     if metrics:
-        # serve gives the scheduler --metrics-port + 1 (frontend +0, worker +2).
-        flags += ["--enable-metrics", "--enable-mfu-metrics", "--metrics-port", str(mport)]
+        flags += ["--enable-mfu-metrics"]
     t0 = time.monotonic()
-    server = Server(*flags, model=model, timeout=600, env=env)
-    client = Client(server, mport + 1 if mport else None)
+    server = Server(*flags, model=model, timeout=600, env=env, metrics=metrics)
+    client = Client(server, server.sched_metrics if metrics else None)
     print(f"# server up in {time.monotonic() - t0:.0f} s: {model.name}, page size {page_size}, "
           f"max_model_len {client.info.max_model_len}, {client.info.max_total_num_tokens} KV slots", flush=True)
     client.run(text="warm up", max_tokens=2)   # first forward pays one-off costs

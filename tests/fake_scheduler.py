@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from concurrent import futures
@@ -19,6 +18,7 @@ from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
 from radixserve.v1 import generation_pb2
 from services.common import transport
 from services.common.config import FrontendConfig
+from tests.server_util import free_port
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -59,12 +59,6 @@ def build_tokenizer(path: Path) -> Path:
     fast.save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID]}))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

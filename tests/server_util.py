@@ -26,12 +26,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_block(n: int) -> tuple[int, list[socket.socket]]:
+    """n consecutive free ports, held open (so free_port() cannot hand them out meanwhile)."""
+    for _ in range(100):
+        held: list[socket.socket] = []
+        base = free_port()
+        try:
+            for p in range(base, base + n):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base, held
+        except OSError:
+            for sock in held:
+                sock.close()
+    raise OSError(f"no block of {n} free ports")
+
+
 class Server:
-    """`radixserve serve` in a subprocess; `stub` talks gRPC to its frontend."""
+    """`radixserve serve` in a subprocess; `stub` talks gRPC to its frontend.
+
+    With metrics=True, /metrics is on: `metrics_port` is the frontend's, the scheduler's is
+    `metrics_port + 1` (`sched_metrics`), the worker's `metrics_port + 2` (serve's convention).
+    """
 
     def __init__(self, *flags: str, model: Path | str = DEFAULT_MODEL, timeout: float = 180.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, metrics: bool = False):
+        held: list[socket.socket] = []
+        if metrics:
+            self.metrics_port, held = _port_block(3)
+            self.sched_metrics = self.metrics_port + 1
+            flags = ("--enable-metrics", "--metrics-port", str(self.metrics_port), *flags)
         self.port, self.http_port = free_port(), free_port()
+        for sock in held:
+            sock.close()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model-path", str(model),
                "--port", str(self.port), "--http-port", str(self.http_port), *flags]
@@ -90,3 +118,24 @@ class Server:
 
 def greedy(max_tokens: int, **extra) -> generation_pb2.SamplingParams:
     return generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A /metrics page as {sample name: value}, summed over labels (one model, one engine);
+    histogram buckets and per-finish-reason counters are left out."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            if "le" not in s.labels and "finish_reason" not in s.labels:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token-id lists."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from tests.server_util import free_port
 
 MODEL_DIR = hr.REPO_ROOT / "models" / "radixserve-zen"
 VENV_BIN = Path(sys.executable).parent
@@ -41,12 +41,6 @@ CONTAINERS = {"worker": ("StatefulSet", True), "scheduler": ("StatefulSet", Fals
               "frontend": ("Deployment", False)}
 POD_NAMES = {"StatefulSet": f"{RELEASE}-radixserve-engine-0", "Deployment": f"{RELEASE}-radixserve-frontend-abc12"}
 BOOT_TIMEOUT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -110,7 +104,7 @@ class Stack:
 def _start(stack_dir: Path) -> Stack:
     assert MODEL_DIR.is_dir(), f"the default model {MODEL_DIR} is missing (scripts/train_default_model.py makes it)"
     docs = hr.manifests(VALUES, release=RELEASE, namespace=NAMESPACE)
-    local = Localizer({p: _free_port() for p in CHART_PORTS})
+    local = Localizer({p: free_port() for p in CHART_PORTS})
     configmap = hr.find(docs, "ConfigMap", "-env")["data"]
     stages = hr.dockerfile_targets()
     blocker = _write_torch_blocker(stack_dir / "no-torch")

@@ -7,17 +7,22 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.v1 import generation_pb2
 from services.common.config import WorkerConfig
-from tests.server_util import DEFAULT_MODEL, REPO, Server, free_port, greedy
+from tests.server_util import (
+    DEFAULT_MODEL,
+    REPO,
+    Server,
+    common_prefix,
+    greedy,
+    scrape_metrics,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,22 +53,9 @@ def offline():
     return run
 
 
-def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            if "le" not in s.labels and "finish_reason" not in s.labels:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
 @pytest.fixture(scope="module")
 def server():
-    mport = free_port()
-    with Server("--enable-metrics", "--metrics-port", str(mport), "--max-total-tokens", "20000",
-                "--max-running-requests", "64") as s:
-        s.sched_metrics = mport + 1
+    with Server("--max-total-tokens", "20000", "--max-running-requests", "64", metrics=True) as s:
         yield s
 
 
@@ -74,7 +66,7 @@ def tokenize(server: Server, text: str) -> list[int]:
 def idle_pool_is_whole(server: Server) -> None:
     deadline = time.monotonic() + 5
     while True:
-        m = scrape(server.sched_metrics)
+        m = scrape_metrics(server.sched_metrics)
         whole = m["radixserve:kv_available_tokens"] + m["radixserve:kv_evictable_tokens"]
         if whole == m["radixserve:max_total_num_tokens"] and m["radixserve:kv_used_tokens"] == 0:
             return
@@ -128,7 +120,7 @@ def test_cancel_half_way_frees_slots(server):
             break
     time.sleep(0.1)
     idle_pool_is_whole(server)
-    m = scrape(server.sched_metrics)
+    m = scrape_metrics(server.sched_metrics)
     assert m["radixserve:num_running_reqs"] == 0
 
 
@@ -162,24 +154,20 @@ def test_small_pool_forces_retraction_and_tokens_stay_right(offline):
     assert "Retract requests" in log
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
 def test_cached_tokens_is_what_the_cache_reused(server):
     assert server.stub.FlushCache(generation_pb2.FlushCacheRequest()).flushed
     text_a = "Errors should never pass silently. Unless explicitly silenced."
     text_b = text_a + " In the face of ambiguity"
     prompt_a, prompt_b = tokenize(server, text_a), tokenize(server, text_b)
-    before = scrape(server.sched_metrics)
+    before = scrape_metrics(server.sched_metrics)
     out_a, _, a = server.generate(text=text_a, sampling=greedy(4))
     _, _, b = server.generate(text=text_b, sampling=greedy(4))
-    after = scrape(server.sched_metrics)
+    after = scrape_metrics(server.sched_metrics)
     reused = after["radixserve:cached_tokens_total"] - before["radixserve:cached_tokens_total"]
     assert a.cached_tokens == 0 and b.cached_tokens == reused
     # The tree holds a's prompt and output but its last token (which never got KV).
     in_tree = prompt_a + out_a[:-1]
-    assert b.cached_tokens == min(_common(in_tree, prompt_b), len(prompt_b) - 1)
+    assert b.cached_tokens == min(common_prefix(in_tree, prompt_b), len(prompt_b) - 1)
 
 
 def test_two_servers_side_by_side_and_generate_cli():

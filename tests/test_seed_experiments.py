@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.v1 import generation_pb2
-from tests.server_util import Server, free_port, greedy
+from tests.server_util import Server, common_prefix, greedy, scrape_metrics
 
 pytestmark = pytest.mark.slow
-
-
-def common(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class Client:
@@ -43,23 +34,13 @@ class Client:
         return self.server.stub.FlushCache(generation_pb2.FlushCacheRequest())
 
     def metrics(self) -> dict[str, float]:
-        """The scheduler's samples by name (labels dropped; one engine, one model)."""
-        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(body.decode()):
-            for s in fam.samples:
-                if "finish_reason" not in s.labels and "le" not in s.labels:
-                    out[s.name] = out.get(s.name, 0.0) + s.value
-        return out
+        return scrape_metrics(self.metrics_port)
 
 
 @pytest.fixture(scope="module")
 def p1():
-    mport = free_port()
-    # serve gives the scheduler --metrics-port + 1 (frontend: +0, worker: +2).
-    with Server("--enable-metrics", "--enable-mfu-metrics", "--metrics-port", str(mport),
-                "--max-total-tokens", "60000") as s:
-        client = Client(s, mport + 1)
+    with Server("--enable-mfu-metrics", "--max-total-tokens", "60000", metrics=True) as s:
+        client = Client(s, s.sched_metrics)
         yield client
         assert client.flush().flushed   # idle at the end: flush is accepted
 
@@ -80,8 +61,8 @@ def test_1_the_tree_grows_branches(p1):
     assert p1.run(text=A).cached_tokens == 0
     cached_b = p1.run(text=B).cached_tokens
     cached_c = p1.run(text=C).cached_tokens
-    assert cached_b == common(a, b)
-    assert cached_c == common(a, c)
+    assert cached_b == common_prefix(a, b)
+    assert cached_c == common_prefix(a, c)
     assert cached_c > cached_b
 
 
@@ -99,7 +80,7 @@ def test_2_any_shared_length_is_reused(p1, p16, n):
         first, second = _pair(client, n, f"Marker {n}-{page} q{n * 7 + page}:")
         client.run(input_ids=generation_pb2.InputIds(ids=first))
         hit = client.run(input_ids=generation_pb2.InputIds(ids=second)).cached_tokens
-        shared = common(first, second)
+        shared = common_prefix(first, second)
         assert shared == len(second) - 1
         want = shared if page == 1 else 16 * (shared // 16)
         assert hit == want, f"page size {page}, N={n}: hit {hit}, want {want}"

@@ -45,6 +45,7 @@ class WorkerConfig:
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs")
     cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
     random_seed: int = _opt(0, "seed for requests that give none")
+    cpu_threads: int = _opt(0, "torch threads on CPU (0: all cores but one, leaving it to the scheduler and frontend)")
     worker_addr: str = _opt("", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)")
     worker_grpc_port: int = _opt(0, "gRPC info/health port of the worker (0: a free port)")
     host: str = _opt("127.0.0.1", "interface the gRPC servers bind")

@@ -32,10 +32,16 @@ class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
         self.sched = sched
 
     def FlushCache(self, request, context):
+        busy = self.sched.snapshot
+        if busy.num_running_reqs or busy.num_queue_reqs:
+            # Refused at once, not after the batch in flight (which may take seconds).
+            return self.sched.busy_flush_reply(busy.num_running_reqs, busy.num_queue_reqs)
         return self.sched.call(self.sched.flush_cache)
 
     def GetStats(self, request, context):
-        return self.sched.call(self.sched.stats)
+        # The snapshot of the last step: answers even while a long batch runs, so the
+        # frontend's health check never mistakes a busy engine for a dead one.
+        return self.sched.snapshot
 
 
 def wait_for_worker(sock: zmq.Socket, addr: str) -> engine_pb2.WorkerInfo:
@@ -89,6 +95,7 @@ def main(cfg: SchedulerConfig) -> None:
     metrics = SchedulerMetrics(info.model_id, cfg.engine_replica, cfg.enable_mfu_metrics,
                                enabled=cfg.enable_metrics)
     sched = Scheduler(cfg, worker, info, metrics)
+    sched.publish_stats()
     frontends = transport.router(ctx, cfg.scheduler_addr)
     server, port = start_control_server(sched, cfg.host, cfg.control_port)
     extra = ""

@@ -109,10 +109,9 @@ class SchedulerMetrics:
             self.read_bytes.inc(read)
             self.write_bytes.inc(write)
 
-    def update_gauges(self, sched: Scheduler) -> None:
+    def update_gauges(self, s: engine_pb2.SchedulerStats) -> None:
         if not self.enabled:
             return
-        s = sched.stats()
         self.running.set(s.num_running_reqs)
         self.queued.set(s.num_queue_reqs)
         self.token_usage.set(s.used_tokens / max(1, s.max_total_num_tokens))

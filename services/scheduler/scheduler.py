@@ -83,6 +83,7 @@ class Scheduler:
         self.commands: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue()
         self.outbox: dict[bytes, list[engine_pb2.TokenDelta]] = {}
         self.dirty_since_check = False
+        self.snapshot = engine_pb2.SchedulerStats()
 
     # ------------------------------------------------------------------ admission --
     def add_request(self, identity: bytes, msg: engine_pb2.TokenizedRequest) -> None:
@@ -139,7 +140,7 @@ class Scheduler:
         self._apply(items, result)
         # Before this step's outputs go out, so a client that just got its last token
         # reads gauges that already count the KV its request left behind.
-        self.metrics.update_gauges(self)
+        self.publish_stats()
         return True
 
     def _ordered_waiting(self) -> list[Req]:
@@ -363,16 +364,25 @@ class Scheduler:
         self.outbox = {}
 
     # ------------------------------------------------------------------ control --
+    @staticmethod
+    def busy_flush_reply(running: int, waiting: int) -> generation_pb2.FlushCacheResponse:
+        return generation_pb2.FlushCacheResponse(
+            flushed=False,
+            message=(f"Cache not flushed: {running} request(s) running and {waiting} waiting; "
+                     "flush when the engine is idle."))
+
     def flush_cache(self) -> generation_pb2.FlushCacheResponse:
         if self.running or self.waiting:
-            return generation_pb2.FlushCacheResponse(
-                flushed=False,
-                message=(f"Cache not flushed: {len(self.running)} request(s) running and "
-                         f"{len(self.waiting)} waiting; flush when the engine is idle."))
+            return self.busy_flush_reply(len(self.running), len(self.waiting))
         self.kv.flush()
-        self.metrics.update_gauges(self)
+        self.publish_stats()
         log.info("Cache flushed.")
         return generation_pb2.FlushCacheResponse(flushed=True, message="Cache flushed.")
+
+    def publish_stats(self) -> None:
+        """Refreshes the snapshot that control calls and gauges read without waiting for the loop."""
+        self.snapshot = self.stats()
+        self.metrics.update_gauges(self.snapshot)
 
     def stats(self) -> engine_pb2.SchedulerStats:
         size = self.kv.cache.size_info()
@@ -412,7 +422,7 @@ class Scheduler:
         if size.protected or self.kv.held_by_requests():
             raise AssertionError(f"idle engine still holds KV: protected={size.protected}, "
                                  f"held_by_requests={self.kv.held_by_requests()}")
-        self.metrics.update_gauges(self)
+        self.publish_stats()
 
     # ------------------------------------------------------------------ logs --
     def token_usage(self) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -10,6 +11,7 @@ import traceback
 from concurrent import futures
 
 import grpc
+import torch
 import zmq
 
 from radixserve.internal.v1 import engine_pb2
@@ -23,6 +25,13 @@ from services.worker.model_runner import ModelRunner
 log = logging.getLogger("radixserve.worker")
 POLL_MS = 100
 _tracer = tracing.tracer("radixserve.worker")
+
+
+def set_cpu_threads(requested: int) -> None:
+    """On a few cores, torch's default (one thread per core) starves the scheduler and the
+    frontend running beside the worker, and decode slows down many times over."""
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(requested or max(1, cores - 1))
 
 
 def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
@@ -72,6 +81,7 @@ def main(cfg: WorkerConfig) -> None:
     tracing.setup_tracing("radixserve-worker", cfg.otlp_traces_endpoint)
     if not cfg.worker_addr:
         raise SystemExit("worker: --worker-addr is required")
+    set_cpu_threads(cfg.cpu_threads)
     runner = ModelRunner(cfg)
     info = runner.info()
     ctx = zmq.Context()
