@@ -352,10 +352,6 @@ def make_random_llama(folder: Path, tokenizer_from: Path, seed: int = 0, **overr
     return folder
 
 
-# The frontend's health probe (GetStats, 5 s deadline) waits for the scheduler's loop, so a
-# forward batch longer than ~5 s makes it fail every running request (observed with the
-# default 8192-token prefill batches of this model on a busy 2-core CPU).
-EXP5_PREFILL = 2048
 EXP5_MODEL = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
                   num_key_value_heads=4, head_dim=64, max_position_embeddings=2048)
 
@@ -435,7 +431,7 @@ def exp5_compute(c: Client, model: Path, n: int, prefix_len: int, note: str, img
     s = Section("5. Hits save compute, not just bookkeeping",
                 f"{n} concurrent requests (one thread each), max_tokens 1, a {prefix_len}-token prefix plus "
                 f"an 8-token question each; shared = one prefix, distinct = {n} different prefixes of the "
-                f"same length. Page size 1, `--max-prefill-tokens {EXP5_PREFILL}`, flushed before each group. {note}")
+                f"same length. Page size 1, default flags, flushed before each group. {note}")
     cfg = json.loads((model / "config.json").read_text())
     prompts = exp5_prompts(n, prefix_len, cfg["vocab_size"])
     res = {name: run_group(c, ps) for name, ps in prompts.items()}
@@ -465,10 +461,6 @@ def exp5_compute(c: Client, model: Path, n: int, prefix_len: int, note: str, img
                    "token), which 2 x parameters leaves out; it weighs more in a small model with a long "
                    "context than in a 7B one. The last FLOPs column divides by that cost written out "
                    "independently here (linear layers + attention + the LM head of each sampled token).")
-    s.notes.append(f"`--max-prefill-tokens {EXP5_PREFILL}` (default 8192): with 8192-token prefill batches a "
-                   "forward on this CPU takes over 5 s, the frontend's engine health probe (scheduler GetStats, "
-                   "5 s deadline, answered between batches) times out and every running request fails with "
-                   "UNAVAILABLE 'engine 0 is not answering'.")
     s.images.append(plot_exp5(res, params, img_dir))
     return s
 
@@ -732,9 +724,7 @@ def main() -> int:
         sections.insert(1, timed("experiment 2 table", exp2_section, exp2[1], exp2[16], img_dir))
         model5, note5 = exp5_model(args, Path(tmp), z["exp5_prefix"])
         need = z["exp5_n"] * (z["exp5_prefix"] + 10) + 4096
-        # Prefill batches of at most EXP5_PREFILL tokens: see the note in exp5_compute.
-        with start_server(1, model5, need, metrics=True, env=env,
-                          extra=("--max-prefill-tokens", str(EXP5_PREFILL))) as c:
+        with start_server(1, model5, need, metrics=True, env=env) as c:
             sections.append(timed("experiment 5", exp5_compute, c, model5, z["exp5_n"], z["exp5_prefix"], note5, img_dir))
     sections.append(chat_section(chat, z["turns"], z["answer"]))
     sections.append(cs_section(cs, z["cs_n"]))

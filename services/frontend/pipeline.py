@@ -188,14 +188,16 @@ class Frontend:
     async def _run(self, treq, ids, queue, arrival, span: RequestSpan) -> AsyncIterator[pb.GenerateResponse]:
         final, error, last_t = None, "CANCELLED", None
         try:
-            async for resp in self._stream(treq, ids, queue, arrival):
-                now = time.time()
-                self.metrics.on_tokens(len(resp.token_ids), now - arrival, None if last_t is None else now - last_t)
-                last_t = now
-                if resp.finish_reason:
-                    final, error = resp, ""
-                    self.metrics.on_finish(resp)
-                yield resp
+            # One child span for the whole response: detokenizing and streaming every delta.
+            with span.child("stream"):
+                async for resp in self._stream(treq, ids, queue, arrival):
+                    now = time.time()
+                    self.metrics.on_tokens(len(resp.token_ids), now - arrival, None if last_t is None else now - last_t)
+                    last_t = now
+                    if resp.finish_reason:
+                        final, error = resp, ""
+                        self.metrics.on_finish(resp)
+                    yield resp
         except FrontendError as e:
             error = e.code.name
             self.metrics.on_error(error)

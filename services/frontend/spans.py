@@ -32,7 +32,8 @@ class RequestSpan:
         if tracing.enabled():
             self._span = _tracer.start_span(
                 "generate", context=tracing.context_from(caller or {}), kind=SpanKind.SERVER,
-                attributes={"gen_ai.request.model": model_id},
+                attributes={"gen_ai.request.model": model_id, "gen_ai.system": "radixserve",
+                            "gen_ai.operation.name": "text_completion"},
             )
 
     @contextmanager
