@@ -183,3 +183,24 @@ def test_eos_stops_unless_ignored():
     msg_sampling = generation_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     sched.add_request(FRONTEND, engine_pb2.TokenizedRequest(rid="b", input_ids=pack_i32(prompt), sampling=msg_sampling))
     assert run(sched)["b"].completion_tokens == 10
+
+
+def test_a_restarted_worker_stops_the_scheduler():
+    """A new worker process has an empty KV pool: the tree's slots would read garbage."""
+    from services.scheduler.scheduler import WorkerError
+
+    worker = FakeWorker(1000)
+    worker.info.instance_id = "first"
+    sched = Scheduler(SchedulerConfig(), FakeWorkerSocket(worker), worker.info)
+    original = worker.forward
+
+    def forward(batch):
+        result = original(batch)
+        result.worker_instance = "first" if batch.batch_id == 1 else "second"
+        return result
+
+    worker.forward = forward
+    submit(sched, "a", list(range(1, 20)), 5)
+    assert sched.step()   # batch 1: same worker
+    with pytest.raises(WorkerError, match="restarted"):
+        sched.step()

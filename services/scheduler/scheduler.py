@@ -280,6 +280,11 @@ class Scheduler:
         reply = self._recv_worker()
         if not reply.HasField("result"):
             raise WorkerError("the worker answered a forward batch with something else")
+        if reply.result.worker_instance != self.info.instance_id:
+            # Its KV pool is new and empty: every slot the tree names is garbage now.
+            raise WorkerError(f"the worker restarted (instance {self.info.instance_id or '?'} -> "
+                              f"{reply.result.worker_instance or '?'}); its KV pool is gone, so the "
+                              "scheduler stops to start over with an empty tree")
         return reply.result
 
     def _recv_worker(self) -> engine_pb2.WorkerToScheduler:
@@ -300,7 +305,6 @@ class Scheduler:
                 self._finish(it.req)
             return
         now = time.time()
-        self._cuda_graph = result.cuda_graph
         for it, tok in zip(items, result.tokens, strict=True):
             req = it.req
             if it.is_prefill:

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 import traceback
+import uuid
 from concurrent import futures
 
 import grpc
@@ -57,9 +58,11 @@ def forward_span(batch: engine_pb2.ForwardBatch):
                     "radixserve.is_decode": batch.is_decode})
 
 
-def handle(runner: ModelRunner, msg: engine_pb2.SchedulerToWorker) -> engine_pb2.WorkerToScheduler:
+def handle(runner: ModelRunner, msg: engine_pb2.SchedulerToWorker, instance: str) -> engine_pb2.WorkerToScheduler:
     if msg.HasField("info"):
-        return engine_pb2.WorkerToScheduler(info=runner.info())
+        info = runner.info()
+        info.instance_id = instance
+        return engine_pb2.WorkerToScheduler(info=info)
     batch = msg.forward
     t0 = time.perf_counter()
     span = forward_span(batch)
@@ -70,6 +73,7 @@ def handle(runner: ModelRunner, msg: engine_pb2.SchedulerToWorker) -> engine_pb2
         result = engine_pb2.ForwardResult(batch_id=batch.batch_id, error=f"{type(e).__name__}: {e}")
     if not result.forward_time:
         result.forward_time = time.perf_counter() - t0
+    result.worker_instance = instance
     if span is not None:
         span.set_attribute("radixserve.cuda_graph", result.cuda_graph)
         span.end()
@@ -84,6 +88,7 @@ def main(cfg: WorkerConfig) -> None:
     set_cpu_threads(cfg.cpu_threads)
     runner = ModelRunner(cfg)
     info = runner.info()
+    instance = uuid.uuid4().hex   # the scheduler notices a restarted worker (an empty KV pool) by it
     ctx = zmq.Context()
     sock = transport.router(ctx, cfg.worker_addr)
     server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
@@ -99,7 +104,7 @@ def main(cfg: WorkerConfig) -> None:
             if not sock.poll(POLL_MS):
                 continue
             identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
-            reply = handle(runner, msg)
+            reply = handle(runner, msg, instance)
             if metrics and reply.HasField("result"):
                 metrics.observe(msg.forward, reply.result)
             transport.send(sock, reply, identity)

@@ -144,25 +144,27 @@ class SampledToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error")
+    __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error", "worker_instance")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_time: float
     cuda_graph: bool
     error: str
-    def __init__(self, batch_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time: _Optional[float] = ..., cuda_graph: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    worker_instance: str
+    def __init__(self, batch_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time: _Optional[float] = ..., cuda_graph: _Optional[bool] = ..., error: _Optional[str] = ..., worker_instance: _Optional[str] = ...) -> None: ...
 
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids", "instance_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +182,7 @@ class WorkerInfo(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -197,7 +200,8 @@ class WorkerInfo(_message.Message):
     head_dim: int
     intermediate_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SchedulerToWorker(_message.Message):
     __slots__ = ("forward", "info")
