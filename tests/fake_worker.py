@@ -9,6 +9,7 @@ computes the same hash over the true sequence. Speaks the real protobuf messages
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 
 from radixserve.internal.v1 import engine_pb2
 from services.common.transport import unpack_i32
@@ -34,6 +35,7 @@ class FakeWorker:
     def __init__(self, num_slots: int, max_running: int = 16, max_model_len: int = 4096):
         self.pool: dict[int, tuple[int, int]] = {}
         self.rows: dict[int, list[int]] = {}
+        self.last: dict[int, int] = {}   # req_slot -> token sampled last (overlap schedule input)
         self.num_slots = num_slots
         self.batches: list[engine_pb2.ForwardBatch] = []
         self.info = engine_pb2.WorkerInfo(
@@ -47,6 +49,9 @@ class FakeWorker:
         result = engine_pb2.ForwardResult(batch_id=batch.batch_id)
         for r in batch.reqs:
             ids, out = unpack_i32(r.input_ids).tolist(), unpack_i32(r.out_slots).tolist()
+            if r.use_last_sampled:
+                assert not ids and r.req_slot in self.last, "use_last_sampled without a sampled token"
+                ids = [self.last[r.req_slot]]
             assert len(ids) == len(out) > 0, "input_ids and out_slots differ in length"
             assert all(0 < s <= self.num_slots for s in out), f"slot out of range in {out}"
             row = self.rows.setdefault(r.req_slot, [])
@@ -62,16 +67,18 @@ class FakeWorker:
                 tok, where = self.pool.get(slot, (-1, -1))
                 context.append(tok if where == pos else -1)   # a slot written for another position
             tok = next_token(context) if r.sample else -1
+            if r.sample:
+                self.last[r.req_slot] = tok
             result.tokens.add(token_id=tok)
         return result
 
 
 class FakeWorkerSocket:
-    """Stands in for the scheduler's DEALER socket: each send is answered synchronously."""
+    """Stands in for the scheduler's DEALER socket: each send is run at once, replies queue up."""
 
     def __init__(self, worker: FakeWorker):
         self.worker = worker
-        self.reply: bytes | None = None
+        self.replies: deque[bytes] = deque()   # in order, as the real worker answers
 
     def send(self, payload, flags: int = 0, copy: bool = True):
         msg = engine_pb2.SchedulerToWorker()
@@ -80,11 +87,10 @@ class FakeWorkerSocket:
             out = engine_pb2.WorkerToScheduler(info=self.worker.info)
         else:
             out = engine_pb2.WorkerToScheduler(result=self.worker.forward(msg.forward))
-        self.reply = out.SerializeToString()
+        self.replies.append(out.SerializeToString())
 
     def poll(self, timeout: int = 0) -> bool:
-        return self.reply is not None
+        return bool(self.replies)
 
     def recv(self, flags: int = 0) -> bytes:
-        reply, self.reply = self.reply, None
-        return reply
+        return self.replies.popleft()

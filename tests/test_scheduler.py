@@ -204,3 +204,28 @@ def test_a_restarted_worker_stops_the_scheduler():
     assert sched.step()   # batch 1: same worker
     with pytest.raises(WorkerError, match="restarted"):
         sched.step()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_overlap_schedule_is_exact_and_really_overlaps(page_size):
+    """Same tokens with and without the overlap schedule, EOS seen a step late included."""
+    rng = random.Random(11)
+    prompts = [rand_prompt(rng, rng.randrange(5, 70)) for _ in range(20)]
+    lengths = [rng.randrange(1, 40) for _ in prompts]
+    eos = expected(prompts[3], 5)[4]    # request 3 stops at its 5th token; others may too
+    got = {}
+    for overlap in (False, True):
+        sched, worker = make(num_slots=900, page_size=page_size, chunked_prefill_size=32,
+                             disable_overlap_schedule=not overlap)
+        sched.info.eos_token_ids.append(eos)
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+            submit(sched, f"r{i}", p, n)
+        got[overlap] = {rid: (list(d.token_ids), d.finish_reason) for rid, d in run(sched).items()}
+        ahead = sum(r.use_last_sampled for b in worker.batches for r in b.reqs)
+        assert (ahead > 0) == overlap
+    assert got[True] == got[False]
+    assert got[True]["r3"] == (expected(prompts[3], 5), "stop")
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        toks = expected(p, n)
+        cut = toks.index(eos) + 1 if eos in toks else n
+        assert got[True][f"r{i}"][0] == toks[:cut]

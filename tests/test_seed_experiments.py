@@ -33,6 +33,13 @@ class Client:
     def flush(self) -> generation_pb2.FlushCacheResponse:
         return self.server.stub.FlushCache(generation_pb2.FlushCacheRequest())
 
+    def fresh(self) -> None:
+        """Flushes once the engine is idle (a cancel from the test before may still be landing)."""
+        deadline = time.monotonic() + 10
+        while not (reply := self.flush()).flushed:
+            assert time.monotonic() < deadline, reply.message
+            time.sleep(0.05)
+
     def metrics(self) -> dict[str, float]:
         return scrape_metrics(self.metrics_port)
 
@@ -42,7 +49,7 @@ def p1():
     with Server("--enable-mfu-metrics", "--max-total-tokens", "60000", metrics=True) as s:
         client = Client(s, s.sched_metrics)
         yield client
-        assert client.flush().flushed   # idle at the end: flush is accepted
+        client.fresh()   # idle at the end: flush is accepted
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +59,7 @@ def p16():
 
 
 def test_1_the_tree_grows_branches(p1):
-    assert p1.flush().flushed
+    p1.fresh()
     P = " Zephyr audit note zf732150a: the operator shall keep every record."
     A = P + " Question one: how long is the period?"
     B = P + " Request two: who may open the archive?"
@@ -89,7 +96,7 @@ def test_2_any_shared_length_is_reused(p1, p16, n):
 
 
 def test_3_the_cache_outlives_the_request(p1):
-    assert p1.flush().flushed
+    p1.fresh()
     text = "The cache outlives the request: a prompt sent twice, five seconds apart, hits."
     prompt = len(p1.ids(text))
     before = p1.metrics()
@@ -108,12 +115,12 @@ def test_3_the_cache_outlives_the_request(p1):
 
 
 def test_4_flush_removes_hits_and_is_refused_while_busy(p1):
-    assert p1.flush().flushed
+    p1.fresh()
     text = "Flushing the tree removes the hits; every token is computed again."
     prompt = len(p1.ids(text))
     p1.run(text=text)
     assert p1.run(text=text).cached_tokens == prompt - 1
-    assert p1.flush().flushed
+    p1.fresh()
     assert p1.run(text=text).cached_tokens == 0
 
     started = threading.Event()
@@ -147,7 +154,7 @@ def test_5_hits_save_compute(p1):
     }
     out = {}
     for name, prompts in groups.items():
-        assert p1.flush().flushed
+        p1.fresh()
         before = p1.metrics()
         with ThreadPoolExecutor(len(prompts)) as pool:
             finals = list(pool.map(lambda t: p1.run(text=t), prompts))

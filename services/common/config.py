@@ -65,6 +65,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = _opt(2048, "prefill at most this many new tokens of one request per batch (-1: no chunking)")
     max_prefill_tokens: int = _opt(8192, "new tokens in one prefill batch at most")
     max_running_requests: int = _opt(64, "requests decoded at once (rows of the request-slot table)")
+    disable_overlap_schedule: bool = _opt(False, "wait for each decode step's tokens before sending the next step")
     scheduler_addr: str = _opt("", "ZeroMQ address the scheduler binds for frontends (default: a per-instance ipc path)")
     worker_addr: str = _opt("", "ZeroMQ address of the worker to drive")
     control_port: int = _opt(0, "gRPC control port (flush, stats, health) (0: a free port)")

@@ -90,15 +90,16 @@ class KVManager:
         del req.kv_slots[keep:]
         self._sync_held(req)
 
-    def commit(self, req: Req) -> bool:
-        """Inserts the request's computed KV into the tree and re-locks the deeper node.
+    def commit(self, req: Req, n: int | None = None) -> bool:
+        """Inserts the KV of the request's first n positions (default: all it has) into the
+        tree and re-locks the deeper node. Slots beyond n (a step already queued) stay its own.
 
         Returns True when the tree already held some of those tokens under other slots:
         the request now reads the tree's slots, so the worker's table row must be rewritten.
         """
-        n = req.kv_len
+        n = req.kv_len if n is None else n
         key = req.fill_ids[:n]
-        res = self.cache.insert_prefix(key, req.kv_slots, req.namespace, req.priority)
+        res = self.cache.insert_prefix(key, req.kv_slots[:n], req.namespace, req.priority)
         dup = req.kv_slots[req.locked_len:res.prefix_len]
         if dup:
             self.allocator.free(dup)

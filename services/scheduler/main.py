@@ -77,6 +77,7 @@ def drain_frontends(sched: Scheduler, sock: zmq.Socket, timeout_ms: int) -> None
         try:
             identity, msg = transport.recv_routed(sock, engine_pb2.FrontendToScheduler, zmq.NOBLOCK)
         except zmq.Again:
+            sched.publish_stats()   # control calls see new and aborted requests at once
             return
         if msg.HasField("generate"):
             sched.add_request(identity, msg.generate)

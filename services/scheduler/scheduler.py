@@ -56,6 +56,7 @@ class Item:
     n: int              # tokens computed
     sample: bool
     is_prefill: bool
+    from_last: bool = False   # input = the token the worker sampled in the batch before (overlap)
 
 
 class Scheduler:
@@ -84,6 +85,7 @@ class Scheduler:
         self.outbox: dict[bytes, list[engine_pb2.TokenDelta]] = {}
         self.dirty_since_check = False
         self.snapshot = engine_pb2.SchedulerStats()
+        self.inflight: tuple[list[Item], int] | None = None   # a batch sent, its result not read
 
     # ------------------------------------------------------------------ admission --
     def add_request(self, identity: bytes, msg: engine_pb2.TokenizedRequest) -> None:
@@ -129,19 +131,58 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batches --
     def step(self) -> bool:
-        """Runs one batch if there is work; returns False when idle."""
-        items = self._build_prefill()
-        if not items:
-            items = self._build_decode()
-        if not items:
-            return False
-        self.dirty_since_check = True
-        result = self._run(items)
-        self._apply(items, result)
+        """Runs one batch if there is work; returns False when idle.
+
+        Overlap schedule: while the worker runs batch N, the next decode step N+1 is built
+        and queued behind it (its requests' input is the token the worker samples in N), so
+        the scheduler's own work hides behind the forward. Stop conditions are then seen one
+        step late; the extra step's token of a request that finished is dropped.
+        """
+        if self.inflight is None:
+            items = self._build_prefill() or self._build_decode()
+            if not items:
+                return False
+            self.dirty_since_check = True
+            self._send(items)
+        current, self.inflight = self.inflight, None
+        if not self.cfg.disable_overlap_schedule and not self.waiting:
+            ahead = self._build_lookahead(current[0])
+            if ahead:
+                self._send(ahead)
+        result = self._recv_result(current[1])
+        self._apply(current[0], result)
         # Before this step's outputs go out, so a client that just got its last token
         # reads gauges that already count the KV its request left behind.
         self.publish_stats()
         return True
+
+    def _build_lookahead(self, current: list[Item]) -> list[Item]:
+        """The decode step after ``current``, built before current's tokens are known."""
+        pending = {id(it.req) for it in current if it.sample}
+        items: list[Item] = []
+        for req in self.running:
+            if req.in_prefill:
+                break   # a chunked prefill runs next: no lookahead
+            if id(req) in pending:
+                # Its length stop is known now; a dirty table row needs the full output ids.
+                if req.table_dirty or len(req.output_ids) + 1 >= req.max_new_tokens \
+                        or req.seq_len + 1 >= self.max_model_len:
+                    continue
+                from_last = True
+            elif req.kv_len == req.seq_len - 1:
+                from_last = False
+            else:
+                continue
+            if self.kv.grow(req, 1) is None:
+                break
+            req.lookahead = from_last
+            items.append(Item(req, req.kv_len - 1, 1, True, False, from_last))
+        else:
+            return items
+        for it in items:   # not all of them fit, or a prefill comes first: take it all back
+            self.kv.shrink(it.req, 1)
+            it.req.lookahead = False
+        return []
 
     def _ordered_waiting(self) -> list[Req]:
         return schedule_policy.order(self.cfg.schedule_policy, self.waiting, self.kv.cache)
@@ -246,6 +287,11 @@ class Scheduler:
     def _leave_running(self, req: Req, cache_it: bool) -> None:
         if req in self.running:
             self.running.remove(req)
+        if req.lookahead:
+            # The queued step computes a token nobody will read: give back its slot (the
+            # worker runs batches in order, so the slot's next owner writes after it).
+            self.kv.shrink(req, 1)
+            req.lookahead = False
         self.kv.release(req, cache_it=cache_it and not self.cfg.disable_radix_cache)
         if req.req_slot is not None:
             self.table.free(req.req_slot)
@@ -256,8 +302,11 @@ class Scheduler:
         req = it.req
         fr = engine_pb2.ForwardRequest(
             req_slot=req.req_slot, rid=req.rid, prefix_len=it.start, sample=it.sample,
-            input_ids=pack_i32(req.fill_ids[it.start:it.start + it.n]),
             out_slots=pack_i32(req.kv_slots[it.start:it.start + it.n]))
+        if it.from_last:
+            fr.use_last_sampled = True
+        else:
+            fr.input_ids = pack_i32(req.fill_ids[it.start:it.start + it.n])
         if req.table_dirty:
             fr.is_new = True
             fr.prefix_slots = pack_i32(req.kv_slots[:it.start])
@@ -267,7 +316,7 @@ class Scheduler:
             req.table_dirty = False
         return fr
 
-    def _run(self, items: list[Item]) -> engine_pb2.ForwardResult:
+    def _send(self, items: list[Item]) -> None:
         self.batch_id += 1
         batch = engine_pb2.ForwardBatch(batch_id=self.batch_id,
                                         is_decode=not any(it.is_prefill for it in items))
@@ -277,9 +326,12 @@ class Scheduler:
         batch.trace_links.extend(links)
         self.metrics.on_batch(self.info, items)
         transport.send(self.worker, engine_pb2.SchedulerToWorker(forward=batch))
+        self.inflight = (items, self.batch_id)
+
+    def _recv_result(self, batch_id: int) -> engine_pb2.ForwardResult:
         reply = self._recv_worker()
-        if not reply.HasField("result"):
-            raise WorkerError("the worker answered a forward batch with something else")
+        if not reply.HasField("result") or reply.result.batch_id != batch_id:
+            raise WorkerError(f"the worker answered batch {batch_id} with something else")
         if reply.result.worker_instance != self.info.instance_id:
             # Its KV pool is new and empty: every slot the tree names is garbage now.
             raise WorkerError(f"the worker restarted (instance {self.info.instance_id or '?'} -> "
@@ -298,6 +350,8 @@ class Scheduler:
         if result.error:
             log.error("worker failed batch %d: %s", result.batch_id, result.error)
             for it in items:
+                if it.req.finished:
+                    continue
                 if it.req in self.running:
                     self._leave_running(it.req, cache_it=False)
                 it.req.finish_reason, it.req.error_code = "abort", "INTERNAL"
@@ -307,10 +361,14 @@ class Scheduler:
         now = time.time()
         for it, tok in zip(items, result.tokens, strict=True):
             req = it.req
+            if req.finished:
+                continue   # finished (or aborted) while this step was queued: its token is moot
+            if it.from_last:
+                req.lookahead = False
             if it.is_prefill:
                 request_spans.on_prefill_chunk(req, it.n)
                 if not self.cfg.disable_radix_cache:
-                    self.kv.commit(req)
+                    self.kv.commit(req, it.start + it.n)
             if not it.sample:
                 continue
             req.output_ids.append(tok.token_id)

@@ -111,6 +111,8 @@ class ModelRunner:
         self.sampler = Sampler(cfg.max_running_requests, self.vocab_size, self.device, cfg.random_seed)
         self.eos_token_ids = eos_token_ids(cfg.model_path, c)
         self.graphs = self._capture_graphs(cfg)
+        # The last token sampled per request slot: the input of an overlap-scheduled decode.
+        self.last_sampled = np.full(cfg.max_running_requests, -1, dtype=np.int64)
         log.info(
             "worker ready: %d KV slots (%.1f MiB), backend %s, %s on %s",
             self.num_slots, self.kv_pool.nbytes() / 2**20, self.backend_name, self.dtype, self.device,
@@ -174,6 +176,7 @@ class ModelRunner:
             )
             for j, i in enumerate(sampled):
                 tokens[i] = _sampled_token(out, j)
+                self.last_sampled[reqs[i].req_slot] = out.token_ids[j]
         result.tokens.extend(tokens)
         result.forward_time = time.perf_counter() - start
         return result
@@ -199,6 +202,11 @@ class ModelRunner:
         if not 0 <= msg.req_slot < self.cfg.max_running_requests:
             raise ValueError(f"{where}: req_slot out of range [0, {self.cfg.max_running_requests})")
         ids, out_slots = unpack_i32(msg.input_ids), unpack_i32(msg.out_slots)
+        if msg.use_last_sampled:
+            last = int(self.last_sampled[msg.req_slot])
+            if last < 0 or len(ids):
+                raise ValueError(f"{where}: use_last_sampled needs empty input_ids and a token sampled before")
+            ids = np.array([last], dtype=np.int32)
         if len(ids) == 0:
             raise ValueError(f"{where}: no input_ids")
         if len(out_slots) != len(ids):
