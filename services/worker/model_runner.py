@@ -195,6 +195,8 @@ class ModelRunner:
             if msg.is_new:
                 params = msg.sampling if msg.HasField("sampling") else None
                 self.sampler.reset_slot(r.req_slot, params, unpack_i32(msg.output_ids))
+                if not msg.use_last_sampled:   # a new owner of the slot: forget the old token
+                    self.last_sampled[r.req_slot] = -1
         return (reqs, *self._prepare(reqs, batch.is_decode))
 
     def _parse(self, msg: engine_pb2.ForwardRequest, is_decode: bool) -> _Req:
