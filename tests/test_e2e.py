@@ -47,8 +47,8 @@ def offline():
     runner = ModelRunner(WorkerConfig(model_path=str(DEFAULT_MODEL), device="cpu", max_total_tokens=8192,
                                       max_running_requests=16))
 
-    def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return generate(runner, prompts, max_tokens)
+    def run(prompts: list[list[int]], max_tokens: int, stop_at_eos: bool = True) -> list[list[int]]:
+        return generate(runner, prompts, max_tokens, stop_at_eos=stop_at_eos)
 
     return run
 
@@ -143,12 +143,14 @@ def test_bad_input_is_rejected_and_server_keeps_serving(server, kw, field):
 
 def test_small_pool_forces_retraction_and_tokens_stay_right(offline):
     ids_text = [PROMPTS[i] for i in range(6)]
+    # 6 x (prompt + 100) tokens of KV against a 256-slot pool: retraction is certain once
+    # three run together, however the requests' arrivals spread.
     with Server("--max-total-tokens", "256", "--chunked-prefill-size", "32") as s:
         ids = [tokenize(s, t) for t in ids_text]
-        want = offline(ids, 60)
+        want = offline(ids, 100, stop_at_eos=False)
         with ThreadPoolExecutor(6) as pool:
             got = list(pool.map(lambda p: s.generate(input_ids=generation_pb2.InputIds(ids=p),
-                                                     sampling=greedy(60))[0], ids))
+                                                     sampling=greedy(100, ignore_eos=True))[0], ids))
         log = s.output()
     assert got == want
     assert "Retract requests" in log
