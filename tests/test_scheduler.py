@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -34,12 +35,11 @@ def run(sched: Scheduler, max_steps: int = 100_000, on_step=None) -> dict[str, e
     final: dict[str, engine_pb2.TokenDelta] = {}
     for step in range(max_steps):
         worked = sched.step()
-        for deltas in sched.outbox.values():
+        for deltas in sched.outbox.take().values():
             for d in deltas:
                 tokens.setdefault(d.rid, []).extend(d.token_ids)
                 if d.finish_reason:
                     final[d.rid] = d
-        sched.outbox = {}
         if on_step:
             on_step(step)
         if not worked:
@@ -229,3 +229,16 @@ def test_overlap_schedule_is_exact_and_really_overlaps(page_size):
         toks = expected(p, n)
         cut = toks.index(eos) + 1 if eos in toks else n
         assert got[True][f"r{i}"][0] == toks[:cut]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_batch_log_lines_in_sglang_format(overlap, caplog):
+    sched, _ = make(decode_log_interval=5, disable_overlap_schedule=not overlap)
+    submit(sched, "a", list(range(1, 26)), 30)
+    with caplog.at_level("INFO", logger="radixserve.scheduler"):
+        run(sched)
+    assert re.search(r"Prefill batch\. #new-seq: 1, #new-token: 25, #cached-token: 0, token usage: \d\.\d\d, "
+                     r"#running-req: 0, #queue-req: 0, cuda graph: False", caplog.text)
+    decode = re.findall(r"Decode batch\. #running-req: \d+, #token: \d+, token usage: \d\.\d\d, cuda graph: False, "
+                        r"gen throughput \(token/s\): [\d.]+, #queue-req: 0", caplog.text)
+    assert len(decode) == 29 // 5   # 29 decode steps after the prefill's first token

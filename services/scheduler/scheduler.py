@@ -24,8 +24,10 @@ from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32, unpack_i32
 from services.scheduler import request_spans, schedule_policy
 from services.scheduler.allocator import KVSlotAllocator
+from services.scheduler.batch_log import BatchLog
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.outbox import Outbox
 from services.scheduler.radix_cache import create_prefix_cache
 from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
@@ -78,11 +80,9 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.batch_id = 0
-        self.decode_steps = 0
-        self.decode_tokens_since_log = 0
-        self.last_decode_log = time.perf_counter()
+        self.batch_log = BatchLog(cfg.decode_log_interval)
         self.commands: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue()
-        self.outbox: dict[bytes, list[engine_pb2.TokenDelta]] = {}
+        self.outbox = Outbox()
         self.dirty_since_check = False
         self.snapshot = engine_pb2.SchedulerStats()
         self.inflight: tuple[list[Item], int] | None = None   # a batch sent, its result not read
@@ -256,9 +256,6 @@ class Scheduler:
                 if not self._retract_one(keep=req):
                     raise WorkerError("decode cannot get one KV slot even after retracting every other request")
             items.append(Item(req, req.kv_len - 1, 1, True, False))
-        if items:
-            self.decode_steps += 1
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         # A request retracted after it got its slot this step must not run.
         return [it for it in items if it.req in self.running]
 
@@ -385,8 +382,7 @@ class Scheduler:
             else:
                 self._emit(req)
         if not any(it.is_prefill for it in items):
-            self.decode_tokens_since_log += len(items)
-            self._log_decode(result)
+            self._after_decode(len(items), result)
 
     # ------------------------------------------------------------------ output --
     def _finish(self, req: Req) -> None:
@@ -397,33 +393,11 @@ class Scheduler:
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
-        new = req.output_ids[req.sent_tokens:]
-        d = engine_pb2.TokenDelta(rid=req.rid, token_ids=new, finish_reason=req.finish_reason,
-                                  finish_message=req.finish_message, error_code=req.error_code,
-                                  matched_stop_token=req.matched_stop_token)
-        if req.logprobs:
-            d.logprobs.extend(req.logprobs[req.sent_tokens:])
-        req.sent_tokens = len(req.output_ids)
-        # Counts ride on every delta, so a frontend that stops early (stop string) has them.
-        d.prompt_tokens = len(req.input_ids)
-        d.cached_tokens = max(req.cached_tokens, 0)
-        d.completion_tokens = len(req.output_ids)
-        if req.finished:
-            first = req.first_scheduled or req.finish_time
-            d.queue_time = max(0.0, first - req.arrival_time)
-            d.prefill_time = max(0.0, (req.first_token_time or req.finish_time) - first)
-            d.decode_time = max(0.0, req.finish_time - (req.first_token_time or req.finish_time))
-        self.outbox.setdefault(req.identity, []).append(d)
+        self.outbox.add(req)
 
     def flush_outbox(self, sock: zmq.Socket) -> None:
-        for identity, deltas in self.outbox.items():
-            try:
-                transport.send(sock, engine_pb2.SchedulerToFrontend(outputs=deltas), identity)
-            except zmq.ZMQError as e:   # the frontend went away; its requests are aborted below
-                log.warning("frontend %r unreachable (%s); aborting its requests", identity, e)
-                for d in deltas:
-                    self.abort(d.rid, "frontend disconnected")
-        self.outbox = {}
+        for rid in self.outbox.flush(sock):
+            self.abort(rid, "frontend disconnected")
 
     # ------------------------------------------------------------------ control --
     @staticmethod
@@ -495,21 +469,14 @@ class Scheduler:
         new_tokens = sum(it.n for it in items)
         cached = sum(max(r.cached_tokens, 0) for r in admitted)
         self.metrics.on_prefill_batch(new_tokens, cached, self)
-        log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                 "#running-req: %d, #queue-req: %d, cuda graph: False",
-                 len(admitted), new_tokens, cached, self.token_usage(),
-                 len(self.running) - len(admitted), len(self.waiting))
+        self.batch_log.prefill(len(admitted), new_tokens, cached, self.token_usage(),
+                               len(self.running) - len(admitted), len(self.waiting))
 
-    def _log_decode(self, result: engine_pb2.ForwardResult) -> None:
-        if self.decode_steps % max(1, self.cfg.decode_log_interval):
-            return
-        now = time.perf_counter()
-        tput = self.decode_tokens_since_log / max(1e-9, now - self.last_decode_log)
-        self.last_decode_log, self.decode_tokens_since_log = now, 0
-        log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
-                 "gen throughput (token/s): %.2f, #queue-req: %d",
-                 len(self.running), sum(r.kv_len for r in self.running), self.token_usage(),
-                 result.cuda_graph, tput, len(self.waiting))
+    def _after_decode(self, n_tokens: int, result: engine_pb2.ForwardResult) -> None:
+        # Every decode step (however it was built) lowers the reserve a little.
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.batch_log.decode(n_tokens, len(self.running), sum(r.kv_len for r in self.running),
+                              self.token_usage(), result.cuda_graph, len(self.waiting))
 
 
 def usable_slots(pool_slots: int, page_size: int) -> int:
