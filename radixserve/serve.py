@@ -75,10 +75,11 @@ def spawn(name: str, cfg) -> subprocess.Popen:
     return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 
 
-def healthy(addr: str) -> bool:
+def healthy(addr: str, timeout: float = 1.0) -> bool:
+    """What the kubelet's gRPC probe asks: grpc.health.v1 Check of service "" is SERVING."""
     try:
         with grpc.insecure_channel(addr) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False

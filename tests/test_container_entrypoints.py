@@ -24,8 +24,8 @@ from pathlib import Path
 import grpc
 import helm_render as hr
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from radixserve.serve import healthy
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.server_util import free_port
 
@@ -139,13 +139,7 @@ def _stop(stack: Stack) -> None:
 
 
 def _probe_ok(addr: str) -> bool:
-    """What the kubelet's `grpc: {port: N}` probe asks: grpc.health.v1 Check of service ""."""
-    try:
-        with grpc.insecure_channel(addr) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+    return healthy(addr, timeout=2)
 
 
 def _probe_addrs(stack: Stack) -> dict[str, str]:
