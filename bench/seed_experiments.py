@@ -21,7 +21,6 @@ import random
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))   # for tests.server_util when run as `python bench/...`
 
-import grpc  # noqa: E402
 
 from radixserve.v1 import generation_pb2 as pb  # noqa: E402
-from tests.server_util import DEFAULT_MODEL, Server, common_prefix, greedy, scrape_metrics  # noqa: E402
+from tests.server_util import (  # noqa: E402
+    DEFAULT_MODEL,
+    BackgroundStream,
+    Server,
+    common_prefix,
+    greedy,
+    scrape_metrics,
+)
 
 # Published figures (SGLang, L40S, Qwen2.5-7B-Instruct-AWQ), from SEED-EXPERIMENTS.md.
 PUBLISHED_5 = {"shared_hit": 0.9587, "shared_s": 3.8, "distinct_hit": 0.0026, "distinct_s": 19.5}
@@ -311,22 +316,10 @@ def exp4_flush(c: Client) -> Section:
 
 def flush_while_running(c: Client, text: str) -> tuple[pb.FlushCacheResponse, int]:
     """A flush asked for while a long request streams; then the cached hit of `text`."""
-    started = threading.Event()
-    call = c.server.stub.Generate(pb.GenerateRequest(text="A long one.", sampling=greedy(400, ignore_eos=True)), timeout=300)
-
-    def consume() -> None:
-        try:
-            for _ in call:
-                started.set()
-        except grpc.RpcError:
-            pass
-
-    t = threading.Thread(target=consume)
-    t.start()
-    started.wait(120)
+    stream = BackgroundStream(c.server, timeout=300)
+    stream.started.wait(120)
     refused = c.flush()
-    call.cancel()
-    t.join(60)
+    stream.stop(60)
     return refused, c.run(text=text)[2].cached_tokens
 
 

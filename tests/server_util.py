@@ -139,3 +139,27 @@ def scrape_metrics(port: int) -> dict[str, float]:
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token-id lists."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+class BackgroundStream:
+    """A long greedy Generate consumed on a thread, so a test can act while it runs."""
+
+    def __init__(self, server: Server, text: str = "A long one.", max_tokens: int = 400, timeout: float = 120):
+        import threading
+
+        self.started = threading.Event()
+        self.call = server.stub.Generate(generation_pb2.GenerateRequest(
+            text=text, sampling=greedy(max_tokens, ignore_eos=True)), timeout=timeout)
+        self._thread = threading.Thread(target=self._consume)
+        self._thread.start()
+
+    def _consume(self) -> None:
+        try:
+            for _ in self.call:
+                self.started.set()
+        except grpc.RpcError:   # cancelled by stop()
+            pass
+
+    def stop(self, timeout: float = 30) -> None:
+        self.call.cancel()
+        self._thread.join(timeout)

@@ -6,15 +6,13 @@ server reports for X, common(X, Y) the common prefix of their token ids (from To
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
 from radixserve.v1 import generation_pb2
-from tests.server_util import Server, common_prefix, greedy, scrape_metrics
+from tests.server_util import BackgroundStream, Server, common_prefix, greedy, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -123,23 +121,10 @@ def test_4_flush_removes_hits_and_is_refused_while_busy(p1):
     p1.fresh()
     assert p1.run(text=text).cached_tokens == 0
 
-    started = threading.Event()
-    call = p1.server.stub.Generate(generation_pb2.GenerateRequest(
-        text="A long one.", sampling=greedy(400, ignore_eos=True)), timeout=120)
-
-    def consume():
-        try:
-            for _ in call:
-                started.set()
-        except grpc.RpcError:
-            pass
-
-    t = threading.Thread(target=consume)
-    t.start()
-    assert started.wait(60)
+    stream = BackgroundStream(p1.server)
+    assert stream.started.wait(60)
     refused = p1.flush()
-    call.cancel()
-    t.join(30)
+    stream.stop()
     assert not refused.flushed
     assert "running" in refused.message and "1 request(s) running" in refused.message
 
