@@ -242,3 +242,15 @@ def test_batch_log_lines_in_sglang_format(overlap, caplog):
     decode = re.findall(r"Decode batch\. #running-req: \d+, #token: \d+, token usage: \d\.\d\d, cuda graph: False, "
                         r"gen throughput \(token/s\): [\d.]+, #queue-req: 0", caplog.text)
     assert len(decode) == 29 // 5   # 29 decode steps after the prefill's first token
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_finished_request_leaves_all_but_its_last_token(overlap):
+    """A stop seen a step late (overlap) still leaves prompt + output - 1 tokens in the tree."""
+    prompt = list(range(1, 30))
+    sched, _ = make(disable_overlap_schedule=not overlap)
+    sched.info.eos_token_ids.append(expected(prompt, 6)[5])   # stops at its 6th token
+    submit(sched, "a", prompt, 50)
+    got = run(sched)["a"]
+    assert (got.finish_reason, got.completion_tokens) == ("stop", 6)
+    assert sched.kv.cache.size_info().evictable == len(prompt) + 6 - 1

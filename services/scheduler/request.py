@@ -39,7 +39,7 @@ class Req:
     node: Any = None                      # the tree node locked for this request
     req_slot: int | None = None           # row of the request-slot table while running
     table_dirty: bool = True              # the worker's row must be (re)written: send is_new
-    lookahead: bool = False               # a queued step computes its next token (overlap schedule)
+    lookahead: int = 0                    # id of a queued batch that computes its next token (overlap)
     cached_tokens: int = -1               # prompt tokens reused at first admission (-1: not yet)
     sent_tokens: int = 0                  # output tokens already streamed to the frontend
     logprobs: list = field(default_factory=list)

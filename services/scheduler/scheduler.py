@@ -175,13 +175,13 @@ class Scheduler:
                 continue
             if self.kv.grow(req, 1) is None:
                 break
-            req.lookahead = from_last
+            req.lookahead = self.batch_id + 1   # the id _send will give this batch
             items.append(Item(req, req.kv_len - 1, 1, True, False, from_last))
         else:
             return items
         for it in items:   # not all of them fit, or a prefill comes first: take it all back
             self.kv.shrink(it.req, 1)
-            it.req.lookahead = False
+            it.req.lookahead = 0
         return []
 
     def _ordered_waiting(self) -> list[Req]:
@@ -288,7 +288,7 @@ class Scheduler:
             # The queued step computes a token nobody will read: give back its slot (the
             # worker runs batches in order, so the slot's next owner writes after it).
             self.kv.shrink(req, 1)
-            req.lookahead = False
+            req.lookahead = 0
         self.kv.release(req, cache_it=cache_it and not self.cfg.disable_radix_cache)
         if req.req_slot is not None:
             self.table.free(req.req_slot)
@@ -360,8 +360,8 @@ class Scheduler:
             req = it.req
             if req.finished:
                 continue   # finished (or aborted) while this step was queued: its token is moot
-            if it.from_last:
-                req.lookahead = False
+            if req.lookahead == result.batch_id:
+                req.lookahead = 0   # no step of it in flight any more (a later one may be)
             if it.is_prefill:
                 request_spans.on_prefill_chunk(req, it.n)
                 if not self.cfg.disable_radix_cache:
