@@ -27,6 +27,7 @@ def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list
     """(prompt, output) per request, shuffled. Each prompt is rebuilt from packed int32
     (as a deserialised request would be), so no two requests share int objects: key
     comparisons cost what they cost in the server, not a pointer compare."""
+
     def ids(n: int) -> list[int]:
         return [rng.randrange(args.vocab) for _ in range(n)]
 
@@ -42,12 +43,14 @@ def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list
     return trace
 
 
-def serve_one(cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]) -> int:
+def serve_one(
+    cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
+) -> int:
     """One request's KV bookkeeping, as the scheduler does it; returns the cached length."""
     m = cache.match_prompt(prompt)
     cache.lock_handle(m.node)
     cached = len(m.slots)
-    n_new = len(prompt) - cached + len(output)          # uncached prompt + every output token
+    n_new = len(prompt) - cached + len(output)  # uncached prompt + every output token
     short = alloc.slots_needed(n_new, cached) - alloc.num_free
     if short > 0:
         cache.evict(short)
@@ -55,18 +58,18 @@ def serve_one(cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], outp
     if new is None:
         raise RuntimeError("pool too small for one request")
     slots = m.slots + new
-    seq = prompt + output[:-1]                          # the last output token has no KV
+    seq = prompt + output[:-1]  # the last output token has no KV
     res = cache.insert_prefix(seq, slots[:-1])
     kept = len(seq) - len(seq) % cache.page_size
     # Duplicates the request computed itself, plus what the tree did not take.
-    alloc.free(slots[cached:res.prefix_len] + slots[kept:])
+    alloc.free(slots[cached : res.prefix_len] + slots[kept:])
     cache.lock_handle(m.node, unlock=True)
     return cached
 
 
 def bench_trace(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
-    for _ in range(args.warmup):   # a long-running server is warm: grown heap, no page faults
+    for _ in range(args.warmup):  # a long-running server is warm: grown heap, no page faults
         alloc = KVSlotAllocator(args.pool, args.page_size)
         cache = RadixCache(alloc, args.page_size, args.policy)
         for prompt, output in build_trace(args, rng):
@@ -89,17 +92,23 @@ def bench_trace(args: argparse.Namespace) -> None:
     check_slot_integrity(alloc, cache, 0)
     cache.check_integrity()
     ref = compare_reference(rng, args.system_len)
-    print(f"trace: {args.groups} groups x {args.per_group} requests, system {args.system_len}, "
-          f"question {args.question_len}, output {args.output_len}, pool {args.pool}, "
-          f"page_size {args.page_size}, policy {args.policy}, "
-          f"{'shared' if args.shared_ints else 'fresh'} int objects, {args.warmup} warm-up pass(es)")
+    print(
+        f"trace: {args.groups} groups x {args.per_group} requests, system {args.system_len}, "
+        f"question {args.question_len}, output {args.output_len}, pool {args.pool}, "
+        f"page_size {args.page_size}, policy {args.policy}, "
+        f"{'shared' if args.shared_ints else 'fresh'} int objects, {args.warmup} warm-up pass(es)"
+    )
     for name, ns in (("wall", wall), ("cpu", cpu)):
         us = sorted(t / 1000 for t in ns)
-        print(f"  per request ({name:4s}): median {statistics.median(us):6.1f} us, "
-              f"p90 {us[int(0.9 * len(us))]:6.1f} us, mean {statistics.fmean(us):6.1f} us "
-              f"over {len(us)} requests")
-        print(f"    median = {statistics.median(us) / ref:.1f} x one bare comparison of two "
-              f"{args.system_len}-token lists ({ref:.1f} us now: the machine-speed yardstick)")
+        print(
+            f"  per request ({name:4s}): median {statistics.median(us):6.1f} us, "
+            f"p90 {us[int(0.9 * len(us))]:6.1f} us, mean {statistics.fmean(us):6.1f} us "
+            f"over {len(us)} requests"
+        )
+        print(
+            f"    median = {statistics.median(us) / ref:.1f} x one bare comparison of two "
+            f"{args.system_len}-token lists ({ref:.1f} us now: the machine-speed yardstick)"
+        )
     print(f"  hit rate: {hit / total:.3f} ({hit} of {total} prompt tokens)")
 
 
@@ -117,7 +126,9 @@ def compare_reference(rng: random.Random, n: int) -> float:
     return statistics.median(times) / 1000
 
 
-def build_wide_tree(args: argparse.Namespace, rng: random.Random) -> tuple[RadixCache, KVSlotAllocator]:
+def build_wide_tree(
+    args: argparse.Namespace, rng: random.Random
+) -> tuple[RadixCache, KVSlotAllocator]:
     """args.leaves evictable leaves: 100 shared prefixes of 2 pages, each with leaves of 1 page,
     touched again in random order so the heap holds stale scores."""
     ps = max(args.page_size, 16)
@@ -151,22 +162,32 @@ def bench_evict(args: argparse.Namespace) -> None:
         cache.check_integrity()
         check_slot_integrity(alloc, cache, 0)
     med = statistics.median(times)
-    print(f"evict({args.evict_tokens}) from {args.leaves} evictable leaves "
-          f"(leaf = {max(args.page_size, 16)} tokens, freed {freed}): median {med:.0f} us "
-          f"over {args.evict_repeats} trees, {med * 1000 / freed:.0f} ns per freed token")
+    print(
+        f"evict({args.evict_tokens}) from {args.leaves} evictable leaves "
+        f"(leaf = {max(args.page_size, 16)} tokens, freed {freed}): median {med:.0f} us "
+        f"over {args.evict_repeats} trees, {med * 1000 / freed:.0f} ns per freed token"
+    )
     # What the heap saves: one scan of all leaves for the minimum score, per evicted leaf.
     cache, _ = build_wide_tree(args, rng)
-    leaves = [n for anchor in cache.root.children.values() for p in anchor.children.values()
-              for n in p.children.values()]
+    leaves = [
+        n
+        for anchor in cache.root.children.values()
+        for p in anchor.children.values()
+        for n in p.children.values()
+    ]
     t0 = time.thread_time_ns()
     min(leaves, key=cache.policy.score)
     scan = (time.thread_time_ns() - t0) / 1000
-    print(f"  for scale: one scan of the {len(leaves)} leaves for the lowest score takes "
-          f"{scan:.0f} us (needed per evicted leaf without the heap)")
+    print(
+        f"  for scale: one scan of the {len(leaves)} leaves for the lowest score takes "
+        f"{scan:.0f} us (needed per evicted leaf without the heap)"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--policy", default="lru", choices=policy_names())
     p.add_argument("--groups", type=int, default=64)
@@ -177,12 +198,22 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=200_000)
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shared-ints", action="store_true",
-                   help="requests of a group share the system prompt's int objects (optimistic)")
-    p.add_argument("--count-token-frees", action="store_true",
-                   help="let the timed match destroy the request's own token ints (see bench_trace)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed passes over a trace (fresh cache) before the timed one")
+    p.add_argument(
+        "--shared-ints",
+        action="store_true",
+        help="requests of a group share the system prompt's int objects (optimistic)",
+    )
+    p.add_argument(
+        "--count-token-frees",
+        action="store_true",
+        help="let the timed match destroy the request's own token ints (see bench_trace)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed passes over a trace (fresh cache) before the timed one",
+    )
     p.add_argument("--leaves", type=int, default=10_000)
     p.add_argument("--evict-tokens", type=int, default=1_000)
     p.add_argument("--evict-repeats", type=int, default=5)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))   # for tests.server_util when run as `python bench/...`
+sys.path.insert(0, str(REPO))  # for tests.server_util when run as `python bench/...`
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
@@ -48,12 +48,20 @@ from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.offline import generate  # noqa: E402
 from tests.server_util import DEFAULT_MODEL, Server  # noqa: E402
 
-RANDOM_30M = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=64, max_position_embeddings=2048)
+RANDOM_30M = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=10,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
 POOL_TOKENS = 20000
 
 
 # ---- the OTLP sink --------------------------------------------------------------------
+
 
 class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
     """An OTLP/gRPC trace collector that counts the spans it is sent and drops them."""
@@ -76,6 +84,7 @@ def start_sink() -> tuple[grpc.Server, SpanSink, int]:
 
 
 # ---- in-process worker ----------------------------------------------------------------
+
 
 class TimedRunner:
     """A ModelRunner whose forward calls are time-stamped (when each one returned)."""
@@ -107,6 +116,7 @@ def inproc_throughput(runner: TimedRunner, prompts: list[list[int]], n: int) -> 
 
 
 # ---- through the server -----------------------------------------------------------------
+
 
 def sampling(n: int) -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -155,13 +165,14 @@ def server_throughput(server: Server, prompts: list[list[int]], n: int) -> tuple
 
 # ---- one model ------------------------------------------------------------------------
 
+
 @dataclass
 class ModelResult:
     name: str
     params: int
-    tpot: dict[str, list[float]] = field(default_factory=dict)     # seconds
+    tpot: dict[str, list[float]] = field(default_factory=dict)  # seconds
     server_decode: dict[str, list[float]] = field(default_factory=dict)
-    tput: dict[str, list[float]] = field(default_factory=dict)     # tokens/s
+    tput: dict[str, list[float]] = field(default_factory=dict)  # tokens/s
     server_tput: dict[str, list[float]] = field(default_factory=dict)
     spans: int = 0
     traced_requests: int = 0
@@ -169,7 +180,11 @@ class ModelResult:
 
 def prompts_for(server: Server, k: int) -> list[list[int]]:
     """k prompts of the same length (~16 tokens), each starting differently."""
-    base = list(server.stub.Tokenize(pb.TokenizeRequest(text="Beautiful is better than ugly. Explicit is")).ids)
+    base = list(
+        server.stub.Tokenize(
+            pb.TokenizeRequest(text="Beautiful is better than ugly. Explicit is")
+        ).ids
+    )
     vocab = server.stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
     return [[3 + (i * 7) % (vocab - 3)] + base for i in range(k)]
 
@@ -178,11 +193,31 @@ def bench_model(model: Path, args, sink: SpanSink, sink_port: int) -> ModelResul
     res = ModelResult(model.name, count_parameters(model))
     flags = ["--max-total-tokens", str(POOL_TOKENS)]
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-    print(f"# {model.name}: {res.params:,} parameters; starting servers and the in-process runner", flush=True)
-    with Server(*flags, model=model, timeout=600, env=env) as plain, \
-            Server(*flags, "--otlp-traces-endpoint", f"127.0.0.1:{sink_port}", model=model, timeout=600, env=env) as traced:
-        runner = TimedRunner(ModelRunner(WorkerConfig(model_path=str(model), device="cpu",
-                                                      max_total_tokens=POOL_TOKENS, max_running_requests=64)))
+    print(
+        f"# {model.name}: {res.params:,} parameters; starting servers and the in-process runner",
+        flush=True,
+    )
+    with (
+        Server(*flags, model=model, timeout=600, env=env) as plain,
+        Server(
+            *flags,
+            "--otlp-traces-endpoint",
+            f"127.0.0.1:{sink_port}",
+            model=model,
+            timeout=600,
+            env=env,
+        ) as traced,
+    ):
+        runner = TimedRunner(
+            ModelRunner(
+                WorkerConfig(
+                    model_path=str(model),
+                    device="cpu",
+                    max_total_tokens=POOL_TOKENS,
+                    max_running_requests=64,
+                )
+            )
+        )
         one = prompts_for(plain, 1)[0]
         many = prompts_for(plain, args.streams)
         servers = {"server": plain, "server + tracing": traced}
@@ -190,21 +225,31 @@ def bench_model(model: Path, args, sink: SpanSink, sink_port: int) -> ModelResul
         spans0 = sink.spans
         for rep in range(args.reps):
             order = ["in-process", *servers]
-            order = order if rep % 2 == 0 else order[::-1]   # neither side always goes first
+            order = order if rep % 2 == 0 else order[::-1]  # neither side always goes first
             for name in order:
                 if name == "in-process":
                     res.tpot.setdefault(name, []).append(inproc_tpot(runner, one, args.tokens))
-                    res.tput.setdefault(name, []).append(inproc_throughput(runner, many, args.stream_tokens))
+                    res.tput.setdefault(name, []).append(
+                        inproc_throughput(runner, many, args.stream_tokens)
+                    )
                 else:
                     client, own = server_tpot(servers[name], one, args.tokens)
                     res.tpot.setdefault(name, []).append(client)
                     res.server_decode.setdefault(name, []).append(own)
-                    client_side, server_side = server_throughput(servers[name], many, args.stream_tokens)
+                    client_side, server_side = server_throughput(
+                        servers[name], many, args.stream_tokens
+                    )
                     res.tput.setdefault(name, []).append(client_side)
                     res.server_tput.setdefault(name, []).append(server_side)
-            print(f"#   rep {rep + 1}/{args.reps}: " + "; ".join(
-                f"{k} {1e3 * res.tpot[k][-1]:.2f} ms/tok, {res.tput[k][-1]:.0f} tok/s" for k in res.tpot), flush=True)
-        time.sleep(1.0)   # the exporters send every 200 ms
+            print(
+                f"#   rep {rep + 1}/{args.reps}: "
+                + "; ".join(
+                    f"{k} {1e3 * res.tpot[k][-1]:.2f} ms/tok, {res.tput[k][-1]:.0f} tok/s"
+                    for k in res.tpot
+                ),
+                flush=True,
+            )
+        time.sleep(1.0)  # the exporters send every 200 ms
         res.spans = sink.spans - spans0
         res.traced_requests = args.reps * (1 + args.streams)
     return res
@@ -218,13 +263,16 @@ def _warm(runner: TimedRunner, servers: dict[str, Server], prompt: list[int]) ->
 
 # ---- report -----------------------------------------------------------------------------
 
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
 def table(results: list[ModelResult], args) -> str:
-    rows = ["| model (parameters) | measure | in-process worker | server | server + tracing | server vs in-process | target |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model (parameters) | measure | in-process worker | server | server + tracing | server vs in-process | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         t = {k: 1e3 * med(v) for k, v in r.tpot.items()}
         q = {k: med(v) for k, v in r.tput.items()}
@@ -248,7 +296,9 @@ def table(results: list[ModelResult], args) -> str:
             f"| {label} | the same, over the longest request's total_time (frontend's clock) | - | {st['server']:.0f} | "
             f"{st['server + tracing']:.0f} | {st['server'] / q['in-process']:.2f}x | |",
         ]
-    spans = "; ".join(f"{r.name}: {r.spans} spans for {r.traced_requests} traced requests" for r in results)
+    spans = "; ".join(
+        f"{r.name}: {r.spans} spans for {r.traced_requests} traced requests" for r in results
+    )
     return "\n".join(rows) + f"\n\nSpans received by the sink: {spans}.\n\n" + READING
 
 
@@ -293,23 +343,35 @@ def write_section(path: Path, text: str) -> None:
         new = old.rstrip("\n") + "\n\n" + text
     else:
         end = old.find("\n## ", start + 1)
-        new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
+        new = old[:start] + text + (old[end + 1 :] if end >= 0 else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new.rstrip("\n") + "\n")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--random-30m", action="store_true", help="also a ~30M-parameter random Llama (default model's tokenizer)")
+    ap.add_argument(
+        "--random-30m",
+        action="store_true",
+        help="also a ~30M-parameter random Llama (default model's tokenizer)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens of the batch-1 stream")
     ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--stream-tokens", type=int, default=64, help="output tokens of each concurrent stream")
+    ap.add_argument(
+        "--stream-tokens", type=int, default=64, help="output tokens of each concurrent stream"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch/OpenMP threads of the worker processes and of the in-process runner (0: torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch/OpenMP threads of the worker processes and of the in-process runner (0: torch's default)",
+    )
     args = ap.parse_args()
     if args.threads:
         # The same thread count on both sides; one steadies timings on a small shared CPU.
@@ -321,7 +383,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-streaming-") as tmp:
             models = [args.model]
             if args.random_30m:
-                models.append(make_random_llama(Path(tmp) / "random-llama-30m", args.model, **RANDOM_30M))
+                models.append(
+                    make_random_llama(Path(tmp) / "random-llama-30m", args.model, **RANDOM_30M)
+                )
             for m in models:
                 results.append(bench_model(m, args, sink, sink_port))
     finally:

@@ -69,13 +69,19 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, stopping=None)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):   # left padding, what decoder-only generation needs
+    for i, p in enumerate(prompts):  # left padding, what decoder-only generation needs
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     with torch.no_grad():
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, use_cache=True, pad_token_id=0, stopping_criteria=stopping,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+            stopping_criteria=stopping,
         )
 
 
@@ -125,7 +131,7 @@ def decode_seconds_rs(runner, prompts, new_tokens: int) -> float:
 def decode_rates(runner, hf, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
     """Decode tokens/s (radixserve, transformers), timing the decode steps inside each run."""
     rs, ref = [], []
-    for _ in range(repeats):   # interleaved, so that load from other processes hits both alike
+    for _ in range(repeats):  # interleaved, so that load from other processes hits both alike
         rs.append(decode_seconds_rs(runner, prompts, new_tokens))
         ref.append(decode_seconds_hf(hf, prompts, new_tokens))
     tokens = len(prompts) * (new_tokens - 1)
@@ -138,8 +144,13 @@ def decode_batches(runner, prompts: list[list[int]], steps: int) -> list[engine_
     span = max(len(p) for p in prompts) + steps + 1
     for i, p in enumerate(prompts):
         prefill.reqs.add(
-            req_slot=i, input_ids=pack_i32(p), prefix_len=0, out_slots=pack_i32(range(1 + i * span, 1 + i * span + len(p))),
-            is_new=True, sample=True, sampling=generation_pb2.SamplingParams(temperature=0.0),
+            req_slot=i,
+            input_ids=pack_i32(p),
+            prefix_len=0,
+            out_slots=pack_i32(range(1 + i * span, 1 + i * span + len(p))),
+            is_new=True,
+            sample=True,
+            sampling=generation_pb2.SamplingParams(temperature=0.0),
         )
     runner.forward(prefill)
     batches = []
@@ -147,7 +158,13 @@ def decode_batches(runner, prompts: list[list[int]], steps: int) -> list[engine_
         batch = engine_pb2.ForwardBatch(batch_id=step, is_decode=True)
         for i, p in enumerate(prompts):
             pos = len(p) + step
-            batch.reqs.add(req_slot=i, input_ids=pack_i32([5]), prefix_len=pos, out_slots=pack_i32([1 + i * span + pos]), sample=True)
+            batch.reqs.add(
+                req_slot=i,
+                input_ids=pack_i32([5]),
+                prefix_len=pos,
+                out_slots=pack_i32([1 + i * span + pos]),
+                sample=True,
+            )
         batches.append(batch)
     return batches
 
@@ -158,7 +175,7 @@ def outside_matmul_share(runner, prompts, steps: int) -> tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
 
     batches = decode_batches(runner, prompts, steps)
-    runner.forward(batches[0])   # warm-up (the same positions are simply rewritten)
+    runner.forward(batches[0])  # warm-up (the same positions are simply rewritten)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for batch in batches:
@@ -171,7 +188,9 @@ def outside_matmul_share(runner, prompts, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -188,25 +207,42 @@ def main() -> None:
         hf = build_model(Path(tmp))
         n_params = sum(p.numel() for p in hf.parameters())
         runner = ModelRunner(
-            WorkerConfig(model_path=tmp, device="cpu", dtype="float32", max_total_tokens=16384, max_running_requests=64)
+            WorkerConfig(
+                model_path=tmp,
+                device="cpu",
+                dtype="float32",
+                max_total_tokens=16384,
+                max_running_requests=64,
+            )
         )
         long_prompt = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(1024)]
-        t_rs, t_hf = timed_pair(lambda: rs_generate(runner, [long_prompt], 1), lambda: hf_generate(hf, [long_prompt], 1), repeats)
+        t_rs, t_hf = timed_pair(
+            lambda: rs_generate(runner, [long_prompt], 1),
+            lambda: hf_generate(hf, [long_prompt], 1),
+            repeats,
+        )
         rows.append(("prefill, 1 x 1,024 tokens", 1024 / t_rs, 1024 / t_hf))
         for b in batches:
-            prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randrange(48, 81))] for _ in range(b)]
+            prompts = [
+                [rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randrange(48, 81))]
+                for _ in range(b)
+            ]
             rs, ref = decode_rates(runner, hf, prompts, new_tokens, repeats)
             rows.append((f"decode, batch {b}", rs, ref))
         prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(64)] for _ in range(64)]
         share_lin, share_all = outside_matmul_share(runner, prompts, new_tokens)
-    print(f"model: Llama-shaped, {n_params / 1e6:.1f}M parameters, float32, CPU threads {torch.get_num_threads()}")
+    print(
+        f"model: Llama-shaped, {n_params / 1e6:.1f}M parameters, float32, CPU threads {torch.get_num_threads()}"
+    )
     print(f"{new_tokens} new tokens per request, median of {repeats}\n")
     print("| workload | radixserve tok/s | transformers tok/s | ratio |")
     print("|---|---:|---:|---:|")
     for name, rs, ref in rows:
         print(f"| {name} | {rs:,.0f} | {ref:,.0f} | {rs / ref:.2f}x |")
-    print(f"\ndecode batch 64 (prompts of 64 tokens): {share_lin:.0%} of a step's wall time outside the "
-          f"linear layers' GEMMs, {share_all:.0%} outside them and the attention kernel")
+    print(
+        f"\ndecode batch 64 (prompts of 64 tokens): {share_lin:.0%} of a step's wall time outside the "
+        f"linear layers' GEMMs, {share_all:.0%} outside them and the attention kernel"
+    )
 
 
 if __name__ == "__main__":

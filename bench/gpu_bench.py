@@ -38,22 +38,45 @@ import torch  # noqa: E402
 # Peak HBM bandwidth in TB/s by device name; the first matching fragment wins (so the more
 # specific names come first: "GH200" before "H200", "H100 PCIe" before "H100").
 PEAK_TBPS = [
-    ("GH200", 4.0), ("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35),
-    ("H800", 3.35), ("B200", 8.0), ("A100-SXM4-80GB", 2.04), ("A100 80GB PCIe", 1.94),
-    ("A100", 1.56), ("A800", 2.04), ("L40S", 0.864), ("L40", 0.864), ("A10G", 0.6),
-    ("A10", 0.6), ("L4", 0.3), ("RTX 4090", 1.01), ("RTX 3090", 0.936), ("T4", 0.32),
+    ("GH200", 4.0),
+    ("H200", 4.8),
+    ("H100 NVL", 3.9),
+    ("H100 PCIe", 2.0),
+    ("H100", 3.35),
+    ("H800", 3.35),
+    ("B200", 8.0),
+    ("A100-SXM4-80GB", 2.04),
+    ("A100 80GB PCIe", 1.94),
+    ("A100", 1.56),
+    ("A800", 2.04),
+    ("L40S", 0.864),
+    ("L40", 0.864),
+    ("A10G", 0.6),
+    ("A10", 0.6),
+    ("L4", 0.3),
+    ("RTX 4090", 1.01),
+    ("RTX 3090", 0.936),
+    ("T4", 0.32),
 ]
 
 
 @dataclass(frozen=True)
 class Sizes:
     """The measured shapes; --smoke shrinks them to exercise this script on a CPU."""
+
     device: str = "cuda"
-    decode: tuple[int, int, int, int, int] = (64, 4096, 32, 8, 128)   # B, context, Hq, Hkv, D
-    extend: tuple[int, int, int, int, int] = (8, 2048, 32, 8, 128)    # B, length, Hq, Hkv, D
-    model: dict = field(default_factory=lambda: dict(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=8))
+    decode: tuple[int, int, int, int, int] = (64, 4096, 32, 8, 128)  # B, context, Hq, Hkv, D
+    extend: tuple[int, int, int, int, int] = (8, 2048, 32, 8, 128)  # B, length, Hq, Hkv, D
+    model: dict = field(
+        default_factory=lambda: dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+        )
+    )
     model_batches: tuple[int, ...] = (1, 32)
     prompt_len: int = 128
     new_tokens: int = 64
@@ -61,10 +84,21 @@ class Sizes:
 
 
 SMOKE = Sizes(
-    device="cpu", decode=(3, 40, 4, 2, 32), extend=(2, 40, 4, 2, 32),
-    model=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2),
-    model_batches=(1, 2), prompt_len=8, new_tokens=4, dtype=torch.float32,
+    device="cpu",
+    decode=(3, 40, 4, 2, 32),
+    extend=(2, 40, 4, 2, 32),
+    model=dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    model_batches=(1, 2),
+    prompt_len=8,
+    new_tokens=4,
+    dtype=torch.float32,
 )
 
 
@@ -140,26 +174,45 @@ def bench_decode(table: Table, sizes: Sizes, peak: float | None, budget: Budget)
     default_splits = choose_num_kv_splits(b, hkv, dev)
 
     def run(slots, splits, block_n=None):
-        return lambda: decode_attention(q, k_pool, v_pool, kv_indptr, slots, scale, splits, block_n=block_n)
+        return lambda: decode_attention(
+            q, k_pool, v_pool, kv_indptr, slots, scale, splits, block_n=block_n
+        )
 
     out = run(shuffled, default_splits)()
     ref = decode_attention_ref(q, k_pool, v_pool, kv_indptr, shuffled, scale)
     err = (out.float() - ref.float()).abs().max().item()
-    table.add(f"decode: max abs error vs reference ({dtype})", f"{err:.2e}", "< 2e-2", verdict(err < 2e-2))
+    table.add(
+        f"decode: max abs error vs reference ({dtype})", f"{err:.2e}", "< 2e-2", verdict(err < 2e-2)
+    )
 
     def report(label: str, ms: float, target: bool) -> None:
         tbps = nbytes / (ms * 1e-3) / 1e12
         share = f" = {100 * tbps / peak:.0f}% of {peak} TB/s" if peak else ""
         ok = peak is not None and tbps >= 0.7 * peak
-        table.add(label, f"{ms * 1e3:.0f} us, {tbps:.2f} TB/s{share}",
-                  ">= 70% of peak" if target else "info", verdict(ok) if target else "")
+        table.add(
+            label,
+            f"{ms * 1e3:.0f} us, {tbps:.2f} TB/s{share}",
+            ">= 70% of peak" if target else "info",
+            verdict(ok) if target else "",
+        )
 
     shape = f"{b} x {ctx} ctx, {hq}q/{hkv}kv heads, D={d}, {dtype}"
-    report(f"decode attention ({shape}; backend default: {default_splits} splits, contiguous slots)",
-           time_ms(run(contiguous, default_splits)), target=True)
-    report(f"decode attention, shuffled slots ({default_splits} splits)", time_ms(run(shuffled, default_splits)), target=False)
+    report(
+        f"decode attention ({shape}; backend default: {default_splits} splits, contiguous slots)",
+        time_ms(run(contiguous, default_splits)),
+        target=True,
+    )
+    report(
+        f"decode attention, shuffled slots ({default_splits} splits)",
+        time_ms(run(shuffled, default_splits)),
+        target=False,
+    )
     best = None
-    sweep = [(splits, block_n) for splits in sorted({4, 8, 16, default_splits}) for block_n in (32, 64, 128)]
+    sweep = [
+        (splits, block_n)
+        for splits in sorted({4, 8, 16, default_splits})
+        for block_n in (32, 64, 128)
+    ]
     for splits, block_n in sweep:
         if budget.left() < 90:  # leave the later sections their time
             table.add("decode sweep", "stopped early: time budget", "", "")
@@ -168,7 +221,11 @@ def bench_decode(table: Table, sizes: Sizes, peak: float | None, budget: Budget)
         if best is None or ms < best[0]:
             best = (ms, splits, block_n)
     if best:
-        report(f"decode attention, best of sweep ({best[1]} splits, BLOCK_N={best[2]})", best[0], target=False)
+        report(
+            f"decode attention, best of sweep ({best[1]} splits, BLOCK_N={best[2]})",
+            best[0],
+            target=False,
+        )
 
 
 # ---- extend attention ---------------------------------------------------------------------
@@ -187,13 +244,20 @@ def sdpa_baseline(q4, k4, v4):
     candidates = [
         ("flash, enable_gqa", [SDPBackend.FLASH_ATTENTION], k4, v4, True),
         ("flash, K/V repeated", [SDPBackend.FLASH_ATTENTION], k_rep, v_rep, False),
-        ("torch's choice, K/V repeated",
-         [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], k_rep, v_rep, False),
+        (
+            "torch's choice, K/V repeated",
+            [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+            k_rep,
+            v_rep,
+            False,
+        ),
     ]
     for how, backends, k, v, gqa in candidates:
+
         def fn(k=k, v=v, backends=backends, gqa=gqa):
             with sdpa_kernel(backends):
                 return sdpa(q4, k, v, is_causal=True, enable_gqa=gqa)
+
         try:
             fn()
             return fn, how
@@ -208,11 +272,11 @@ def bench_extend(table: Table, sizes: Sizes) -> None:
     dev, dtype = torch.device(sizes.device), sizes.dtype
     b, length, hq, hkv, d = sizes.extend
     t = b * length
-    q4 = torch.randn(b, hq, length, d, dtype=dtype, device=dev)   # q4: [B, Hq, L, D]
+    q4 = torch.randn(b, hq, length, d, dtype=dtype, device=dev)  # q4: [B, Hq, L, D]
     k4 = torch.randn(b, hkv, length, d, dtype=dtype, device=dev)  # k4: [B, Hkv, L, D]
     v4 = torch.randn(b, hkv, length, d, dtype=dtype, device=dev)
     # The same tensors as the kernel sees them: rows of all requests, pool slot = 1 + row.
-    q = q4.transpose(1, 2).reshape(t, hq, d).contiguous()         # q: [T, Hq, D]
+    q = q4.transpose(1, 2).reshape(t, hq, d).contiguous()  # q: [T, Hq, D]
     pad = torch.zeros(1, hkv, d, dtype=dtype, device=dev)
     k_pool = torch.cat([pad, k4.transpose(1, 2).reshape(t, hkv, d)])  # [T+1, Hkv, D]
     v_pool = torch.cat([pad, v4.transpose(1, 2).reshape(t, hkv, d)])
@@ -226,7 +290,9 @@ def bench_extend(table: Table, sizes: Sizes) -> None:
 
     sdpa, how = sdpa_baseline(q4, k4, v4)
     err = (ours().float() - sdpa().transpose(1, 2).reshape(t, hq, d).float()).abs().max().item()
-    table.add(f"extend: max abs error vs SDPA ({dtype})", f"{err:.2e}", "< 3e-2", verdict(err < 3e-2))
+    table.add(
+        f"extend: max abs error vs SDPA ({dtype})", f"{err:.2e}", "< 3e-2", verdict(err < 3e-2)
+    )
     ms_ours, ms_sdpa = time_ms(ours), time_ms(sdpa)
     flops = 4 * b * hq * d * length * length / 2  # causal: half of QK^T and PV
     ratio = ms_sdpa / ms_ours
@@ -234,7 +300,8 @@ def bench_extend(table: Table, sizes: Sizes) -> None:
         f"extend attention vs SDPA ({b} x {length} causal, {hq}q/{hkv}kv, D={d}, {dtype}; {how})",
         f"ours {ms_ours * 1e3:.0f} us ({flops / ms_ours / 1e9:.0f} TFLOP/s), SDPA {ms_sdpa * 1e3:.0f} us "
         f"({flops / ms_sdpa / 1e9:.0f} TFLOP/s): {ratio:.2f}x",
-        ">= 0.6x", verdict(ratio >= 0.6),
+        ">= 0.6x",
+        verdict(ratio >= 0.6),
     )
 
 
@@ -245,7 +312,11 @@ def build_model(folder: Path, sizes: Sizes) -> None:
     import transformers
 
     config = transformers.LlamaConfig(
-        **sizes.model, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        **sizes.model,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(sizes.dtype)
@@ -261,11 +332,15 @@ def decode_tokens_per_s(folder: Path, sizes: Sizes, graphs: bool, batch: int) ->
 
     prompt_len, new_tokens, vocab = sizes.prompt_len, sizes.new_tokens, sizes.model["vocab_size"]
     cfg = WorkerConfig(
-        model_path=str(folder), device=sizes.device, dtype=str(sizes.dtype).removeprefix("torch."),
+        model_path=str(folder),
+        device=sizes.device,
+        dtype=str(sizes.dtype).removeprefix("torch."),
         attention_backend="triton",
-        max_running_requests=batch, context_length=prompt_len + new_tokens + 8,
+        max_running_requests=batch,
+        context_length=prompt_len + new_tokens + 8,
         max_total_tokens=batch * (prompt_len + new_tokens) + 16,
-        disable_cuda_graph=not graphs, cuda_graph_max_bs=batch,
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=batch,
     )
     runner = ModelRunner(cfg)
     captured = any(type(v).__name__ == "CudaGraphRunner" for v in vars(runner).values())
@@ -293,18 +368,30 @@ def bench_model(table: Table, sizes: Sizes, budget: Budget) -> None:
             speeds = {}
             for graphs in (False, True):
                 if budget.left() < 25:
-                    table.add(f"model decode, batch {batch}, graphs {'on' if graphs else 'off'}",
-                              "skipped: time budget", "", "")
+                    table.add(
+                        f"model decode, batch {batch}, graphs {'on' if graphs else 'off'}",
+                        "skipped: time budget",
+                        "",
+                        "",
+                    )
                     continue
                 tps, captured = decode_tokens_per_s(folder, sizes, graphs, batch)
                 empty_cache()  # the runner (KV pool, graphs) is gone: give its memory back
                 speeds[graphs] = tps
                 note = "" if captured == graphs else f" (runner holds graphs: {captured})"
-                table.add(f"model decode tokens/s, batch {batch}, CUDA graphs {'on' if graphs else 'off'}",
-                          f"{tps:,.0f} tok/s{note}", "info", "")
+                table.add(
+                    f"model decode tokens/s, batch {batch}, CUDA graphs {'on' if graphs else 'off'}",
+                    f"{tps:,.0f} tok/s{note}",
+                    "info",
+                    "",
+                )
             if len(speeds) == 2:
-                table.add(f"CUDA graph speed-up, batch {batch}", f"{speeds[True] / speeds[False]:.2f}x", "> 1x",
-                          verdict(speeds[True] > speeds[False]))
+                table.add(
+                    f"CUDA graph speed-up, batch {batch}",
+                    f"{speeds[True] / speeds[False]:.2f}x",
+                    "> 1x",
+                    verdict(speeds[True] > speeds[False]),
+                )
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -320,17 +407,26 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-
 def guarded(table: Table, name: str, budget: Budget, need_s: float, fn, *args) -> None:
     if budget.left() < need_s:
-        table.add(name, f"skipped: {budget.left():.0f} s of budget left, needs ~{need_s:.0f} s", "", "SKIP")
+        table.add(
+            name,
+            f"skipped: {budget.left():.0f} s of budget left, needs ~{need_s:.0f} s",
+            "",
+            "SKIP",
+        )
         return
     start = time.monotonic()
     try:
         fn(table, *args)
     except Exception as e:  # a broken section must not hide the others' rows
         traceback.print_exc(file=sys.stderr)
-        table.add(name, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", "", "FAIL")
+        table.add(
+            name,
+            f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+            "",
+            "FAIL",
+        )
     finally:
         empty_cache()
         log(f"{name} took {time.monotonic() - start:.0f} s")
@@ -338,12 +434,30 @@ def guarded(table: Table, name: str, budget: Budget, need_s: float, fn, *args) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peak-tbps", type=float, default=None, help="peak memory bandwidth, TB/s (default: by device name)")
-    parser.add_argument("--budget-s", type=float, default=240, help="stop starting new sections after this many seconds")
-    parser.add_argument("--tests-summary", default="", help="pytest's last line for tests/test_kernels.py (from gpu_check.sh)")
+    parser.add_argument(
+        "--peak-tbps",
+        type=float,
+        default=None,
+        help="peak memory bandwidth, TB/s (default: by device name)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=240,
+        help="stop starting new sections after this many seconds",
+    )
+    parser.add_argument(
+        "--tests-summary",
+        default="",
+        help="pytest's last line for tests/test_kernels.py (from gpu_check.sh)",
+    )
     parser.add_argument("--tests-rc", type=int, default=None, help="pytest's exit status")
     parser.add_argument("--skip-model", action="store_true", help="kernels only")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter): checks this script runs")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on the CPU (Triton interpreter): checks this script runs",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -352,18 +466,33 @@ def main() -> int:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
-        print("gpu_bench: no CUDA device visible to torch; this check needs a GPU (or --smoke).", file=sys.stderr)
+        print(
+            "gpu_bench: no CUDA device visible to torch; this check needs a GPU (or --smoke).",
+            file=sys.stderr,
+        )
         return 2
     budget = Budget(args.budget_s)
-    name = torch.cuda.get_device_name() if sizes.device == "cuda" else "cpu (--smoke: figures meaningless)"
+    name = (
+        torch.cuda.get_device_name()
+        if sizes.device == "cuda"
+        else "cpu (--smoke: figures meaningless)"
+    )
     peak, source = peak_bandwidth(name, args.peak_tbps)
     import triton
 
-    table.add("device", f"{name}, torch {torch.__version__}, triton {triton.__version__}",
-              f"peak {peak} TB/s ({source})" if peak else source, "")
+    table.add(
+        "device",
+        f"{name}, torch {torch.__version__}, triton {triton.__version__}",
+        f"peak {peak} TB/s ({source})" if peak else source,
+        "",
+    )
     if args.tests_rc is not None:
-        table.add("tests/test_kernels.py compiled (TRITON_INTERPRET unset)", args.tests_summary or "(no output)",
-                  "all pass", verdict(args.tests_rc == 0))
+        table.add(
+            "tests/test_kernels.py compiled (TRITON_INTERPRET unset)",
+            args.tests_summary or "(no output)",
+            "all pass",
+            verdict(args.tests_rc == 0),
+        )
     guarded(table, "decode attention", budget, 30, bench_decode, sizes, peak, budget)
     guarded(table, "extend attention", budget, 20, bench_extend, sizes)
     if not args.skip_model:

@@ -29,11 +29,28 @@ from kernels.extend_attention import _attend_block
 
 @triton.jit(do_not_specialize=["group", "num_splits"])  # one compiled kernel for all of them
 def _decode_split_kernel(
-    Q, K, V, Scratch, KvIndptr, KvSlots, qk_scale,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_sb, stride_sh, stride_ss,
-    group, num_splits,  # Hq // Hkv; splits per context
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    Scratch,
+    KvIndptr,
+    KvSlots,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_sb,
+    stride_sh,
+    stride_ss,
+    group,
+    num_splits,  # Hq // Hkv; splits per context
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -52,7 +69,9 @@ def _decode_split_kernel(
     d_ok = offs_d < HEAD_DIM
     heads = kv_head * group + offs_h
     hd_ok = h_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_ok, other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_ok, other=0.0
+    )
 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -61,9 +80,26 @@ def _decode_split_kernel(
         cols = n0 + offs_n
         col_ok = cols < hi
         slots = tl.load(KvSlots + kv_start + cols, mask=col_ok, other=0)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, slots, col_ok, col_ok[None, :],
-                                      kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                                      offs_d, d_ok, qk_scale, DOT_PRECISION)
+        acc, l_i, m_i = _attend_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            slots,
+            col_ok,
+            col_ok[None, :],
+            kv_head,
+            stride_ks,
+            stride_kh,
+            stride_vs,
+            stride_vh,
+            offs_d,
+            d_ok,
+            qk_scale,
+            DOT_PRECISION,
+        )
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -75,10 +111,17 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    Scratch, Out,
-    stride_sb, stride_sh, stride_ss, stride_ob, stride_oh, num_splits,
+    Scratch,
+    Out,
+    stride_sb,
+    stride_sh,
+    stride_ss,
+    stride_ob,
+    stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -90,10 +133,18 @@ def _decode_merge_kernel(
     m = tl.max(lse, 0)
     m = tl.where(m > float("-inf"), m, 0.0)  # no split used (empty context): output zeros
     w = tl.where(used, tl.exp2(lse - m), 0.0)
-    parts = tl.load(base[:, None] + offs_d[None, :], mask=used[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    parts = tl.load(
+        base[:, None] + offs_d[None, :],
+        mask=used[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        Out + b * stride_ob + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def _launch_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
@@ -109,15 +160,15 @@ def _launch_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, 
 
 
 def decode_attention(
-    q: torch.Tensor,          # [B, Hq, D]
-    k_pool: torch.Tensor,     # [S, Hkv, D]
-    v_pool: torch.Tensor,     # [S, Hkv, D]
+    q: torch.Tensor,  # [B, Hq, D]
+    k_pool: torch.Tensor,  # [S, Hkv, D]
+    v_pool: torch.Tensor,  # [S, Hkv, D]
     kv_indptr: torch.Tensor,  # [B+1] int32
-    kv_slots: torch.Tensor,   # [N] int64
+    kv_slots: torch.Tensor,  # [N] int64
     sm_scale: float,
     num_kv_splits: int,
     block_n: int | None = None,  # tile override (tests, tuning)
-) -> torch.Tensor:            # [B, Hq, D]
+) -> torch.Tensor:  # [B, Hq, D]
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     if num_heads % num_kv_heads:
@@ -130,27 +181,60 @@ def decode_attention(
     bn, warps, stages = _launch_config(q.dtype, q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     # scratch[b, h, s, :D] = split s's output, scratch[b, h, s, D] = its log2-sum-exp
-    scratch = torch.empty(batch, num_heads, num_kv_splits, head_dim + 1, dtype=torch.float32, device=q.device)
+    scratch = torch.empty(
+        batch, num_heads, num_kv_splits, head_dim + 1, dtype=torch.float32, device=q.device
+    )
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_pool, v_pool, scratch, kv_indptr, kv_slots, sm_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        scratch.stride(0), scratch.stride(1), scratch.stride(2),
-        group, num_kv_splits, HEAD_DIM=head_dim,
+        q,
+        k_pool,
+        v_pool,
+        scratch,
+        kv_indptr,
+        kv_slots,
+        sm_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        scratch.stride(0),
+        scratch.stride(1),
+        scratch.stride(2),
+        group,
+        num_kv_splits,
+        HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows on GPUs
-        BLOCK_D=block_d, BLOCK_N=block_n or bn, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n or bn,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
-        scratch, o, scratch.stride(0), scratch.stride(1), scratch.stride(2), o.stride(0), o.stride(1),
-        num_kv_splits, HEAD_DIM=head_dim,
-        BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)), BLOCK_D=block_d,
+        scratch,
+        o,
+        scratch.stride(0),
+        scratch.stride(1),
+        scratch.stride(2),
+        o.stride(0),
+        o.stride(1),
+        num_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        BLOCK_D=block_d,
     )
     return o
 
 
 def decode_attention_ref(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-    kv_indptr: torch.Tensor, kv_slots: torch.Tensor, sm_scale: float, num_kv_splits: int = 1,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_slots: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int = 1,
 ) -> torch.Tensor:
     """Plain-PyTorch reference of decode_attention (float32 math, one request at a time)."""
     o = torch.empty_like(q)

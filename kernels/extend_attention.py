@@ -35,22 +35,43 @@ from kernels._triton import check_head_dim_contiguous, dot_precision, sm_major, 
 
 @triton.jit
 def _attend_block(
-    acc, l_i, m_i, q,                # running output [M, BD], sum [M], max [M]; q [M, BD]
-    K, V, slots, col_ok, score_ok,   # slots [N] of the keys; col_ok [N]; score_ok [M or 1, N]
-    kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-    offs_d, d_ok, qk_scale,
+    acc,
+    l_i,
+    m_i,
+    q,  # running output [M, BD], sum [M], max [M]; q [M, BD]
+    K,
+    V,
+    slots,
+    col_ok,
+    score_ok,  # slots [N] of the keys; col_ok [N]; score_ok [M or 1, N]
+    kv_head,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    offs_d,
+    d_ok,
+    qk_scale,
     DOT_PRECISION: tl.constexpr,
 ):
     """One step of the online softmax: folds BLOCK_N keys into (acc, l_i, m_i)."""
     slots = slots.to(tl.int64)  # slot * stride overflows int32 on large pools
     kv_ok = col_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = tl.load(
+        K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_ok,
+        other=0.0,
+    )
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 units
     qk = tl.where(score_ok, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(
+        V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_ok,
+        other=0.0,
+    )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, l_i, m_new
@@ -58,11 +79,29 @@ def _attend_block(
 
 @triton.jit(do_not_specialize=["group"])  # one compiled kernel for every GQA ratio
 def _extend_kernel(
-    Q, K, V, Out, QoIndptr, KvIndptr, KvSlots, PrefixLens, qk_scale,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+    Q,
+    K,
+    V,
+    Out,
+    QoIndptr,
+    KvIndptr,
+    KvSlots,
+    PrefixLens,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     group,  # Hq // Hkv
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     block_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -84,8 +123,11 @@ def _extend_kernel(
     m_ok = offs_m < extend_len
     d_ok = offs_d < HEAD_DIM
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
 
     # A finite start keeps fully masked rows at exp2(-inf - (-1e30)) = 0 instead of NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -97,17 +139,51 @@ def _extend_kernel(
         cols = n0 + offs_n
         col_ok = cols < prefix_len
         slots = tl.load(ctx_slots + cols, mask=col_ok, other=0)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, slots, col_ok, col_ok[None, :],
-                                      kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                                      offs_d, d_ok, qk_scale, DOT_PRECISION)
+        acc, l_i, m_i = _attend_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            slots,
+            col_ok,
+            col_ok[None, :],
+            kv_head,
+            stride_ks,
+            stride_kh,
+            stride_vs,
+            stride_vh,
+            offs_d,
+            d_ok,
+            qk_scale,
+            DOT_PRECISION,
+        )
     # Loop 2: new tokens before this row block, visible to all its rows (BLOCK_M % BLOCK_N == 0).
     for n0 in range(0, row_lo, BLOCK_N):
         cols = n0 + offs_n
         col_ok = cols < row_lo
         slots = tl.load(new_slots + cols, mask=col_ok, other=0)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, slots, col_ok, col_ok[None, :],
-                                      kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                                      offs_d, d_ok, qk_scale, DOT_PRECISION)
+        acc, l_i, m_i = _attend_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            slots,
+            col_ok,
+            col_ok[None, :],
+            kv_head,
+            stride_ks,
+            stride_kh,
+            stride_vs,
+            stride_vh,
+            offs_d,
+            d_ok,
+            qk_scale,
+            DOT_PRECISION,
+        )
     # Loop 3: the diagonal block, causal.
     row_hi = tl.minimum(row_lo + BLOCK_M, extend_len)
     for n0 in range(row_lo, row_hi, BLOCK_N):
@@ -115,16 +191,38 @@ def _extend_kernel(
         col_ok = cols < row_hi
         slots = tl.load(new_slots + cols, mask=col_ok, other=0)
         causal = col_ok[None, :] & (cols[None, :] <= offs_m[:, None])
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, slots, col_ok, causal,
-                                      kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-                                      offs_d, d_ok, qk_scale, DOT_PRECISION)
+        acc, l_i, m_i = _attend_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            slots,
+            col_ok,
+            causal,
+            kv_head,
+            stride_ks,
+            stride_kh,
+            stride_vs,
+            stride_vh,
+            offs_d,
+            d_ok,
+            qk_scale,
+            DOT_PRECISION,
+        )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(
+        Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
 
 
-def _launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+def _launch_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): tiles and pipeline depth that fit shared
     memory (Hopper ~227 KiB, Ampere ~164 KiB, older far less)."""
     if device.type != "cuda":
@@ -138,18 +236,18 @@ def _launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
 
 
 def extend_attention(
-    q: torch.Tensor,            # [T, Hq, D]
-    k_pool: torch.Tensor,       # [S, Hkv, D]
-    v_pool: torch.Tensor,       # [S, Hkv, D]
-    qo_indptr: torch.Tensor,    # [B+1] int32
-    kv_indptr: torch.Tensor,    # [B+1] int32
-    kv_slots: torch.Tensor,     # [N] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k_pool: torch.Tensor,  # [S, Hkv, D]
+    v_pool: torch.Tensor,  # [S, Hkv, D]
+    qo_indptr: torch.Tensor,  # [B+1] int32
+    kv_indptr: torch.Tensor,  # [B+1] int32
+    kv_slots: torch.Tensor,  # [N] int64
     prefix_lens: torch.Tensor,  # [B] int32
     sm_scale: float,
     max_extend_len: int,
     block_m: int | None = None,  # tile overrides (tests, tuning); BLOCK_M % BLOCK_N == 0
     block_n: int | None = None,
-) -> torch.Tensor:              # [T, Hq, D]
+) -> torch.Tensor:  # [T, Hq, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     if num_heads % num_kv_heads:
@@ -167,21 +265,45 @@ def extend_attention(
         raise ValueError(f"BLOCK_M={bm} must be a multiple of BLOCK_N={bn}")
     grid = (triton.cdiv(max_extend_len, bm), batch, num_heads)
     _extend_kernel[grid](
-        q, k_pool, v_pool, o, qo_indptr, kv_indptr, kv_slots, prefix_lens, sm_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
-        v_pool.stride(0), v_pool.stride(1), o.stride(0), o.stride(1),
-        num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        q,
+        k_pool,
+        v_pool,
+        o,
+        qo_indptr,
+        kv_indptr,
+        kv_slots,
+        prefix_lens,
+        sm_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        o.stride(0),
+        o.stride(1),
+        num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return o
 
 
 def extend_attention_ref(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_slots: torch.Tensor,
-    prefix_lens: torch.Tensor, sm_scale: float, max_extend_len: int = 0,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int = 0,
 ) -> torch.Tensor:
     """Plain-PyTorch reference of extend_attention (float32 math, one request at a time)."""
     o = torch.empty_like(q)
@@ -190,7 +312,7 @@ def extend_attention_ref(
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         slots = kv_slots[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
         prefix = int(prefix_lens[b])
-        qb = q[q0:q1].float().transpose(0, 1)                                 # [Hq, E, D]
+        qb = q[q0:q1].float().transpose(0, 1)  # [Hq, E, D]
         kb = k_pool[slots].float().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
         vb = v_pool[slots].float().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
         rows = torch.arange(q1 - q0, device=q.device)[:, None] + prefix

@@ -17,11 +17,23 @@ from kernels._triton import check_head_dim_contiguous, tl, triton
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KPool, VPool, Slots,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kps, stride_kph, stride_vps, stride_vph,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    K,
+    V,
+    KPool,
+    VPool,
+    Slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kps,
+    stride_kph,
+    stride_vps,
+    stride_vph,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
@@ -40,9 +52,9 @@ def _store_kv_kernel(
 def store_kv(
     k_pool: torch.Tensor,  # [S, Hkv, D]
     v_pool: torch.Tensor,  # [S, Hkv, D]
-    slots: torch.Tensor,   # [T] int
-    k: torch.Tensor,       # [T, Hkv, D]
-    v: torch.Tensor,       # [T, Hkv, D]
+    slots: torch.Tensor,  # [T] int
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
 ) -> None:
     """k_pool[slots] = k and v_pool[slots] = v, in place."""
     num_tokens, num_heads, head_dim = k.shape
@@ -50,16 +62,32 @@ def store_kv(
         return
     check_head_dim_contiguous(k_pool, v_pool, k, v)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_pool, v_pool, slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        k_pool,
+        v_pool,
+        slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 
 def store_kv_ref(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> None:
     """Plain-PyTorch reference of store_kv."""
     k_pool[slots] = k.to(k_pool.dtype)

@@ -19,16 +19,26 @@ SERVICES = {"frontend": FrontendConfig, "scheduler": SchedulerConfig, "worker": 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start frontend, scheduler and worker and supervise them",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser(
+        "serve",
+        help="start frontend, scheduler and worker and supervise them",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     seen: set[str] = set()
     for cls in (FrontendConfig, SchedulerConfig, WorkerConfig):
         add_dataclass_args(serve, cls, seen)
-    serve.add_argument("--startup-timeout", type=float, default=900.0,
-                       help="seconds to wait for all three services to report healthy")
+    serve.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for all three services to report healthy",
+    )
     for name, cls in SERVICES.items():
-        p = sub.add_parser(name, help=f"start the {name} service alone (what its container runs)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=f"start the {name} service alone (what its container runs)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
         add_dataclass_args(p, cls)
     from services.frontend.client import add_generate_args
 

@@ -58,15 +58,27 @@ def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, Fronten
     """The three configs, with every internal address filled in for this instance."""
     host = ns.host
     metrics = ns.metrics_port
-    worker = from_args(WorkerConfig, ns, worker_addr=ns.worker_addr or new_ipc_addr("worker"),
-                       worker_grpc_port=ns.worker_grpc_port or free_port(host),
-                       metrics_port=metrics + 2 if metrics else 0)
-    sched = from_args(SchedulerConfig, ns, worker_addr=worker.worker_addr,
-                      scheduler_addr=ns.scheduler_addr or new_ipc_addr("scheduler"),
-                      control_port=ns.control_port or free_port(host),
-                      metrics_port=metrics + 1 if metrics else 0)
-    front = from_args(FrontendConfig, ns, scheduler_addrs=[sched.scheduler_addr],
-                      scheduler_control_addrs=[f"{host}:{sched.control_port}"])
+    worker = from_args(
+        WorkerConfig,
+        ns,
+        worker_addr=ns.worker_addr or new_ipc_addr("worker"),
+        worker_grpc_port=ns.worker_grpc_port or free_port(host),
+        metrics_port=metrics + 2 if metrics else 0,
+    )
+    sched = from_args(
+        SchedulerConfig,
+        ns,
+        worker_addr=worker.worker_addr,
+        scheduler_addr=ns.scheduler_addr or new_ipc_addr("scheduler"),
+        control_port=ns.control_port or free_port(host),
+        metrics_port=metrics + 1 if metrics else 0,
+    )
+    front = from_args(
+        FrontendConfig,
+        ns,
+        scheduler_addrs=[sched.scheduler_addr],
+        scheduler_control_addrs=[f"{host}:{sched.control_port}"],
+    )
     return worker, sched, front
 
 
@@ -79,7 +91,9 @@ def healthy(addr: str, timeout: float = 1.0) -> bool:
     """What the kubelet's gRPC probe asks: grpc.health.v1 Check of service "" is SERVING."""
     try:
         with grpc.insecure_channel(addr) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
@@ -133,14 +147,25 @@ def serve(ns: argparse.Namespace) -> int:
     children: list[Child] = []
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        children.append(Child("worker", spawn("worker", worker), f"{host}:{worker.worker_grpc_port}"))
-        children.append(Child("scheduler", spawn("scheduler", sched), f"{host}:{sched.control_port}"))
+        children.append(
+            Child("worker", spawn("worker", worker), f"{host}:{worker.worker_grpc_port}")
+        )
+        children.append(
+            Child("scheduler", spawn("scheduler", sched), f"{host}:{sched.control_port}")
+        )
         children.append(Child("frontend", spawn("frontend", front), f"{host}:{front.port}"))
         dead = wait_healthy(children, ns.startup_timeout)
         if dead is None:
-            http = f", HTTP (OpenAI API) on http://{host}:{front.http_port}" if front.http_port > 0 else ""
-            print(f"radixserve: serving {front.served_model_name or front.model_path} - gRPC on "
-                  f"{host}:{front.port}{http}. Ctrl-C stops.", flush=True)
+            http = (
+                f", HTTP (OpenAI API) on http://{host}:{front.http_port}"
+                if front.http_port > 0
+                else ""
+            )
+            print(
+                f"radixserve: serving {front.served_model_name or front.model_path} - gRPC on "
+                f"{host}:{front.port}{http}. Ctrl-C stops.",
+                flush=True,
+            )
             while (dead := first_dead(children)) is None:
                 time.sleep(0.2)
         print(_describe(dead), file=sys.stderr, flush=True)

@@ -33,10 +33,26 @@ _BASE = dict(
 )
 
 TINY_ARCHS = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False, rope_theta=10000.0)),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True, num_hidden_layers=3, initializer_range=0.15)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=32, initializer_range=0.15)),
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(tie_word_embeddings=False, rope_theta=10000.0),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=True, num_hidden_layers=3, initializer_range=0.15),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(tie_word_embeddings=False, sliding_window=None),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(tie_word_embeddings=True, head_dim=32, initializer_range=0.15),
+    ),
 }
 
 
@@ -70,7 +86,9 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
 
 def load_hf_model(folder: Path) -> torch.nn.Module:
     """The transformers reference model of a saved folder, float32, eager attention."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 

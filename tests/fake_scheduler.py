@@ -52,7 +52,10 @@ def build_tokenizer(path: Path) -> Path:
     )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -86,7 +89,7 @@ class FakeScheduler:
     addr: str = field(default_factory=lambda: transport.new_ipc_addr("fake-scheduler"))
     control_port: int = field(default_factory=free_port)
     requests: list = field(default_factory=list)
-    aborts: list = field(default_factory=list)     # (AbortRequest, time received)
+    aborts: list = field(default_factory=list)  # (AbortRequest, time received)
     flushes: int = 0
     flush_refusal: str = ""
 
@@ -129,14 +132,19 @@ class FakeScheduler:
             self.aborts.append((msg.abort, time.monotonic()))
             r = running.pop(msg.abort.rid, None)
             if r is not None:  # like the real scheduler: a closing delta with the totals
-                delta = engine_pb2.TokenDelta(rid=r.req.rid, finish_reason="abort", finish_message=msg.abort.reason)
+                delta = engine_pb2.TokenDelta(
+                    rid=r.req.rid, finish_reason="abort", finish_message=msg.abort.reason
+                )
                 self._send(identity, _with_totals(delta, r))
             return
         req = msg.generate
         self.requests.append(req)
         if req.cache_salt.startswith("error:"):
             delta = engine_pb2.TokenDelta(
-                rid=req.rid, finish_reason="abort", error_code=req.cache_salt[6:], finish_message="fake refusal: no room"
+                rid=req.rid,
+                finish_reason="abort",
+                error_code=req.cache_salt[6:],
+                finish_message="fake refusal: no room",
             )
             self._send(identity, delta)
             return
@@ -148,7 +156,11 @@ class FakeScheduler:
         sp = r.req.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 128
         slow = r.req.cache_salt == "slow"
-        token = self.script[r.emitted % len(self.script)] if slow or r.emitted < len(self.script) else EOS_ID
+        token = (
+            self.script[r.emitted % len(self.script)]
+            if slow or r.emitted < len(self.script)
+            else EOS_ID
+        )
         r.emitted += 1
         delta = engine_pb2.TokenDelta(rid=r.req.rid, token_ids=[token], matched_stop_token=-1)
         if sp.logprobs:
@@ -166,13 +178,19 @@ class FakeScheduler:
         return bool(delta.finish_reason)
 
     def _send(self, identity: bytes, delta: engine_pb2.TokenDelta) -> None:
-        transport.send(self._sock, engine_pb2.SchedulerToFrontend(outputs=[delta]), identity=identity)
+        transport.send(
+            self._sock, engine_pb2.SchedulerToFrontend(outputs=[delta]), identity=identity
+        )
 
 
 def _with_totals(delta: engine_pb2.TokenDelta, r: _Running) -> engine_pb2.TokenDelta:
     """Counts and timings, which the scheduler sends on a request's last delta only."""
     n_prompt = len(transport.unpack_i32(r.req.input_ids))
-    delta.prompt_tokens, delta.cached_tokens, delta.completion_tokens = n_prompt, n_prompt // 2, r.emitted
+    delta.prompt_tokens, delta.cached_tokens, delta.completion_tokens = (
+        n_prompt,
+        n_prompt // 2,
+        r.emitted,
+    )
     delta.queue_time, delta.prefill_time, delta.decode_time = 0.001, 0.002, 0.003
     return delta
 
@@ -183,14 +201,21 @@ class _Control(engine_pb2_grpc.SchedulerControlServicer):
 
     def GetStats(self, request, context):
         worker = engine_pb2.WorkerInfo(
-            model_id="tiny", architecture="LlamaForCausalLM", vocab_size=self._fake.vocab_size,
-            max_model_len=self._fake.max_model_len, eos_token_ids=[EOS_ID],
+            model_id="tiny",
+            architecture="LlamaForCausalLM",
+            vocab_size=self._fake.vocab_size,
+            max_model_len=self._fake.max_model_len,
+            eos_token_ids=[EOS_ID],
         )
-        return engine_pb2.SchedulerStats(max_total_num_tokens=4096, available_tokens=4096, page_size=1, worker=worker)
+        return engine_pb2.SchedulerStats(
+            max_total_num_tokens=4096, available_tokens=4096, page_size=1, worker=worker
+        )
 
     def FlushCache(self, request, context):
         if self._fake.flush_refusal:
-            return generation_pb2.FlushCacheResponse(flushed=False, message=self._fake.flush_refusal)
+            return generation_pb2.FlushCacheResponse(
+                flushed=False, message=self._fake.flush_refusal
+            )
         self._fake.flushes += 1
         return generation_pb2.FlushCacheResponse(flushed=True, message="Cache flushed.")
 
@@ -225,7 +250,9 @@ class FrontendThread:
         self.loop.close()
 
 
-def frontend_config(model_path: Path, fakes: list[FakeScheduler], http: bool = False) -> FrontendConfig:
+def frontend_config(
+    model_path: Path, fakes: list[FakeScheduler], http: bool = False
+) -> FrontendConfig:
     return FrontendConfig(
         model_path=str(model_path),
         served_model_name="tiny",

@@ -20,7 +20,7 @@ EOS = 999
 
 def next_token(context: list[int]) -> int:
     digest = hashlib.blake2b(repr(context).encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") % (VOCAB - 1)   # never EOS: lengths stay predictable
+    return int.from_bytes(digest, "little") % (VOCAB - 1)  # never EOS: lengths stay predictable
 
 
 def expected(prompt: list[int], max_tokens: int) -> list[int]:
@@ -35,14 +35,27 @@ class FakeWorker:
     def __init__(self, num_slots: int, max_running: int = 16, max_model_len: int = 4096):
         self.pool: dict[int, tuple[int, int]] = {}
         self.rows: dict[int, list[int]] = {}
-        self.last: dict[int, int] = {}   # req_slot -> token sampled last (overlap schedule input)
+        self.last: dict[int, int] = {}  # req_slot -> token sampled last (overlap schedule input)
         self.num_slots = num_slots
         self.batches: list[engine_pb2.ForwardBatch] = []
         self.info = engine_pb2.WorkerInfo(
-            model_id="fake", architecture="Fake", vocab_size=VOCAB, max_model_len=max_model_len,
-            max_total_num_tokens=num_slots, max_running_requests=max_running, device="cpu",
-            dtype="float32", num_parameters=1000, num_layers=2, hidden_size=8, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=4, intermediate_size=16, eos_token_ids=[EOS])
+            model_id="fake",
+            architecture="Fake",
+            vocab_size=VOCAB,
+            max_model_len=max_model_len,
+            max_total_num_tokens=num_slots,
+            max_running_requests=max_running,
+            device="cpu",
+            dtype="float32",
+            num_parameters=1000,
+            num_layers=2,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=4,
+            intermediate_size=16,
+            eos_token_ids=[EOS],
+        )
 
     def forward(self, batch: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
         self.batches.append(batch)
@@ -50,7 +63,9 @@ class FakeWorker:
         for r in batch.reqs:
             ids, out = unpack_i32(r.input_ids).tolist(), unpack_i32(r.out_slots).tolist()
             if r.use_last_sampled:
-                assert not ids and r.req_slot in self.last, "use_last_sampled without a sampled token"
+                assert not ids and r.req_slot in self.last, (
+                    "use_last_sampled without a sampled token"
+                )
                 ids = [self.last[r.req_slot]]
             assert len(ids) == len(out) > 0, "input_ids and out_slots differ in length"
             assert all(0 < s <= self.num_slots for s in out), f"slot out of range in {out}"
@@ -58,14 +73,14 @@ class FakeWorker:
             if r.is_new:
                 row[:] = unpack_i32(r.prefix_slots).tolist()
             assert len(row) >= r.prefix_len, "prefix_len beyond what the table row holds"
-            del row[r.prefix_len:]
+            del row[r.prefix_len :]
             for i, (tok, slot) in enumerate(zip(ids, out, strict=True)):
                 self.pool[slot] = (tok, r.prefix_len + i)
             row.extend(out)
             context = []
             for pos, slot in enumerate(row):
                 tok, where = self.pool.get(slot, (-1, -1))
-                context.append(tok if where == pos else -1)   # a slot written for another position
+                context.append(tok if where == pos else -1)  # a slot written for another position
             tok = next_token(context) if r.sample else -1
             if r.sample:
                 self.last[r.req_slot] = tok
@@ -78,7 +93,7 @@ class FakeWorkerSocket:
 
     def __init__(self, worker: FakeWorker):
         self.worker = worker
-        self.replies: deque[bytes] = deque()   # in order, as the real worker answers
+        self.replies: deque[bytes] = deque()  # in order, as the real worker answers
 
     def send(self, payload, flags: int = 0, copy: bool = True):
         msg = engine_pb2.SchedulerToWorker()

@@ -27,13 +27,17 @@ except ImportError as exc:  # fail loudly: a missing tool must not look like a p
 __all__ = ["HelmError", "HelmValuesError", "render", "manifests", "lint", "validate_values"]
 
 
-def render(values: dict[str, Any] | None = None, release: str = "rs", namespace: str = "ns") -> dict[str, str]:
+def render(
+    values: dict[str, Any] | None = None, release: str = "rs", namespace: str = "ns"
+) -> dict[str, str]:
     """Template path -> rendered text (NOTES.txt included), as `helm template` would print."""
     chart = helm_chart.Chart.load(CHART_DIR)
     return chart.render(values or {}, name=release, namespace=namespace, is_install=True)
 
 
-def manifests(values: dict[str, Any] | None = None, release: str = "rs", namespace: str = "ns") -> list[dict]:
+def manifests(
+    values: dict[str, Any] | None = None, release: str = "rs", namespace: str = "ns"
+) -> list[dict]:
     """Every Kubernetes object of the rendered chart (NOTES.txt left out)."""
     docs: list[dict] = []
     for path, text in sorted(render(values, release, namespace).items()):
@@ -59,7 +63,9 @@ def validate_values(values: dict[str, Any] | None) -> None:
 def find(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
     """The one object of ``kind`` whose name ends with ``name_suffix``."""
     hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
-    assert len(hits) == 1, f"expected one {kind} *{name_suffix}, got {[d['metadata']['name'] for d in hits]}"
+    assert len(hits) == 1, (
+        f"expected one {kind} *{name_suffix}, got {[d['metadata']['name'] for d in hits]}"
+    )
     return hits[0]
 
 

@@ -17,7 +17,7 @@ class ReceivedSpan:
     trace_id: str
     span_id: str
     parent_id: str
-    links: list[str]          # span ids this span links to
+    links: list[str]  # span ids this span links to
     attributes: dict
 
 
@@ -41,10 +41,17 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer):
                 service = attrs.get("service.name", "")
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        self.spans.append(ReceivedSpan(
-                            service=service, name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                            parent_id=s.parent_span_id.hex(), links=[ln.span_id.hex() for ln in s.links],
-                            attributes={a.key: _value(a.value) for a in s.attributes}))
+                        self.spans.append(
+                            ReceivedSpan(
+                                service=service,
+                                name=s.name,
+                                trace_id=s.trace_id.hex(),
+                                span_id=s.span_id.hex(),
+                                parent_id=s.parent_span_id.hex(),
+                                links=[ln.span_id.hex() for ln in s.links],
+                                attributes={a.key: _value(a.value) for a in s.attributes},
+                            )
+                        )
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def snapshot(self) -> list[ReceivedSpan]:

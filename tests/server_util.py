@@ -50,8 +50,14 @@ class Server:
     `metrics_port + 1` (`sched_metrics`), the worker's `metrics_port + 2` (serve's convention).
     """
 
-    def __init__(self, *flags: str, model: Path | str = DEFAULT_MODEL, timeout: float = 180.0,
-                 env: dict[str, str] | None = None, metrics: bool = False):
+    def __init__(
+        self,
+        *flags: str,
+        model: Path | str = DEFAULT_MODEL,
+        timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        metrics: bool = False,
+    ):
         held: list[socket.socket] = []
         if metrics:
             self.metrics_port, held = _port_block(3)
@@ -60,11 +66,30 @@ class Server:
         self.port, self.http_port = free_port(), free_port()
         for sock in held:
             sock.close()
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="radixserve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model-path", str(model),
-               "--port", str(self.port), "--http-port", str(self.http_port), *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="radixserve-", suffix=".log", delete=False
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "radixserve.cli",
+            "serve",
+            "--model-path",
+            str(model),
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            *flags,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         self.addr = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
@@ -75,7 +100,9 @@ class Server:
         health = health_pb2_grpc.HealthStub(self.channel)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"radixserve serve exited ({self.proc.returncode}):\n{self.output()}")
+                raise RuntimeError(
+                    f"radixserve serve exited ({self.proc.returncode}):\n{self.output()}"
+                )
             try:
                 r = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
@@ -90,7 +117,9 @@ class Server:
         self.log.flush()
         return Path(self.log.name).read_text(errors="replace")
 
-    def generate(self, timeout: float = 120.0, **kw) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
+    def generate(
+        self, timeout: float = 120.0, **kw
+    ) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
         """Runs one Generate to the end: (token ids, text, last message)."""
         ids, text, last = [], "", None
         for msg in self.stub.Generate(generation_pb2.GenerateRequest(**kw), timeout=timeout):
@@ -138,18 +167,24 @@ def scrape_metrics(port: int) -> dict[str, float]:
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token-id lists."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 class BackgroundStream:
     """A long greedy Generate consumed on a thread, so a test can act while it runs."""
 
-    def __init__(self, server: Server, text: str = "A long one.", max_tokens: int = 400, timeout: float = 120):
+    def __init__(
+        self, server: Server, text: str = "A long one.", max_tokens: int = 400, timeout: float = 120
+    ):
         import threading
 
         self.started = threading.Event()
-        self.call = server.stub.Generate(generation_pb2.GenerateRequest(
-            text=text, sampling=greedy(max_tokens, ignore_eos=True)), timeout=timeout)
+        self.call = server.stub.Generate(
+            generation_pb2.GenerateRequest(text=text, sampling=greedy(max_tokens, ignore_eos=True)),
+            timeout=timeout,
+        )
         self._thread = threading.Thread(target=self._consume)
         self._thread.start()
 
@@ -157,7 +192,7 @@ class BackgroundStream:
         try:
             for _ in self.call:
                 self.started.set()
-        except grpc.RpcError:   # cancelled by stop()
+        except grpc.RpcError:  # cancelled by stop()
             pass
 
     def stop(self, timeout: float = 30) -> None:

@@ -14,7 +14,7 @@ def test_total_excludes_padding_and_rounds_down(page_size):
     assert a.num_free == a.total
     slots = a.alloc(a.total)
     assert slots is not None and len(slots) == a.total
-    assert 0 not in slots and min(slots) == page_size   # the whole first page is padding
+    assert 0 not in slots and min(slots) == page_size  # the whole first page is padding
     assert sorted(slots) == list(range(page_size, 11 * page_size))
     assert a.num_free == 0
     a.check()
@@ -45,13 +45,13 @@ def test_free_then_realloc_reuses_slots(page_size):
 def test_page_aligned_allocation_fills_the_current_page_first():
     ps = 4
     a = KVSlotAllocator(5 * ps, ps)
-    s = a.alloc(6)                      # positions 0..5: one whole page, half of the next
+    s = a.alloc(6)  # positions 0..5: one whole page, half of the next
     assert len(s) == 6
     assert s[0] % ps == 0 and s[:4] == list(range(s[0], s[0] + 4))
     assert s[4] % ps == 0 and s[5] == s[4] + 1
-    assert a.num_free == 3 * ps         # two pages taken
-    more = a.alloc(5, cur_len=6, last_slot=s[5])   # positions 6..10
-    assert more[:2] == [s[5] + 1, s[5] + 2]        # rest of the half-used page
+    assert a.num_free == 3 * ps  # two pages taken
+    more = a.alloc(5, cur_len=6, last_slot=s[5])  # positions 6..10
+    assert more[:2] == [s[5] + 1, s[5] + 2]  # rest of the half-used page
     assert more[2] % ps == 0 and more[2:] == list(range(more[2], more[2] + 3))
     assert a.num_free == 2 * ps
     # Every position k of the sequence sits at page offset k % ps.
@@ -65,7 +65,7 @@ def test_pages_needed_and_slots_needed():
     assert a.pages_needed(1) == 1
     assert a.pages_needed(16) == 1
     assert a.pages_needed(17) == 2
-    assert a.pages_needed(5, cur_len=12) == 1      # 4 fit in the current page, 1 spills
+    assert a.pages_needed(5, cur_len=12) == 1  # 4 fit in the current page, 1 spills
     assert a.pages_needed(4, cur_len=12) == 0
     assert a.slots_needed(17) == 32
     b = KVSlotAllocator(64, 1)
@@ -83,10 +83,10 @@ def test_alloc_within_current_page_takes_no_new_page():
 
 def test_paged_free_frees_whole_pages():
     a = KVSlotAllocator(64, 16)
-    s = a.alloc(20)                     # page X fully, page Y 4 slots
-    a.free(s[16:])                      # the partial page: frees page Y
+    s = a.alloc(20)  # page X fully, page Y 4 slots
+    a.free(s[16:])  # the partial page: frees page Y
     assert a.num_free == 64 - 16
-    a.free([s[3]])                      # any slot of page X names page X
+    a.free([s[3]])  # any slot of page X names page X
     assert a.num_free == 64
     a.check()
 
@@ -98,9 +98,9 @@ def test_double_free_raises_and_changes_nothing(page_size):
     a.free(s[:page_size])
     free_before = a.num_free
     with pytest.raises(DoubleFreeError, match="already free"):
-        a.free(s[: 2 * page_size])      # first page free already, second not
+        a.free(s[: 2 * page_size])  # first page free already, second not
     assert a.num_free == free_before
-    a.free(s[page_size:])               # the untouched rest is still freeable exactly once
+    a.free(s[page_size:])  # the untouched rest is still freeable exactly once
     assert a.num_free == a.total
     a.check()
 
@@ -146,9 +146,9 @@ def test_last_slot_must_match_the_position():
     a = KVSlotAllocator(64, 16)
     s = a.alloc(3)
     with pytest.raises(SlotError, match="offset"):
-        a.alloc(2, cur_len=3, last_slot=s[0])         # s[0] is position 0, not 2
+        a.alloc(2, cur_len=3, last_slot=s[0])  # s[0] is position 0, not 2
     with pytest.raises(SlotError, match="not an allocated slot"):
-        a.alloc(2, cur_len=3, last_slot=48 + 2)       # a free page
+        a.alloc(2, cur_len=3, last_slot=48 + 2)  # a free page
     assert a.num_free == 48
 
 

@@ -37,9 +37,15 @@ CHART_PORTS = (30000, 30080, 30090, 30100, 30101, 30102, 30200, 30201, 30202)
 # Kept small: on CPU the default KV pool is 30% of RAM, too much for a shared test machine.
 VALUES = {"gpu": {"mode": "none"}, "config": {"maxTotalTokens": 4096, "maxRunningRequests": 8}}
 # What each container runs in: which Dockerfile target, and whether its image has torch.
-CONTAINERS = {"worker": ("StatefulSet", True), "scheduler": ("StatefulSet", False),
-              "frontend": ("Deployment", False)}
-POD_NAMES = {"StatefulSet": f"{RELEASE}-radixserve-engine-0", "Deployment": f"{RELEASE}-radixserve-frontend-abc12"}
+CONTAINERS = {
+    "worker": ("StatefulSet", True),
+    "scheduler": ("StatefulSet", False),
+    "frontend": ("Deployment", False),
+}
+POD_NAMES = {
+    "StatefulSet": f"{RELEASE}-radixserve-engine-0",
+    "Deployment": f"{RELEASE}-radixserve-frontend-abc12",
+}
 BOOT_TIMEOUT_S = 240.0
 
 
@@ -53,7 +59,11 @@ class Localizer:
         text = re.sub(r"[a-z0-9.-]+\.svc\.cluster\.local", "127.0.0.1", text)
         text = text.replace("0.0.0.0", "127.0.0.1")  # tests bind loopback only
         text = re.sub(r"(?<![\w/])/models/", str(MODEL_DIR.parent) + "/", text)
-        return re.sub(r"\b(" + "|".join(map(str, self.ports)) + r")\b", lambda m: str(self.ports[int(m[1])]), text)
+        return re.sub(
+            r"\b(" + "|".join(map(str, self.ports)) + r")\b",
+            lambda m: str(self.ports[int(m[1])]),
+            text,
+        )
 
 
 def _env_of(c: dict, configmap: dict[str, str], pod_name: str, local: Localizer) -> dict[str, str]:
@@ -69,8 +79,13 @@ def _env_of(c: dict, configmap: dict[str, str], pod_name: str, local: Localizer)
 
 def _base_env(home: Path, has_torch: bool, blocker: Path) -> dict[str, str]:
     """A container's environment starts nearly empty (what the image's ENV sets)."""
-    env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(home), "PYTHONUNBUFFERED": "1",
-           "HF_HUB_OFFLINE": "1", "LANG": "C.UTF-8"}
+    env = {
+        "PATH": f"{VENV_BIN}:/usr/bin:/bin",
+        "HOME": str(home),
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "LANG": "C.UTF-8",
+    }
     if not has_torch:
         env["PYTHONPATH"] = str(blocker)
     return env
@@ -81,7 +96,8 @@ def _write_torch_blocker(folder: Path) -> Path:
     (importlib.util.find_spec returns None for a None entry of sys.modules)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
-        "import sys\nfor _name in ('torch', 'triton'):\n    sys.modules[_name] = None\n")
+        "import sys\nfor _name in ('torch', 'triton'):\n    sys.modules[_name] = None\n"
+    )
     return folder
 
 
@@ -98,11 +114,16 @@ class Stack:
         return self.local.ports[chart_port]
 
     def output(self) -> str:
-        return "\n".join(f"----- {n} -----\n{p.read_text(errors='replace')[-4000:]}" for n, p in self.logs.items())
+        return "\n".join(
+            f"----- {n} -----\n{p.read_text(errors='replace')[-4000:]}"
+            for n, p in self.logs.items()
+        )
 
 
 def _start(stack_dir: Path) -> Stack:
-    assert MODEL_DIR.is_dir(), f"the default model {MODEL_DIR} is missing (scripts/train_default_model.py makes it)"
+    assert MODEL_DIR.is_dir(), (
+        f"the default model {MODEL_DIR} is missing (scripts/train_default_model.py makes it)"
+    )
     docs = hr.manifests(VALUES, release=RELEASE, namespace=NAMESPACE)
     local = Localizer({p: free_port() for p in CHART_PORTS})
     configmap = hr.find(docs, "ConfigMap", "-env")["data"]
@@ -113,15 +134,23 @@ def _start(stack_dir: Path) -> Stack:
         c = hr.container(docs, kind, name)
         entry = stages[name]["entrypoint"]
         argv = [str(VENV_BIN / entry[0]), *entry[1:], *map(local, c.get("args", []))]
-        env = {**_base_env(stack_dir / f"home-{name}", has_torch, blocker),
-               **_env_of(c, configmap, POD_NAMES[kind], local)}
+        env = {
+            **_base_env(stack_dir / f"home-{name}", has_torch, blocker),
+            **_env_of(c, configmap, POD_NAMES[kind], local),
+        }
         (stack_dir / f"home-{name}").mkdir(exist_ok=True)
         stack.logs[name] = stack_dir / f"{name}.log"
         stack.env[name] = env
         with open(stack.logs[name], "w") as log:
             # Like the kubelet, start every container at once: no ordering is promised.
-            stack.procs[name] = subprocess.Popen(argv, env=env, cwd=stack_dir, stdout=log,
-                                                 stderr=subprocess.STDOUT, start_new_session=True)
+            stack.procs[name] = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=stack_dir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
     return stack
 
 
@@ -143,8 +172,10 @@ def _probe_ok(addr: str) -> bool:
 
 
 def _probe_addrs(stack: Stack) -> dict[str, str]:
-    return {name: f"127.0.0.1:{stack.port(hr.container(stack.docs, kind, name)['startupProbe']['grpc']['port'])}"
-            for name, (kind, _) in CONTAINERS.items()}
+    return {
+        name: f"127.0.0.1:{stack.port(hr.container(stack.docs, kind, name)['startupProbe']['grpc']['port'])}"
+        for name, (kind, _) in CONTAINERS.items()
+    }
 
 
 def _wait_started(stack: Stack) -> None:
@@ -155,7 +186,9 @@ def _wait_started(stack: Stack) -> None:
         if dead:
             raise AssertionError(f"container process exited: {dead}\n{stack.output()}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"startup probes still failing for {sorted(pending)}\n{stack.output()}")
+            raise AssertionError(
+                f"startup probes still failing for {sorted(pending)}\n{stack.output()}"
+            )
         pending = {n: a for n, a in pending.items() if not _probe_ok(a)}
         time.sleep(0.5)
 
@@ -180,7 +213,8 @@ def test_generate_through_the_frontend(stack: Stack) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{stack.port(30000)}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = generation_pb2.GenerateRequest(
-            text="Hello", sampling=generation_pb2.SamplingParams(max_tokens=4, temperature=0))
+            text="Hello", sampling=generation_pb2.SamplingParams(max_tokens=4, temperature=0)
+        )
         replies = list(stub.Generate(request, timeout=120))
     tokens = [t for r in replies for t in r.token_ids]
     last = replies[-1]
@@ -194,14 +228,24 @@ def test_the_helm_test_pod_passes(stack: Stack) -> None:
     assert c["command"] == ["python", "/smoke/smoke_test.py"]
     script = hr.CHART_DIR / "files" / "smoke_test.py"
     # The test pod runs in the frontend image: no torch there either.
-    run = subprocess.run([str(VENV_BIN / "python"), str(script), *map(stack.local, c["args"])],
-                         env=stack.env["frontend"], cwd=stack.cwd, capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [str(VENV_BIN / "python"), str(script), *map(stack.local, c["args"])],
+        env=stack.env["frontend"],
+        cwd=stack.cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{stack.output()}"
     assert "smoke test passed" in run.stdout
 
 
-@pytest.mark.parametrize("name, chart_port", [("frontend", 30090), ("scheduler", 30102), ("worker", 30202)])
-def test_metrics_port_from_the_chart_serves_prometheus(stack: Stack, name: str, chart_port: int) -> None:
+@pytest.mark.parametrize(
+    "name, chart_port", [("frontend", 30090), ("scheduler", 30102), ("worker", 30202)]
+)
+def test_metrics_port_from_the_chart_serves_prometheus(
+    stack: Stack, name: str, chart_port: int
+) -> None:
     url = f"http://127.0.0.1:{stack.port(chart_port)}/metrics"
     try:
         no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))

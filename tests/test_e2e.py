@@ -44,8 +44,14 @@ def offline():
     from services.worker.model_runner import ModelRunner
     from services.worker.offline import generate
 
-    runner = ModelRunner(WorkerConfig(model_path=str(DEFAULT_MODEL), device="cpu", max_total_tokens=8192,
-                                      max_running_requests=16))
+    runner = ModelRunner(
+        WorkerConfig(
+            model_path=str(DEFAULT_MODEL),
+            device="cpu",
+            max_total_tokens=8192,
+            max_running_requests=16,
+        )
+    )
 
     def run(prompts: list[list[int]], max_tokens: int, stop_at_eos: bool = True) -> list[list[int]]:
         return generate(runner, prompts, max_tokens, stop_at_eos=stop_at_eos)
@@ -79,9 +85,11 @@ def test_streaming_matches_offline_greedy(offline, flags):
     with Server(*flags, "--max-total-tokens", "8192") as s:
         ids = [tokenize(s, p) for p in PROMPTS]
         want = offline(ids, 24)
-        for round_ in range(2):   # the second round hits the cache (when enabled)
+        for round_ in range(2):  # the second round hits the cache (when enabled)
             for prompt, expect in zip(ids, want, strict=True):
-                got, _, last = s.generate(input_ids=generation_pb2.InputIds(ids=prompt), sampling=greedy(24))
+                got, _, last = s.generate(
+                    input_ids=generation_pb2.InputIds(ids=prompt), sampling=greedy(24)
+                )
                 assert got == expect
                 assert last.completion_tokens == len(expect)
                 if flags:
@@ -96,7 +104,9 @@ def test_64_concurrent_streams_then_pool_is_whole(server, offline):
     lengths = [4 + (i * 7) % 40 for i in range(64)]
 
     def one(i: int) -> list[int]:
-        return server.generate(input_ids=generation_pb2.InputIds(ids=ids[i]), sampling=greedy(lengths[i]))[0]
+        return server.generate(
+            input_ids=generation_pb2.InputIds(ids=ids[i]), sampling=greedy(lengths[i])
+        )[0]
 
     with ThreadPoolExecutor(64) as pool:
         got = list(pool.map(one, range(64)))
@@ -110,8 +120,12 @@ def test_64_concurrent_streams_then_pool_is_whole(server, offline):
 
 
 def test_cancel_half_way_frees_slots(server):
-    call = server.stub.Generate(generation_pb2.GenerateRequest(
-        text="Cancel me half-way.", sampling=greedy(400, ignore_eos=True)), timeout=60)
+    call = server.stub.Generate(
+        generation_pb2.GenerateRequest(
+            text="Cancel me half-way.", sampling=greedy(400, ignore_eos=True)
+        ),
+        timeout=60,
+    )
     got = 0
     for msg in call:
         got += len(msg.token_ids)
@@ -124,14 +138,17 @@ def test_cancel_half_way_frees_slots(server):
     assert m["radixserve:num_running_reqs"] == 0
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"text": ""}, "text"),
-    ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),
-    ({"text": "x", "sampling": generation_pb2.SamplingParams(temperature=-1)}, "temperature"),
-    ({"text": "x", "sampling": generation_pb2.SamplingParams(top_p=1.5)}, "top_p"),
-    ({"input_ids": generation_pb2.InputIds(ids=[10**7])}, "input_ids"),
-    ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=10**6)}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"text": ""}, "text"),
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(temperature=-1)}, "temperature"),
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(top_p=1.5)}, "top_p"),
+        ({"input_ids": generation_pb2.InputIds(ids=[10**7])}, "input_ids"),
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=10**6)}, "max_tokens"),
+    ],
+)
 def test_bad_input_is_rejected_and_server_keeps_serving(server, kw, field):
     with pytest.raises(grpc.RpcError) as err:
         server.generate(**kw)
@@ -149,8 +166,15 @@ def test_small_pool_forces_retraction_and_tokens_stay_right(offline):
         ids = [tokenize(s, t) for t in ids_text]
         want = offline(ids, 100, stop_at_eos=False)
         with ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(lambda p: s.generate(input_ids=generation_pb2.InputIds(ids=p),
-                                                     sampling=greedy(100, ignore_eos=True))[0], ids))
+            got = list(
+                pool.map(
+                    lambda p: s.generate(
+                        input_ids=generation_pb2.InputIds(ids=p),
+                        sampling=greedy(100, ignore_eos=True),
+                    )[0],
+                    ids,
+                )
+            )
         log = s.output()
     assert got == want
     assert "Retract requests" in log
@@ -177,9 +201,25 @@ def test_two_servers_side_by_side_and_generate_cli():
         ta = a.generate(text="Beautiful is better than", sampling=greedy(6))[1]
         tb = b.generate(text="Beautiful is better than", sampling=greedy(6))[1]
         assert ta == tb and ta
-        out = subprocess.run([sys.executable, "-m", "radixserve.cli", "generate", "Beautiful is better than",
-                              "--target", a.addr, "--max-tokens", "6", "--temperature", "0"],
-                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "radixserve.cli",
+                "generate",
+                "Beautiful is better than",
+                "--target",
+                a.addr,
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().startswith(ta.strip())
 

@@ -75,7 +75,11 @@ def stub(channel):
 
 
 def _health(ch, service: str = SERVICE):
-    return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+    return (
+        health_pb2_grpc.HealthStub(ch)
+        .Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        .status
+    )
 
 
 def _wait_serving(ch, timeout_s: float = 10.0) -> None:
@@ -129,7 +133,9 @@ def test_utf8_never_split_and_eos_finish(stub, fake, tok):
 
 def test_stop_string_cuts_text_and_aborts_scheduler(stub, fake, tok):
     prompt = "hello there world"
-    out = _generate(stub, text=prompt, request_id="stop-1", sampling=pb.SamplingParams(stop=["STOP", "zzz"]))
+    out = _generate(
+        stub, text=prompt, request_id="stop-1", sampling=pb.SamplingParams(stop=["STOP", "zzz"])
+    )
     assert "".join(r.text for r in out) == SCRIPT_TEXT[: SCRIPT_TEXT.index("STOP")]
     last = out[-1]
     assert last.finish_reason == "stop" and last.matched_stop == "STOP"
@@ -142,17 +148,37 @@ def test_stop_string_cuts_text_and_aborts_scheduler(stub, fake, tok):
 
 
 def test_chat_and_input_ids_reach_scheduler_tokenized(stub, fake, tok):
-    msgs = pb.ChatMessages(messages=[pb.ChatMessage(role="system", content="be brief"), pb.ChatMessage(role="user", content="hi")])
-    _generate(stub, messages=msgs, sampling=pb.SamplingParams(max_tokens=2, temperature=0, seed=7), priority=3, cache_salt="s")
+    msgs = pb.ChatMessages(
+        messages=[
+            pb.ChatMessage(role="system", content="be brief"),
+            pb.ChatMessage(role="user", content="hi"),
+        ]
+    )
+    _generate(
+        stub,
+        messages=msgs,
+        sampling=pb.SamplingParams(max_tokens=2, temperature=0, seed=7),
+        priority=3,
+        cache_salt="s",
+    )
     sent = fake.requests[-1]
-    assert list(transport.unpack_i32(sent.input_ids)) == tok.encode_chat([("system", "be brief"), ("user", "hi")])
-    assert sent.sampling.temperature == 0 and sent.sampling.seed == 7 and sent.priority == 3 and sent.cache_salt == "s"
+    assert list(transport.unpack_i32(sent.input_ids)) == tok.encode_chat(
+        [("system", "be brief"), ("user", "hi")]
+    )
+    assert (
+        sent.sampling.temperature == 0
+        and sent.sampling.seed == 7
+        and sent.priority == 3
+        and sent.cache_salt == "s"
+    )
     _generate(stub, input_ids=pb.InputIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(max_tokens=1))
     assert list(transport.unpack_i32(fake.requests[-1].input_ids)) == [5, 6, 7]
 
 
 def test_logprobs_are_relayed(stub):
-    out = _generate(stub, text="hi", sampling=pb.SamplingParams(max_tokens=3, logprobs=True, top_logprobs=1))
+    out = _generate(
+        stub, text="hi", sampling=pb.SamplingParams(max_tokens=3, logprobs=True, top_logprobs=1)
+    )
     lps = [lp for r in out for lp in r.logprobs]
     assert [lp.token_id for lp in lps] == [t for r in out for t in r.token_ids]
     assert all(lp.logprob == pytest.approx(-0.5) and len(lp.top) == 1 for lp in lps)
@@ -170,15 +196,24 @@ BAD = [
     (dict(text="hi", sampling=pb.SamplingParams(top_p=0)), "sampling.top_p"),
     (dict(text="hi", sampling=pb.SamplingParams(top_k=-2)), "sampling.top_k"),
     (dict(text="hi", sampling=pb.SamplingParams(min_p=2)), "sampling.min_p"),
-    (dict(text="hi", sampling=pb.SamplingParams(repetition_penalty=3)), "sampling.repetition_penalty"),
-    (dict(text="hi", sampling=pb.SamplingParams(frequency_penalty=5)), "sampling.frequency_penalty"),
+    (
+        dict(text="hi", sampling=pb.SamplingParams(repetition_penalty=3)),
+        "sampling.repetition_penalty",
+    ),
+    (
+        dict(text="hi", sampling=pb.SamplingParams(frequency_penalty=5)),
+        "sampling.frequency_penalty",
+    ),
     (dict(text="hi", sampling=pb.SamplingParams(presence_penalty=-5)), "sampling.presence_penalty"),
     (dict(text="hi", sampling=pb.SamplingParams(top_logprobs=50)), "sampling.top_logprobs"),
     (dict(text="hi", sampling=pb.SamplingParams(stop=[""])), "sampling.stop[0]"),
     (dict(text="hi", sampling=pb.SamplingParams(stop=["a"] * 17)), "at most 16"),
     (dict(input_ids=pb.InputIds(ids=[1, 999])), "input_ids.ids[1]"),
     (dict(input_ids=pb.InputIds(ids=list(range(5, 261)))), "max_model_len"),
-    (dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])), "messages[0].role"),
+    (
+        dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+        "messages[0].role",
+    ),
 ]
 
 
@@ -190,7 +225,10 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(stub, fake, kw, 
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in e.value.details()
     assert len(fake.requests) == n_sent  # nothing reached the scheduler
-    assert _generate(stub, text="ok", sampling=pb.SamplingParams(max_tokens=1))[-1].finish_reason == "length"
+    assert (
+        _generate(stub, text="ok", sampling=pb.SamplingParams(max_tokens=1))[-1].finish_reason
+        == "length"
+    )
 
 
 def test_scheduler_error_code_becomes_grpc_status(stub):
@@ -249,7 +287,9 @@ def test_tokenize(stub, tok):
 
 def test_flush_cache_relays_success_and_refusal(stub, fake):
     before = fake.flushes
-    assert stub.FlushCache(pb.FlushCacheRequest(), timeout=5) == pb.FlushCacheResponse(flushed=True, message="Cache flushed.")
+    assert stub.FlushCache(pb.FlushCacheRequest(), timeout=5) == pb.FlushCacheResponse(
+        flushed=True, message="Cache flushed."
+    )
     assert fake.flushes == before + 1
     fake.flush_refusal = "2 requests running"
     try:
@@ -262,7 +302,18 @@ def test_flush_cache_relays_success_and_refusal(stub, fake):
 def test_generate_cli_streams_to_stdout(frontend, fake, tok, capsys):
     parser = argparse.ArgumentParser()
     add_generate_args(parser)
-    ns = parser.parse_args(["hi", "--target", frontend.grpc_target, "--max-tokens", "24", "--show-stats", "--seed", "1"])
+    ns = parser.parse_args(
+        [
+            "hi",
+            "--target",
+            frontend.grpc_target,
+            "--max-tokens",
+            "24",
+            "--show-stats",
+            "--seed",
+            "1",
+        ]
+    )
     assert run_generate(ns) == 0
     out = capsys.readouterr()
     assert out.out == tok.decode(fake.script[:24]) + "\n"
@@ -286,7 +337,11 @@ def test_not_serving_until_engines_answer(model_dir, tok):
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             late.start()
             _wait_serving(ch)
-            out = _generate(generation_pb2_grpc.GenerationStub(ch), text="hi", sampling=pb.SamplingParams(max_tokens=2))
+            out = _generate(
+                generation_pb2_grpc.GenerationStub(ch),
+                text="hi",
+                sampling=pb.SamplingParams(max_tokens=2),
+            )
             assert out[-1].finish_reason == "length"
     finally:
         fe.stop()
@@ -303,10 +358,18 @@ def test_routes_across_engines_and_flush_needs_all(model_dir, tok):
             assert stub.GetModelInfo(pb.GetModelInfoRequest()).num_engines == 2
             shared = list(range(10, 42))
             for i in range(4):  # same first 32 tokens: one engine gets them all
-                _generate(stub, input_ids=pb.InputIds(ids=shared + [i + 50]), sampling=pb.SamplingParams(max_tokens=1))
+                _generate(
+                    stub,
+                    input_ids=pb.InputIds(ids=shared + [i + 50]),
+                    sampling=pb.SamplingParams(max_tokens=1),
+                )
             assert sorted(len(f.requests) for f in fakes) == [0, 4]
             for i in range(30):
-                _generate(stub, input_ids=pb.InputIds(ids=[i + 50, 7]), sampling=pb.SamplingParams(max_tokens=1))
+                _generate(
+                    stub,
+                    input_ids=pb.InputIds(ids=[i + 50, 7]),
+                    sampling=pb.SamplingParams(max_tokens=1),
+                )
             assert min(len(f.requests) for f in fakes) > 0  # different prefixes spread out
             fakes[1].flush_refusal = "busy"
             resp = stub.FlushCache(pb.FlushCacheRequest())
@@ -334,7 +397,9 @@ def test_main_logs_listening_line_and_exits_on_sigterm(model_dir):
             lines.append(line)
             if "frontend: gRPC on" in line:
                 break
-        assert any("frontend: gRPC on 127.0.0.1:" in s and ", HTTP on 127.0.0.1:" in s for s in lines), lines
+        assert any(
+            "frontend: gRPC on 127.0.0.1:" in s and ", HTTP on 127.0.0.1:" in s for s in lines
+        ), lines
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
@@ -351,12 +416,17 @@ def test_engine_going_away_fails_its_requests(model_dir, tok, monkeypatch):
     try:
         with grpc.insecure_channel(fe.grpc_target) as ch:
             _wait_serving(ch)
-            call = generation_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(text="hi", cache_salt="slow"), timeout=10)
+            call = generation_pb2_grpc.GenerationStub(ch).Generate(
+                pb.GenerateRequest(text="hi", cache_salt="slow"), timeout=10
+            )
             next(call)
             fake.stop()
             with pytest.raises(grpc.RpcError) as e:
                 list(call)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "engine 0 is not answering" in e.value.details()
+            assert (
+                e.value.code() == grpc.StatusCode.UNAVAILABLE
+                and "engine 0 is not answering" in e.value.details()
+            )
             assert _health(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         fe.stop()

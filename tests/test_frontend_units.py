@@ -45,12 +45,14 @@ def test_tokenizer_reads_eos_and_chat_template(tok):
 # ---- detokenizer ---------------------------------------------------------------------
 
 
-def _stream(tok: Tokenizer, ids: list[int], chunks: list[int] | None = None, prompt=()) -> list[str]:
+def _stream(
+    tok: Tokenizer, ids: list[int], chunks: list[int] | None = None, prompt=()
+) -> list[str]:
     detok = IncrementalDetokenizer(tok, prompt_ids=list(prompt))
     pieces, i, sizes = [], 0, iter(chunks or [])
     while i < len(ids):
         n = max(1, next(sizes, 1))
-        pieces.append(detok.add(ids[i:i + n]))
+        pieces.append(detok.add(ids[i : i + n]))
         i += n
     pieces.append(detok.flush())
     return pieces
@@ -71,7 +73,9 @@ def test_detokenizer_skips_special_tokens(tok):
     assert "".join(_stream(tok, ids)) == "hello"
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     ids=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40),
     chunks=st.lists(st.integers(1, 4), max_size=40),
@@ -81,7 +85,9 @@ def test_detokenizer_increments_concatenate_to_decode(tok, ids, chunks, prompt):
     assert "".join(_stream(tok, ids, chunks, prompt)) == tok.decode(ids)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=st.text(st.sampled_from(list("ab ö世🙂\n")), max_size=30))
 def test_detokenizer_valid_text_pieces_are_whole_characters(tok, text):
     pieces = _stream(tok, tok.encode(text))
@@ -104,10 +110,10 @@ def test_stop_string_cut_before_match_across_pieces():
 
 def test_stop_string_prefix_is_held_until_decided():
     m = StopStringMatcher(["STOP"])
-    assert m.feed("abc ST") == "abc "      # "ST" could begin the stop string
-    assert m.feed("AR") == "STAR"          # it did not
+    assert m.feed("abc ST") == "abc "  # "ST" could begin the stop string
+    assert m.feed("AR") == "STAR"  # it did not
     assert m.feed("S") == ""
-    assert m.flush() == "S"                # finished without a match: show it
+    assert m.flush() == "S"  # finished without a match: show it
 
 
 def test_stop_strings_first_completed_wins():
@@ -146,7 +152,12 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(input_ids=pb.InputIds(ids=[5, VOCAB])), "input_ids.ids[1]"),
     (pb.GenerateRequest(input_ids=pb.InputIds(ids=[-1])), "input_ids.ids[0]"),
     (pb.GenerateRequest(messages=pb.ChatMessages()), "messages"),
-    (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])), "messages[0].role"),
+    (
+        pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])
+        ),
+        "messages[0].role",
+    ),
     (pb.GenerateRequest(text="hi", request_id="x" * 300), "request_id"),
     (_req(max_tokens=0), "sampling.max_tokens"),
     (_req(temperature=-0.1), "sampling.temperature"),
@@ -176,8 +187,18 @@ def test_validation_names_the_field(req, field):
 
 
 def test_validation_accepts_edges():
-    req = _req(max_tokens=1, temperature=0, top_p=1, top_k=0, min_p=1, repetition_penalty=2,
-               frequency_penalty=-2, presence_penalty=2, top_logprobs=20, stop=["x"] * 16)
+    req = _req(
+        max_tokens=1,
+        temperature=0,
+        top_p=1,
+        top_k=0,
+        min_p=1,
+        repetition_penalty=2,
+        frequency_penalty=-2,
+        presence_penalty=2,
+        top_logprobs=20,
+        stop=["x"] * 16,
+    )
     validate_request(req, VOCAB)
     validate_request(pb.GenerateRequest(input_ids=pb.InputIds(ids=[0, VOCAB - 1])), VOCAB)
 
@@ -222,9 +243,16 @@ def test_health_and_reflection_on_sync_server():
             def status(name: str) -> int:
                 return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
 
-            assert status("") == status("radixserve.internal.v1.SchedulerControl") == health_pb2.HealthCheckResponse.SERVING
+            assert (
+                status("")
+                == status("radixserve.internal.v1.SchedulerControl")
+                == health_pb2.HealthCheckResponse.SERVING
+            )
             set_serving(health, ["radixserve.internal.v1.SchedulerControl"], False)
-            assert status("radixserve.internal.v1.SchedulerControl") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (
+                status("radixserve.internal.v1.SchedulerControl")
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             assert status("") == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         server.stop(0)

@@ -22,26 +22,56 @@ K8S_VERSION = "1.34.0"  # resource.k8s.io/v1 (DRA) is GA from 1.34
 GPU_MODES = ["dra", "device-plugin", "none"]
 # Everything optional switched on, so every branch of every template is rendered.
 EVERYTHING_ON = {
-    "engine": {"replicas": 2, "runtimeClassName": "nvidia", "worker": {"extraArgs": ["--disable-cuda-graph"]},
-               "scheduler": {"extraEnv": [{"name": "FOO", "value": "bar"}]}},
-    "frontend": {"replicas": 2, "extraArgs": ["--max-model-len=512"], "extraEnv": [{"name": "A", "value": "b"}]},
-    "model": {"servedName": "zen", "pvc": {"existingClaim": "models", "accessModes": ["ReadWriteMany"]},
-              "hfCache": {"enabled": True, "existingClaim": "hf"}},
+    "engine": {
+        "replicas": 2,
+        "runtimeClassName": "nvidia",
+        "worker": {"extraArgs": ["--disable-cuda-graph"]},
+        "scheduler": {"extraEnv": [{"name": "FOO", "value": "bar"}]},
+    },
+    "frontend": {
+        "replicas": 2,
+        "extraArgs": ["--max-model-len=512"],
+        "extraEnv": [{"name": "A", "value": "b"}],
+    },
+    "model": {
+        "servedName": "zen",
+        "pvc": {"existingClaim": "models", "accessModes": ["ReadWriteMany"]},
+        "hfCache": {"enabled": True, "existingClaim": "hf"},
+    },
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     "tracing": {"jaeger": {"enabled": True}},
-    "gpu": {"count": 2, "dra": {"selectors": ['device.attributes["gpu.nvidia.com"].productName == "H100"']}},
+    "gpu": {
+        "count": 2,
+        "dra": {"selectors": ['device.attributes["gpu.nvidia.com"].productName == "H100"']},
+    },
     "imagePullSecrets": [{"name": "regcred"}],
 }
 # Kinds with no schema in the Kubernetes API (CRDs of other projects).
 CRD_KINDS = {"ServiceMonitor"}
 # Fields the chart sets itself (ports, addresses, model, device, metrics, tracing), not via config.
 CHART_FIXED = {
-    "host", "port", "http_port", "metrics_port", "scheduler_addrs", "scheduler_control_addrs",
-    "scheduler_addr", "worker_addr", "control_port", "worker_grpc_port", "model_path", "device",
-    "engine_replica", "enable_metrics", "otlp_traces_endpoint", "served_model_name",
+    "host",
+    "port",
+    "http_port",
+    "metrics_port",
+    "scheduler_addrs",
+    "scheduler_control_addrs",
+    "scheduler_addr",
+    "worker_addr",
+    "control_port",
+    "worker_grpc_port",
+    "model_path",
+    "device",
+    "engine_replica",
+    "enable_metrics",
+    "otlp_traces_endpoint",
+    "served_model_name",
 }
-PROBE_PORTS = {("Deployment", "frontend"): 30000, ("StatefulSet", "scheduler"): 30101,
-               ("StatefulSet", "worker"): 30201}
+PROBE_PORTS = {
+    ("Deployment", "frontend"): 30000,
+    ("StatefulSet", "scheduler"): 30101,
+    ("StatefulSet", "worker"): 30201,
+}
 
 
 def _config_fields() -> dict[str, dataclasses.Field]:
@@ -82,8 +112,11 @@ def test_strict_lint_is_clean_with_every_option_on() -> None:
     assert hr.lint(EVERYTHING_ON) == []
 
 
-@pytest.mark.parametrize("values", [{"gpu": {"mode": m}} for m in GPU_MODES] + [EVERYTHING_ON],
-                         ids=GPU_MODES + ["everything-on"])
+@pytest.mark.parametrize(
+    "values",
+    [{"gpu": {"mode": m}} for m in GPU_MODES] + [EVERYTHING_ON],
+    ids=GPU_MODES + ["everything-on"],
+)
 def test_rendered_objects_match_the_kubernetes_schemas(values: dict) -> None:
     docs = hr.manifests(values)
     checked = 0
@@ -102,9 +135,15 @@ def test_gpu_through_dra() -> None:
     rct = hr.find(docs, "ResourceClaimTemplate", "-gpu")
     assert rct["apiVersion"] == "resource.k8s.io/v1"
     (request,) = rct["spec"]["spec"]["devices"]["requests"]
-    assert request["exactly"] == {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 2}
+    assert request["exactly"] == {
+        "deviceClassName": "gpu.nvidia.com",
+        "allocationMode": "ExactCount",
+        "count": 2,
+    }
     pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
-    assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": rct["metadata"]["name"]}]
+    assert pod["resourceClaims"] == [
+        {"name": "gpu", "resourceClaimTemplateName": rct["metadata"]["name"]}
+    ]
     worker = hr.container(docs, "StatefulSet", "worker")
     assert worker["resources"]["claims"] == [{"name": "gpu"}]
     assert "nvidia.com/gpu" not in worker["resources"].get("limits", {})
@@ -120,7 +159,9 @@ def test_gpu_through_the_device_plugin() -> None:
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert worker["resources"]["limits"]["memory"] == "64Gi"  # the values' limits are kept
     assert "claims" not in worker["resources"]
-    assert "resourceClaims" not in hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    assert (
+        "resourceClaims" not in hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    )
 
 
 def test_no_gpu_runs_the_worker_on_cpu() -> None:
@@ -135,11 +176,16 @@ def test_frontends_find_every_engine_through_the_headless_service() -> None:
     docs = hr.manifests({"engine": {"replicas": 3}}, release="prod", namespace="llm")
     sts = hr.find(docs, "StatefulSet", "-engine")
     svc = hr.find(docs, "Service", "-engine-headless")
-    assert sts["spec"]["serviceName"] == svc["metadata"]["name"] == "prod-radixserve-engine-headless"
+    assert (
+        sts["spec"]["serviceName"] == svc["metadata"]["name"] == "prod-radixserve-engine-headless"
+    )
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
     args = dict(a.split("=", 1) for a in hr.container(docs, "Deployment", "frontend")["args"])
-    hosts = [f"prod-radixserve-engine-{i}.prod-radixserve-engine-headless.llm.svc.cluster.local" for i in range(3)]
+    hosts = [
+        f"prod-radixserve-engine-{i}.prod-radixserve-engine-headless.llm.svc.cluster.local"
+        for i in range(3)
+    ]
     assert args["--scheduler-addrs"] == ",".join(f"tcp://{h}:30100" for h in hosts)
     assert args["--scheduler-control-addrs"] == ",".join(f"{h}:30101" for h in hosts)
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
@@ -150,14 +196,32 @@ def test_fixed_ports_and_flags_of_each_container() -> None:
     frontend = hr.container(docs, "Deployment", "frontend")["args"]
     scheduler = hr.container(docs, "StatefulSet", "scheduler")["args"]
     worker = hr.container(docs, "StatefulSet", "worker")["args"]
-    assert {"--host=0.0.0.0", "--port=30000", "--http-port=30080", "--metrics-port=30090",
-            "--model-path=/models/radixserve-zen"} <= set(frontend)
-    assert {"--host=0.0.0.0", "--scheduler-addr=tcp://0.0.0.0:30100", "--control-port=30101",
-            "--metrics-port=30102", "--worker-addr=tcp://127.0.0.1:30200"} <= set(scheduler)
-    assert {"--host=0.0.0.0", "--worker-addr=tcp://127.0.0.1:30200", "--worker-grpc-port=30201",
-            "--metrics-port=30202", "--model-path=/models/radixserve-zen"} <= set(worker)
+    assert {
+        "--host=0.0.0.0",
+        "--port=30000",
+        "--http-port=30080",
+        "--metrics-port=30090",
+        "--model-path=/models/radixserve-zen",
+    } <= set(frontend)
+    assert {
+        "--host=0.0.0.0",
+        "--scheduler-addr=tcp://0.0.0.0:30100",
+        "--control-port=30101",
+        "--metrics-port=30102",
+        "--worker-addr=tcp://127.0.0.1:30200",
+    } <= set(scheduler)
+    assert {
+        "--host=0.0.0.0",
+        "--worker-addr=tcp://127.0.0.1:30200",
+        "--worker-grpc-port=30201",
+        "--metrics-port=30202",
+        "--model-path=/models/radixserve-zen",
+    } <= set(worker)
     env = hr.container(docs, "StatefulSet", "scheduler")["env"]
-    assert {"name": "RADIXSERVE_ENGINE_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in env
+    assert {
+        "name": "RADIXSERVE_ENGINE_REPLICA",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+    } in env
 
 
 def test_every_flag_is_reachable_through_one_configmap() -> None:
@@ -176,10 +240,14 @@ def test_every_flag_is_reachable_through_one_configmap() -> None:
             assert sorted(prop["enum"]) == sorted(choices), key
 
 
-def test_config_values_become_env_vars_every_container_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_values_become_env_vars_every_container_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     samples = {"boolean": True, "integer": 16, "number": 0.5, "string": None}
     schema_config = _schema()["properties"]["config"]["properties"]
-    config = {k: p["enum"][-1] if "enum" in p else samples[p["type"]] for k, p in schema_config.items()}
+    config = {
+        k: p["enum"][-1] if "enum" in p else samples[p["type"]] for k, p in schema_config.items()
+    }
     config["attentionBackend"] = "torch"
     config["maxTotalTokens"] = 1_000_000  # must reach the service as 1000000, never 1e+06
     docs = hr.manifests({"config": config})
@@ -202,8 +270,14 @@ def test_config_values_become_env_vars_every_container_reads(monkeypatch: pytest
 
 def test_left_out_config_keeps_the_services_defaults() -> None:
     env = _configmap_env(hr.manifests())
-    assert set(env) == {"RADIXSERVE_ENABLE_METRICS", "RADIXSERVE_OTLP_TRACES_ENDPOINT", "RADIXSERVE_LOG_LEVEL"}
-    assert env["RADIXSERVE_ENABLE_METRICS"] == "true" and env["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == ""
+    assert set(env) == {
+        "RADIXSERVE_ENABLE_METRICS",
+        "RADIXSERVE_OTLP_TRACES_ENDPOINT",
+        "RADIXSERVE_LOG_LEVEL",
+    }
+    assert (
+        env["RADIXSERVE_ENABLE_METRICS"] == "true" and env["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == ""
+    )
 
 
 def test_grpc_probes_and_a_patient_startup() -> None:
@@ -218,7 +292,9 @@ def test_grpc_probes_and_a_patient_startup() -> None:
 
 def test_pods_are_locked_down() -> None:
     docs = hr.manifests(EVERYTHING_ON)
-    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    pods = [
+        d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+    ]
     pods += [d["spec"] for d in docs if d["kind"] == "Pod"]
     assert len(pods) == 4  # frontend, engine, jaeger, helm test
     for pod in pods:
@@ -235,8 +311,14 @@ def test_engine_volumes_model_and_shm() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     pvc = hr.find(docs, "PersistentVolumeClaim", "-models")
-    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"], "readOnly": True}
-    mounts = {m["mountPath"]: m["name"] for m in hr.container(docs, "StatefulSet", "worker")["volumeMounts"]}
+    assert volumes["models"]["persistentVolumeClaim"] == {
+        "claimName": pvc["metadata"]["name"],
+        "readOnly": True,
+    }
+    mounts = {
+        m["mountPath"]: m["name"]
+        for m in hr.container(docs, "StatefulSet", "worker")["volumeMounts"]
+    }
     assert mounts["/dev/shm"] == "dshm" and mounts["/models"] == "models"
 
 
@@ -244,10 +326,16 @@ def test_existing_claim_and_image_model() -> None:
     docs = hr.manifests({"model": {"pvc": {"existingClaim": "weights"}}})
     assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
-    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {
+        "name": "models",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    } in pod["volumes"]
     docs = hr.manifests({"model": {"source": "image"}})
     assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
-    assert "--model-path=/opt/radixserve/models/radixserve-zen" in hr.container(docs, "StatefulSet", "worker")["args"]
+    assert (
+        "--model-path=/opt/radixserve/models/radixserve-zen"
+        in hr.container(docs, "StatefulSet", "worker")["args"]
+    )
 
 
 def test_tracing_to_the_bundled_jaeger_or_an_endpoint() -> None:
@@ -255,7 +343,10 @@ def test_tracing_to_the_bundled_jaeger_or_an_endpoint() -> None:
     svc = hr.find(docs, "Service", "-jaeger")
     assert {p["port"] for p in svc["spec"]["ports"]} == {4317, 4318, 16686}
     hr.find(docs, "Deployment", "-jaeger")
-    assert _configmap_env(docs)["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == "rs-radixserve-jaeger.ns.svc.cluster.local:4317"
+    assert (
+        _configmap_env(docs)["RADIXSERVE_OTLP_TRACES_ENDPOINT"]
+        == "rs-radixserve-jaeger.ns.svc.cluster.local:4317"
+    )
     docs = hr.manifests({"tracing": {"otlpEndpoint": "otel.obs:4317", "jaeger": {"enabled": True}}})
     assert _configmap_env(docs)["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == "otel.obs:4317"
 
@@ -266,7 +357,10 @@ def test_metrics_annotations_and_service_monitors() -> None:
     assert engine["prometheus.io/scrape"] == "true" and engine["prometheus.io/port"] == "30102"
     monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceMonitor"}
     ports = {n: [e["port"] for e in m["spec"]["endpoints"]] for n, m in monitors.items()}
-    assert ports == {"rs-radixserve-engine": ["sched-metrics", "work-metrics"], "rs-radixserve-frontend": ["metrics"]}
+    assert ports == {
+        "rs-radixserve-engine": ["sched-metrics", "work-metrics"],
+        "rs-radixserve-frontend": ["metrics"],
+    }
     docs = hr.manifests({"metrics": {"enabled": False}})
     assert _configmap_env(docs)["RADIXSERVE_ENABLE_METRICS"] == "false"
     assert "prometheus.io/scrape" not in json.dumps(docs)
@@ -323,10 +417,14 @@ def test_default_values_pass_the_schema() -> None:
 def test_dockerfile_targets_match_the_chart() -> None:
     stages = hr.dockerfile_targets()
     docs = hr.manifests()
-    ports = {"frontend": ("Deployment", {30000, 30080, 30090}),
-             "scheduler": ("StatefulSet", {30100, 30101, 30102}),
-             "worker": ("StatefulSet", {30201, 30202})}
-    run_as = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    ports = {
+        "frontend": ("Deployment", {30000, 30080, 30090}),
+        "scheduler": ("StatefulSet", {30100, 30101, 30102}),
+        "worker": ("StatefulSet", {30201, 30202}),
+    }
+    run_as = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]["securityContext"][
+        "runAsUser"
+    ]
     for target, (kind, want_ports) in ports.items():
         stage = stages[target]
         assert stage["entrypoint"] == ["radixserve", target]

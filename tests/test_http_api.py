@@ -57,7 +57,9 @@ def frontend(tok, fake):
 
 @pytest.fixture(scope="module")
 def client(frontend):
-    return openai.OpenAI(base_url=frontend.http_base + "/v1", api_key="none", max_retries=0, timeout=20)
+    return openai.OpenAI(
+        base_url=frontend.http_base + "/v1", api_key="none", max_retries=0, timeout=20
+    )
 
 
 def test_models(client):
@@ -72,14 +74,24 @@ def test_completion(client, tok):
     assert res.choices[0].text == tok[1].decode(tok[1].encode(SCRIPT_TEXT)[:10])
     assert res.choices[0].finish_reason == "length"
     n_prompt = len(tok[1].encode("hello world"))
-    assert (res.usage.prompt_tokens, res.usage.completion_tokens, res.usage.total_tokens) == (n_prompt, 10, n_prompt + 10)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens, res.usage.total_tokens) == (
+        n_prompt,
+        10,
+        n_prompt + 10,
+    )
     assert res.usage.prompt_tokens_details.cached_tokens == n_prompt // 2
 
 
 def test_completion_stream_with_usage(client):
-    chunks = list(client.completions.create(
-        model="tiny", prompt=[[5, 6, 7, 8]], stop="STOP", stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=[[5, 6, 7, 8]],
+            stop="STOP",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == BEFORE_STOP
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -90,8 +102,13 @@ def test_completion_stream_with_usage(client):
 
 def test_chat_completion(client, fake, tok):
     res = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], stop=["STOP"], seed=3,
-        logprobs=True, top_logprobs=1, extra_body={"top_k": 5, "repetition_penalty": 1.1},
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        stop=["STOP"],
+        seed=3,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"top_k": 5, "repetition_penalty": 1.1},
     )
     choice = res.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == BEFORE_STOP
@@ -104,11 +121,22 @@ def test_chat_completion(client, fake, tok):
 
 
 def test_chat_stream(client, tok):
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        max_completion_tokens=24, stream=True, stream_options={"include_usage": True},
-    ))
-    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {"role": "system", "content": "x"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+            max_completion_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert (
+        chunks[0].object == "chat.completion.chunk"
+        and chunks[0].choices[0].delta.role == "assistant"
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == tok[1].decode(tok[1].encode(SCRIPT_TEXT)[:24])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -168,7 +196,13 @@ def test_health_metrics_openapi_flush(frontend, fake, client):
 
 
 def test_stream_disconnect_aborts_at_scheduler(frontend, fake):
-    body = {"model": "tiny", "prompt": "hi", "stream": True, "cache_salt": "slow", "request_id": "http-cancel"}
+    body = {
+        "model": "tiny",
+        "prompt": "hi",
+        "stream": True,
+        "cache_salt": "slow",
+        "request_id": "http-cancel",
+    }
     with httpx.stream("POST", frontend.http_base + "/v1/completions", json=body, timeout=10) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))

@@ -19,7 +19,9 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0)
+    return OpenAI(
+        base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0
+    )
 
 
 def test_grpc_then_http_hits_the_same_cache(server, client):
@@ -32,14 +34,19 @@ def test_grpc_then_http_hits_the_same_cache(server, client):
     done = client.completions.create(model=model, prompt=text, max_tokens=8, temperature=0)
     assert done.usage.prompt_tokens == prompt
     assert done.usage.prompt_tokens_details.cached_tokens == prompt - 1
-    assert done.choices[0].text == grpc_text   # same greedy tokens through either door
+    assert done.choices[0].text == grpc_text  # same greedy tokens through either door
 
 
 def test_http_streaming_chat_and_usage(server, client):
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Beautiful is better"}], max_tokens=12,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        model=model,
+        messages=[{"role": "user", "content": "Beautiful is better"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage = "", None
     for chunk in stream:
         if chunk.choices:
@@ -54,5 +61,7 @@ def test_http_bad_parameter_names_it(client):
     import openai
 
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=client.models.list().data[0].id, prompt="x", max_tokens=8, temperature=5000)
+        client.completions.create(
+            model=client.models.list().data[0].id, prompt="x", max_tokens=8, temperature=5000
+        )
     assert "temperature" in str(err.value)

@@ -34,18 +34,25 @@ HEAD_DIMS = [24, 64, 128] if ON_GPU else [16, 24]  # 24: padded to 32 inside the
 @dataclass
 class Batch:
     """A ragged batch over a pool whose slots are shuffled and leave gaps."""
-    k_pool: torch.Tensor      # [S, Hkv, D]
+
+    k_pool: torch.Tensor  # [S, Hkv, D]
     v_pool: torch.Tensor
-    qo_indptr: torch.Tensor   # [B+1] int32
-    kv_indptr: torch.Tensor   # [B+1] int32
-    kv_slots: torch.Tensor    # [N] int64
+    qo_indptr: torch.Tensor  # [B+1] int32
+    kv_indptr: torch.Tensor  # [B+1] int32
+    kv_slots: torch.Tensor  # [N] int64
     prefix_lens: torch.Tensor  # [B] int32
     dense_k: list[torch.Tensor]  # per request [L_b, Hkv, D], position order
     dense_v: list[torch.Tensor]
 
 
-def make_batch(prefix_lens: list[int], extend_lens: list[int], num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype, seed: int = 0) -> Batch:
+def make_batch(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> Batch:
     g = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     num_slots = sum(seq_lens) + 1 + 13  # slot 0 is padding; 13 slots no request uses
@@ -68,22 +75,38 @@ def make_batch(prefix_lens: list[int], extend_lens: list[int], num_kv_heads: int
     def i32(x):
         return torch.tensor(x, dtype=torch.int32, device=DEVICE)
 
-    return Batch(k_pool.to(DEVICE), v_pool.to(DEVICE), i32(qo), i32(offsets), slots.to(DEVICE),
-                 i32(prefix_lens), [t.to(DEVICE) for t in dense_k], [t.to(DEVICE) for t in dense_v])
+    return Batch(
+        k_pool.to(DEVICE),
+        v_pool.to(DEVICE),
+        i32(qo),
+        i32(offsets),
+        slots.to(DEVICE),
+        i32(prefix_lens),
+        [t.to(DEVICE) for t in dense_k],
+        [t.to(DEVICE) for t in dense_v],
+    )
 
 
-def dense_attention(q: torch.Tensor, batch: Batch, extend_lens: list[int], sm_scale: float) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, batch: Batch, extend_lens: list[int], sm_scale: float
+) -> torch.Tensor:
     """Independent check of the references: SDPA, float64, per request, explicit mask."""
     out, row = [], 0
     for b, e in enumerate(extend_lens):
-        k, v = batch.dense_k[b].double(), batch.dense_v[b].double()   # [L, Hkv, D]
-        qb = q[row : row + e].double()                                # [E, Hq, D]
+        k, v = batch.dense_k[b].double(), batch.dense_v[b].double()  # [L, Hkv, D]
+        qb = q[row : row + e].double()  # [E, Hq, D]
         row += e
         prefix = k.shape[0] - e
         mask = torch.ones(e, k.shape[0], dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-        ob = F.scaled_dot_product_attention(qb.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                            attn_mask=mask, scale=sm_scale, enable_gqa=True)
-        out.append(ob.transpose(0, 1))                                # [E, Hq, D]
+        ob = F.scaled_dot_product_attention(
+            qb.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=sm_scale,
+            enable_gqa=True,
+        )
+        out.append(ob.transpose(0, 1))  # [E, Hq, D]
     return torch.cat(out).to(q.dtype)
 
 
@@ -102,12 +125,27 @@ def test_extend_matches_reference_and_dense(case, heads, head_dim, dtype):
     prefix_lens, extend_lens = RAGGED[case]
     hq, hkv = heads
     batch = make_batch(prefix_lens, extend_lens, hkv, head_dim, dtype, seed=case)
-    q = torch.randn(sum(extend_lens), hq, head_dim, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
+    q = (
+        torch.randn(sum(extend_lens), hq, head_dim, generator=torch.Generator().manual_seed(9))
+        .to(dtype)
+        .to(DEVICE)
+    )
     sm_scale = head_dim**-0.5
-    args = (q, batch.k_pool, batch.v_pool, batch.qo_indptr, batch.kv_indptr, batch.kv_slots,
-            batch.prefix_lens, sm_scale, max(extend_lens))
+    args = (
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_slots,
+        batch.prefix_lens,
+        sm_scale,
+        max(extend_lens),
+    )
     ref = extend_attention_ref(*args)
-    torch.testing.assert_close(ref.double(), dense_attention(q, batch, extend_lens, sm_scale).double(), **TOL[dtype])
+    torch.testing.assert_close(
+        ref.double(), dense_attention(q, batch, extend_lens, sm_scale).double(), **TOL[dtype]
+    )
     # 16x16 tiles: several row blocks per request, several key blocks per row block.
     tiles = [dict(block_m=16, block_n=16)] + ([dict()] if ON_GPU else [])
     for tile in tiles:
@@ -120,8 +158,17 @@ def test_extend_tile_shapes_agree():
     prefix_lens, extend_lens = [3, 0], [45, 20]
     batch = make_batch(prefix_lens, extend_lens, 2, 32, torch.float32, seed=5)
     q = torch.randn(sum(extend_lens), 4, 32).to(DEVICE)
-    args = (q, batch.k_pool, batch.v_pool, batch.qo_indptr, batch.kv_indptr, batch.kv_slots,
-            batch.prefix_lens, 32**-0.5, max(extend_lens))
+    args = (
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_slots,
+        batch.prefix_lens,
+        32**-0.5,
+        max(extend_lens),
+    )
     ref = extend_attention_ref(*args)
     for tile in (dict(), dict(block_m=32, block_n=16), dict(block_m=16, block_n=16)):
         torch.testing.assert_close(extend_attention(*args, **tile), ref, **TOL[torch.float32])
@@ -132,9 +179,20 @@ def test_extend_reads_strided_query_view():
     batch = make_batch([4], [6], 1, 16, torch.float32, seed=6)
     qkv = torch.randn(6, 3 * 2 * 16).to(DEVICE)
     q = qkv[:, : 2 * 16].view(6, 2, 16)  # q: [T, Hq, D], not contiguous
-    args = (q, batch.k_pool, batch.v_pool, batch.qo_indptr, batch.kv_indptr, batch.kv_slots,
-            batch.prefix_lens, 0.25, 6)
-    torch.testing.assert_close(extend_attention(*args), extend_attention_ref(*args), **TOL[torch.float32])
+    args = (
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_slots,
+        batch.prefix_lens,
+        0.25,
+        6,
+    )
+    torch.testing.assert_close(
+        extend_attention(*args), extend_attention_ref(*args), **TOL[torch.float32]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -145,12 +203,22 @@ def test_decode_matches_reference_and_dense(num_kv_splits, heads, head_dim, dtyp
     # Context of 1 token (3 of the 4 splits empty), a short one and one spanning several tiles.
     seq_lens = [1, 6, 70]
     hq, hkv = heads
-    batch = make_batch([n - 1 for n in seq_lens], [1] * len(seq_lens), hkv, head_dim, dtype, seed=num_kv_splits)
-    q = torch.randn(len(seq_lens), hq, head_dim, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    batch = make_batch(
+        [n - 1 for n in seq_lens], [1] * len(seq_lens), hkv, head_dim, dtype, seed=num_kv_splits
+    )
+    q = (
+        torch.randn(len(seq_lens), hq, head_dim, generator=torch.Generator().manual_seed(3))
+        .to(dtype)
+        .to(DEVICE)
+    )
     sm_scale = head_dim**-0.5
     args = (q, batch.k_pool, batch.v_pool, batch.kv_indptr, batch.kv_slots, sm_scale)
     ref = decode_attention_ref(*args)
-    torch.testing.assert_close(ref.double(), dense_attention(q, batch, [1] * len(seq_lens), sm_scale).double(), **TOL[dtype])
+    torch.testing.assert_close(
+        ref.double(),
+        dense_attention(q, batch, [1] * len(seq_lens), sm_scale).double(),
+        **TOL[dtype],
+    )
     out = decode_attention(*args, num_kv_splits=num_kv_splits, block_n=16)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
@@ -162,7 +230,9 @@ def test_decode_split_counts_agree():
     args = (q, batch.k_pool, batch.v_pool, batch.kv_indptr, batch.kv_slots, 0.25)
     ref = decode_attention_ref(*args)
     for splits in (3, 7, 64):
-        torch.testing.assert_close(decode_attention(*args, num_kv_splits=splits), ref, **TOL[torch.float32])
+        torch.testing.assert_close(
+            decode_attention(*args, num_kv_splits=splits), ref, **TOL[torch.float32]
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,14 +242,16 @@ def test_store_kv_writes_exactly_the_given_slots(dtype):
     v_pool = torch.randn(40, 3, 24, generator=g).to(dtype).to(DEVICE)
     slots = torch.tensor([17, 3, 39, 8, 22], device=DEVICE)
     kv = torch.randn(5, 2, 3, 24, generator=g).to(DEVICE)  # float32 source: stored cast to dtype
-    k, v = kv[:, 0], kv[:, 1]                               # strided views, like the model's
+    k, v = kv[:, 0], kv[:, 1]  # strided views, like the model's
     want_k, want_v = k_pool.clone(), v_pool.clone()
     store_kv_ref(want_k, want_v, slots, k, v)
     untouched = torch.ones(40, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     # The reference itself: exactly the given slots changed, to the cast inputs.
     assert torch.equal(want_k[slots], k.to(dtype)) and torch.equal(want_v[slots], v.to(dtype))
-    assert torch.equal(want_k[untouched], k_pool[untouched]) and torch.equal(want_v[untouched], v_pool[untouched])
+    assert torch.equal(want_k[untouched], k_pool[untouched]) and torch.equal(
+        want_v[untouched], v_pool[untouched]
+    )
     store_kv(k_pool, v_pool, slots, k, v)
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
 

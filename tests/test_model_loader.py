@@ -82,14 +82,26 @@ def test_tied_embeddings_and_bf16(tiny_qwen2_dir):
 
 @pytest.fixture(scope="module")
 def runner(tiny_qwen2_dir) -> ModelRunner:
-    return ModelRunner(WorkerConfig(model_path=str(tiny_qwen2_dir), device="cpu", max_total_tokens=1000, max_running_requests=4))
+    return ModelRunner(
+        WorkerConfig(
+            model_path=str(tiny_qwen2_dir),
+            device="cpu",
+            max_total_tokens=1000,
+            max_running_requests=4,
+        )
+    )
 
 
 def test_info_is_filled(runner):
     info = runner.info()
     assert info.architecture == "Qwen2ForCausalLM"
     assert (info.vocab_size, info.max_model_len, info.max_total_num_tokens) == (300, 512, 1000)
-    assert (info.num_layers, info.hidden_size, info.num_attention_heads, info.num_key_value_heads) == (3, 64, 4, 2)
+    assert (
+        info.num_layers,
+        info.hidden_size,
+        info.num_attention_heads,
+        info.num_key_value_heads,
+    ) == (3, 64, 4, 2)
     assert (info.head_dim, info.intermediate_size, info.max_running_requests) == (16, 128, 4)
     assert (info.device, info.dtype, info.attention_backend) == ("cpu", "float32", "torch")
     assert list(info.eos_token_ids) == [2]
@@ -98,14 +110,25 @@ def test_info_is_filled(runner):
 
 
 def test_pool_from_memory_fraction_is_capped(tiny_llama_dir):
-    r = ModelRunner(WorkerConfig(model_path=str(tiny_llama_dir), device="cpu", max_running_requests=2, context_length=128))
+    r = ModelRunner(
+        WorkerConfig(
+            model_path=str(tiny_llama_dir), device="cpu", max_running_requests=2, context_length=128
+        )
+    )
     # 0.3 of RAM would hold millions of tiny-model tokens; the cap is every row full.
     assert r.info().max_total_num_tokens == 2 * 128
     assert r.info().max_model_len == 128
 
 
 def _req(**kw) -> engine_pb2.ForwardRequest:
-    base = dict(req_slot=0, input_ids=pack_i32([5, 6]), prefix_len=0, out_slots=pack_i32([1, 2]), is_new=True, sample=True)
+    base = dict(
+        req_slot=0,
+        input_ids=pack_i32([5, 6]),
+        prefix_len=0,
+        out_slots=pack_i32([1, 2]),
+        is_new=True,
+        sample=True,
+    )
     return engine_pb2.ForwardRequest(**{**base, **kw})
 
 
@@ -135,7 +158,9 @@ def test_decode_batch_needs_one_token_each(runner):
 
 
 def test_unsampled_chunk_returns_minus_one(runner):
-    result = runner.forward(engine_pb2.ForwardBatch(batch_id=7, reqs=[_req(req_slot=1, sample=False)]))
+    result = runner.forward(
+        engine_pb2.ForwardBatch(batch_id=7, reqs=[_req(req_slot=1, sample=False)])
+    )
     assert result.batch_id == 7 and [t.token_id for t in result.tokens] == [-1]
     assert result.forward_time > 0
 
@@ -144,7 +169,15 @@ def test_unsampled_chunk_returns_minus_one(runner):
 def test_reduced_precision_runner_generates(tiny_llama_dir, dtype):
     from services.worker.offline import generate
 
-    r = ModelRunner(WorkerConfig(model_path=str(tiny_llama_dir), device="cpu", dtype=dtype, max_total_tokens=256, max_running_requests=2))
+    r = ModelRunner(
+        WorkerConfig(
+            model_path=str(tiny_llama_dir),
+            device="cpu",
+            dtype=dtype,
+            max_total_tokens=256,
+            max_running_requests=2,
+        )
+    )
     assert r.info().dtype == dtype and r.kv_pool.k[0].dtype == getattr(torch, dtype)
     out = generate(r, [[5, 6, 7], [9, 10, 11, 12, 13]], 6, stop_at_eos=False)
     assert [len(o) for o in out] == [6, 6] and all(0 <= t < 300 for o in out for t in o)

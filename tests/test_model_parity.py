@@ -23,7 +23,13 @@ MAX_NEW = 32
 
 
 def make_runner(folder, **overrides) -> ModelRunner:
-    cfg = dict(model_path=str(folder), device="cpu", dtype="float32", max_total_tokens=8192, max_running_requests=24)
+    cfg = dict(
+        model_path=str(folder),
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=8192,
+        max_running_requests=24,
+    )
     return ModelRunner(WorkerConfig(**{**cfg, **overrides}))
 
 
@@ -35,7 +41,9 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def hf_greedy(hf, prompt: list[int], max_new: int = MAX_NEW) -> list[int]:
     """Each prompt alone, so no padding enters the reference."""
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -48,8 +56,12 @@ def prefill_batch(prompts, req_slots, slot_starts) -> engine_pb2.ForwardBatch:
     batch = engine_pb2.ForwardBatch(batch_id=1)
     for p, r, s in zip(prompts, req_slots, slot_starts, strict=True):
         batch.reqs.add(
-            req_slot=r, input_ids=pack_i32(p), prefix_len=0, out_slots=pack_i32(range(s, s + len(p))),
-            is_new=True, sample=True,
+            req_slot=r,
+            input_ids=pack_i32(p),
+            prefix_len=0,
+            out_slots=pack_i32(range(s, s + len(p))),
+            is_new=True,
+            sample=True,
         )
     return batch
 
@@ -58,12 +70,20 @@ def prefill_batch(prompts, req_slots, slot_starts) -> engine_pb2.ForwardBatch:
 
 
 class Job:
-    def __init__(self, req_slot: int, prompt: list[int], first_slot: int, prefix_slots: list[int] | None = None):
+    def __init__(
+        self,
+        req_slot: int,
+        prompt: list[int],
+        first_slot: int,
+        prefix_slots: list[int] | None = None,
+    ):
         self.req_slot, self.prompt = req_slot, prompt
         cached = len(prefix_slots or [])
         # KV slot of every position: the cached prefix's slots, then fresh ones.
-        self.slots = list(prefix_slots or []) + list(range(first_slot, first_slot + len(prompt) + MAX_NEW - cached))
-        self.done_prompt = cached       # prompt tokens whose KV is in the pool
+        self.slots = list(prefix_slots or []) + list(
+            range(first_slot, first_slot + len(prompt) + MAX_NEW - cached)
+        )
+        self.done_prompt = cached  # prompt tokens whose KV is in the pool
         self.started = False
         self.output: list[int] = []
 
@@ -75,7 +95,11 @@ class Job:
             ids = self.prompt[self.done_prompt : self.done_prompt + chunk]
         else:
             ids = [self.output[-1]]
-        start = self.done_prompt if self.done_prompt < len(self.prompt) else len(self.prompt) + len(self.output) - 1
+        start = (
+            self.done_prompt
+            if self.done_prompt < len(self.prompt)
+            else len(self.prompt) + len(self.output) - 1
+        )
         req = engine_pb2.ForwardRequest(
             req_slot=self.req_slot,
             input_ids=pack_i32(ids),
@@ -102,7 +126,9 @@ def drive(runner: ModelRunner, jobs: list[Job], chunk: int = 1 << 30) -> list[li
             return [j.output for j in jobs]
         reqs = [j.next_request(chunk) for j in active]
         batch = engine_pb2.ForwardBatch(batch_id=step, reqs=reqs)
-        batch.is_decode = all(j.started and j.done_prompt >= len(j.prompt) and j.output for j in active)
+        batch.is_decode = all(
+            j.started and j.done_prompt >= len(j.prompt) and j.output for j in active
+        )
         result = runner.forward(batch)
         for j, req, tok in zip(active, reqs, result.tokens, strict=True):
             if req.sample:
@@ -132,7 +158,9 @@ def test_prefill_and_decode_logits_match_transformers(arch, request):
     hf, runner = load_hf_model(folder), make_runner(folder)
     prompts = make_prompts(3, hf.config.vocab_size, seed=1)
     starts = [1, 200, 400]
-    logits = runner.logits(prefill_batch(prompts, [0, 1, 2], starts))     # [T, V], rows in prompt order
+    logits = runner.logits(
+        prefill_batch(prompts, [0, 1, 2], starts)
+    )  # [T, V], rows in prompt order
     rows = torch.split(logits, [len(p) for p in prompts])
     for p, got in zip(prompts, rows, strict=True):
         assert (got - hf_logits(hf, p)).abs().max().item() <= 1e-4
@@ -142,7 +170,13 @@ def test_prefill_and_decode_logits_match_transformers(arch, request):
         batch = engine_pb2.ForwardBatch(batch_id=10 + step, is_decode=True)
         for r, (seq, s) in enumerate(zip(seqs, starts, strict=True)):
             tok = (7 * step + 11 * r + 5) % hf.config.vocab_size
-            batch.reqs.add(req_slot=r, input_ids=pack_i32([tok]), prefix_len=len(seq), out_slots=pack_i32([s + len(seq)]), sample=True)
+            batch.reqs.add(
+                req_slot=r,
+                input_ids=pack_i32([tok]),
+                prefix_len=len(seq),
+                out_slots=pack_i32([s + len(seq)]),
+                sample=True,
+            )
             seq.append(tok)
         got = runner.logits(batch)
         for r, seq in enumerate(seqs):
@@ -150,11 +184,17 @@ def test_prefill_and_decode_logits_match_transformers(arch, request):
 
 
 def test_llama3_rope_scaling_logits_match(tmp_path):
-    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 50000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     folder = make_tiny_model(tmp_path / "llama3", "llama", rope_parameters=rope)
     hf, runner = load_hf_model(folder), make_runner(folder)
-    prompt = make_prompts(5, hf.config.vocab_size, seed=2)[4]   # 40 tokens, past the ramp
+    prompt = make_prompts(5, hf.config.vocab_size, seed=2)[4]  # 40 tokens, past the ramp
     logits = runner.logits(prefill_batch([prompt], [0], [1]))
     assert (logits - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
 
@@ -176,7 +216,12 @@ def test_greedy_with_cached_prefix_matches(model_case):
     drive(runner, warm)
     # New requests (rows 8..15) reuse those slots and prefill only the rest.
     jobs = [
-        Job(8 + i, p, first_slot=2000 + 100 * i, prefix_slots=w.slots[: min(len(w.prompt), len(p) - 1)])
+        Job(
+            8 + i,
+            p,
+            first_slot=2000 + 100 * i,
+            prefix_slots=w.slots[: min(len(w.prompt), len(p) - 1)],
+        )
         for i, (p, w) in enumerate(zip(prompts, warm, strict=True))
     ]
     assert drive(runner, jobs) == expected

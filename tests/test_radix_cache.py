@@ -76,7 +76,7 @@ def test_insert_then_match_full_and_partial(ps):
     assert res.prefix_len == 0
     assert cache.match_prefix(tokens).slots == slots
     m = cache.match_prefix(seq(ps, 1, 2, 4))
-    assert m.slots == slots[: 2 * ps]        # the match ends inside [1,2,3]: it is split there
+    assert m.slots == slots[: 2 * ps]  # the match ends inside [1,2,3]: it is split there
     assert cache.match_prefix(seq(ps, 1, 2, 3, 4, 5)).slots == slots
     assert cached_len(cache, seq(ps, 2, 1)) == 0
     assert cache.size_info() == (3 * ps, 0)
@@ -86,7 +86,7 @@ def test_insert_then_match_full_and_partial(ps):
 def test_match_prompt_never_covers_the_whole_prompt(ps):
     cache, alloc = make(ps)
     put(cache, alloc, seq(ps, 1, 2, 3))
-    assert len(cache.match_prompt(seq(ps, 1, 2, 3)).slots) == 2 * ps   # prompt-1, whole pages
+    assert len(cache.match_prompt(seq(ps, 1, 2, 3)).slots) == 2 * ps  # prompt-1, whole pages
     assert len(cache.match_prompt(seq(ps, 1, 2, 3) + [9]).slots) == 3 * ps
     assert len(cache.match_prompt(seq(ps, 1)[:1]).slots) == 0
     assert len(cache.match_prompt([]).slots) == 0
@@ -98,15 +98,15 @@ def test_insert_returns_what_was_already_there(ps):
     res, _ = put(cache, alloc, seq(ps, 1, 2, 4, 5))
     assert res.prefix_len == 2 * ps
     res, _ = put(cache, alloc, seq(ps, 1, 2, 4))
-    assert res.prefix_len == 3 * ps            # everything was there: all duplicates
-    assert cache.size_info().evictable == 5 * ps   # [1,2] + [3] + [4] + [5]
+    assert res.prefix_len == 3 * ps  # everything was there: all duplicates
+    assert cache.size_info().evictable == 5 * ps  # [1,2] + [3] + [4] + [5]
     check(cache, alloc)
 
 
 def test_insert_node_ends_at_the_last_inserted_token(ps):
     cache, alloc = make(ps)
     put(cache, alloc, seq(ps, 1, 2, 3))
-    res, _ = put(cache, alloc, seq(ps, 1, 2))      # ends inside [1,2,3]: split, node = [1,2]
+    res, _ = put(cache, alloc, seq(ps, 1, 2))  # ends inside [1,2,3]: split, node = [1,2]
     cache.lock_handle(res.node)
     assert cache.size_info() == (ps, 2 * ps)
     cache.lock_handle(res.node, unlock=True)
@@ -116,7 +116,7 @@ def test_insert_node_ends_at_the_last_inserted_token(ps):
 def test_only_whole_pages_are_cached():
     ps = 16
     cache, alloc = make(ps)
-    tokens = list(range(100, 140))                  # 40 tokens: 2 pages + 8
+    tokens = list(range(100, 140))  # 40 tokens: 2 pages + 8
     res, slots = put(cache, alloc, tokens)
     assert cache.size_info().evictable == 32
     assert cache.match_prefix(tokens).slots == slots[:32]
@@ -157,8 +157,8 @@ def test_lock_protects_the_path_and_counts_stay_right(ps):
     put(cache, alloc, seq(ps, 1, 2, 4))
     m = cache.match_prefix(seq(ps, 1, 2, 3))
     cache.lock_handle(m.node)
-    assert cache.size_info() == (ps, 3 * ps)     # [4] evictable; [1,2] and [3] protected
-    assert cache.evict(100 * ps) == ps           # only [4] can go
+    assert cache.size_info() == (ps, 3 * ps)  # [4] evictable; [1,2] and [3] protected
+    assert cache.evict(100 * ps) == ps  # only [4] can go
     assert cache.match_prefix(seq(ps, 1, 2, 3)).slots == m.slots
     check(cache, alloc)
     cache.lock_handle(m.node, unlock=True)
@@ -183,7 +183,7 @@ def test_split_of_a_locked_node_keeps_locks(ps):
     put(cache, alloc, seq(ps, 1, 2, 3))
     m = cache.match_prefix(seq(ps, 1, 2, 3))
     cache.lock_handle(m.node)
-    put(cache, alloc, seq(ps, 1, 5))                 # splits the locked [1,2,3] after [1]
+    put(cache, alloc, seq(ps, 1, 5))  # splits the locked [1,2,3] after [1]
     assert cache.size_info() == (ps, 3 * ps)
     check(cache, alloc)
     cache.lock_handle(m.node, unlock=True)
@@ -224,15 +224,15 @@ def test_locking_an_evicted_node_raises(ps):
 def test_evict_frees_leaves_then_their_parents(ps):
     cache, alloc = make(ps, pages=8)
     put(cache, alloc, seq(ps, 1, 2, 3))
-    put(cache, alloc, seq(ps, 1, 2, 4))            # [1,2] -> [3], [4]
+    put(cache, alloc, seq(ps, 1, 2, 4))  # [1,2] -> [3], [4]
     assert alloc.num_free == 4 * ps
-    assert cache.evict(ps) == ps                   # one leaf
-    assert cache.evict(ps) == ps                   # the other leaf
+    assert cache.evict(ps) == ps  # one leaf
+    assert cache.evict(ps) == ps  # the other leaf
     assert cached_len(cache, seq(ps, 1, 2, 3)) == 2 * ps
-    assert cache.evict(1) == 2 * ps                # now [1,2] is a leaf; a whole node goes
+    assert cache.evict(1) == 2 * ps  # now [1,2] is a leaf; a whole node goes
     assert cache.size_info() == (0, 0)
     assert alloc.num_free == alloc.total
-    assert cache.evict(5) == 0                     # nothing left; the root never goes
+    assert cache.evict(5) == 0  # nothing left; the root never goes
     check(cache, alloc)
 
 
@@ -251,11 +251,11 @@ def test_lru_evicts_the_least_recently_used(ps):
     cache, alloc = make(ps)
     for first in (1, 2, 3):
         put(cache, alloc, seq(ps, first, 9))
-    cache.match_prefix(seq(ps, 1, 9))              # recency now: 2 < 3 < 1
+    cache.match_prefix(seq(ps, 1, 9))  # recency now: 2 < 3 < 1
     cache.evict(1)
-    assert cached_len(cache, seq(ps, 2, 9)) == 0   # (a miss touches nothing)
+    assert cached_len(cache, seq(ps, 2, 9)) == 0  # (a miss touches nothing)
     assert cached_len(cache, seq(ps, 3, 9)) == 2 * ps
-    assert cached_len(cache, seq(ps, 1, 9)) == 2 * ps   # recency now: 3 < 1
+    assert cached_len(cache, seq(ps, 1, 9)) == 2 * ps  # recency now: 3 < 1
     cache.evict(1)
     assert cached_len(cache, seq(ps, 3, 9)) == 0
     assert cached_len(cache, seq(ps, 1, 9)) == 2 * ps
@@ -269,7 +269,7 @@ def test_lfu_evicts_the_least_hit_then_the_oldest(ps):
         cache.match_prefix(seq(ps, 1))
     cache.match_prefix(seq(ps, 3))
     cache.match_prefix(seq(ps, 2))
-    cache.match_prefix(seq(ps, 2))                 # hits: 1 -> 3, 2 -> 2, 3 -> 1
+    cache.match_prefix(seq(ps, 2))  # hits: 1 -> 3, 2 -> 2, 3 -> 1
     cache.evict(1)
     assert cached_len(cache, seq(ps, 3)) == 0
     cache.evict(1)
@@ -283,19 +283,19 @@ def test_slru_probationary_goes_before_protected(ps, protected_hits):
     put(cache, alloc, seq(ps, 1))
     put(cache, alloc, seq(ps, 2))
     cache.match_prefix(seq(ps, 1))
-    cache.match_prefix(seq(ps, 1))                 # 1: two hits, oldest access after this
-    cache.match_prefix(seq(ps, 2))                 # 2: one hit, most recent
+    cache.match_prefix(seq(ps, 1))  # 1: two hits, oldest access after this
+    cache.match_prefix(seq(ps, 2))  # 2: one hit, most recent
     cache.evict(1)
-    gone = 2 if protected_hits == 2 else 1         # protected 1 survives; else plain LRU
+    gone = 2 if protected_hits == 2 else 1  # protected 1 survives; else plain LRU
     assert cache.match_prefix(seq(ps, gone)).slots == []
 
 
 def test_priority_evicts_low_priority_first_and_takes_the_max(ps):
     cache, alloc = make(ps, policy="priority")
     put(cache, alloc, seq(ps, 1), prio=5)
-    put(cache, alloc, seq(ps, 2), prio=0)          # more recent but less important
+    put(cache, alloc, seq(ps, 2), prio=0)  # more recent but less important
     put(cache, alloc, seq(ps, 3), prio=0)
-    cache.match_prefix(seq(ps, 3), priority=9)     # a priority-9 request used it: max is 9
+    cache.match_prefix(seq(ps, 3), priority=9)  # a priority-9 request used it: max is 9
     cache.evict(1)
     assert [len(cache.match_prefix(seq(ps, f)).slots) for f in (1, 2, 3)] == [ps, 0, ps]
     cache.evict(1)
@@ -307,7 +307,7 @@ def test_peek_is_not_a_use(ps, policy):
     cache, alloc = make(ps, policy=policy)
     put(cache, alloc, seq(ps, 1))
     put(cache, alloc, seq(ps, 2))
-    cache.match_prefix(seq(ps, 2))                  # 2: one hit and the latest use
+    cache.match_prefix(seq(ps, 2))  # 2: one hit and the latest use
     for _ in range(3):
         assert len(cache.match_prompt(seq(ps, 1, 7), peek=True).slots) == ps
     cache.evict(1)
@@ -324,7 +324,7 @@ def test_no_policy_can_pin_only_locks_do(ps, policy):
             cache.match_prefix(seq(ps, first, 8), priority=first)
     keep = cache.match_prefix(seq(ps, 2, 8))
     cache.lock_handle(keep.node)
-    assert cache.evict(10**6) == 6 * ps            # everything but the locked path
+    assert cache.evict(10**6) == 6 * ps  # everything but the locked path
     assert cache.size_info() == (0, 2 * ps)
     cache.lock_handle(keep.node, unlock=True)
     check(cache, alloc)
@@ -345,12 +345,12 @@ def test_leaf_heap_re_files_touched_nodes_and_stays_bounded():
     a, b = Node(1), Node(2)
     heap.push(a)
     heap.push(b)
-    a.last_access = 3                              # touched after filing: b is older now
+    a.last_access = 3  # touched after filing: b is older now
     assert heap.pop(lambda n: True) is b
-    for _ in range(5000):                          # lock/unlock cycles re-file the same node
+    for _ in range(5000):  # lock/unlock cycles re-file the same node
         heap.push(a)
     assert len(heap) == 1 and len(heap._heap) <= 2 * len(heap) + 1024
-    assert heap.pop(lambda n: False) is None       # no candidate left
+    assert heap.pop(lambda n: False) is None  # no candidate left
     assert len(heap) == 0
 
 
@@ -364,7 +364,7 @@ def test_reset_returns_every_slot(ps):
     assert cache.size_info() == (0, 0)
     assert cached_len(cache, seq(ps, 1, 2, 3)) == 0
     check(cache, alloc)
-    put(cache, alloc, seq(ps, 1, 2))               # usable again afterwards
+    put(cache, alloc, seq(ps, 1, 2))  # usable again afterwards
     check(cache, alloc)
 
 
@@ -406,7 +406,7 @@ def test_bad_calls_raise(ps):
 def test_paged_insert_rejects_slots_that_are_not_whole_pages():
     cache, alloc = make(16)
     slots = alloc.alloc(32)
-    bad = slots[1:16] + slots[:1] + slots[16:]      # first page out of order
+    bad = slots[1:16] + slots[:1] + slots[16:]  # first page out of order
     with pytest.raises(ValueError, match="whole page"):
         cache.insert_prefix(list(range(32)), bad)
     alloc.free(slots)
@@ -425,7 +425,7 @@ def test_integrity_check_catches_a_broken_lock_count(ps):
     cache, alloc = make(ps)
     put(cache, alloc, seq(ps, 1, 2))
     res, _ = put(cache, alloc, seq(ps, 1, 2, 3))
-    res.node.lock_ref = 1                            # child locked, parent not: impossible
+    res.node.lock_ref = 1  # child locked, parent not: impossible
     with pytest.raises(CacheIntegrityError):
         cache.check_integrity()
 
@@ -433,7 +433,7 @@ def test_integrity_check_catches_a_broken_lock_count(ps):
 def test_integrity_check_catches_a_slot_the_allocator_calls_free(ps):
     cache, alloc = make(ps)
     _, slots = put(cache, alloc, seq(ps, 1, 2))
-    alloc.free(slots[:ps])                           # a bug elsewhere frees a cached page
+    alloc.free(slots[:ps])  # a bug elsewhere frees a cached page
     with pytest.raises(CacheIntegrityError, match="allocator calls free"):
         cache.check_integrity()
 
@@ -448,8 +448,14 @@ def test_slot_integrity_names_all_four_numbers(ps):
     with pytest.raises(SlotLeakError) as err:
         check_slot_integrity(alloc, cache, held_by_requests=0)
     msg = str(err.value)
-    for part in (f"free {5 * ps}", f"evictable {ps}", f"protected {ps}", "held by requests 0",
-                 f"total is {10 * ps}", f"leaked: {3 * ps}"):
+    for part in (
+        f"free {5 * ps}",
+        f"evictable {ps}",
+        f"protected {ps}",
+        "held by requests 0",
+        f"total is {10 * ps}",
+        f"leaked: {3 * ps}",
+    ):
         assert part in msg
 
 
@@ -466,7 +472,7 @@ def test_disabled_cache_keeps_nothing(ps):
     cache.lock_handle(res.node, unlock=True)
     assert cache.evict(10) == 0
     assert cache.size_info() == (0, 0)
-    check_slot_integrity(alloc, cache, held_by_requests=2 * ps)   # the caller still owns them
+    check_slot_integrity(alloc, cache, held_by_requests=2 * ps)  # the caller still owns them
     alloc.free(slots)
     cache.reset()
     cache.check_integrity()

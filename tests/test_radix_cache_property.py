@@ -79,8 +79,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     def model_size(self) -> int:
         ps = self.page_size
-        prefixes = {(ns, s[:k]) for ns in NAMESPACES for s in self.model[ns]
-                    for k in range(ps, len(s) + 1, ps)}
+        prefixes = {
+            (ns, s[:k])
+            for ns in NAMESPACES
+            for s in self.model[ns]
+            for k in range(ps, len(s) + 1, ps)
+        }
         return len(prefixes) * ps
 
     def evict(self, n: int) -> int:
@@ -100,8 +104,11 @@ class CacheMachine(RuleBasedStateMachine):
                     kept.add(s[:m])
             self.model[ns] = kept
         assert before - self.model_size() == freed
-        for r in self.in_flight:   # locked prefixes survive whole
-            assert self.cache.match_prefix(r.tokens[: len(r.matched_slots)], r.ns).slots == r.matched_slots
+        for r in self.in_flight:  # locked prefixes survive whole
+            assert (
+                self.cache.match_prefix(r.tokens[: len(r.matched_slots)], r.ns).slots
+                == r.matched_slots
+            )
         return freed
 
     # -- rules --------------------------------------------------------------------------
@@ -118,7 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
         if need > self.alloc.num_free:
             self.evict(need - self.alloc.num_free)
         own = self.alloc.alloc(n_own, want, m.slots[-1] if want else 0)
-        if own is None:   # everything else is locked: give up, as the scheduler would
+        if own is None:  # everything else is locked: give up, as the scheduler would
             assert self.alloc.num_free + self.cache.size_info().evictable < need
             self.cache.lock_handle(m.node, unlock=True)
             return None
@@ -137,7 +144,7 @@ class CacheMachine(RuleBasedStateMachine):
         res = self.cache.insert_prefix(r.tokens, slots, r.ns)
         assert res.prefix_len == want
         kept = len(self.aligned(r.tokens))
-        self.alloc.free(slots[len(r.matched_slots): res.prefix_len] + slots[kept:])
+        self.alloc.free(slots[len(r.matched_slots) : res.prefix_len] + slots[kept:])
         self.cache.lock_handle(r.node, unlock=True)
         self.held -= r.held
         self.in_flight.remove(r)
@@ -166,7 +173,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self):
-        if self.cache.size_info().protected:   # some request holds a lock
+        if self.cache.size_info().protected:  # some request holds a lock
             before = self.cache.size_info()
             with pytest.raises(CacheLockError):
                 self.cache.reset()
@@ -182,7 +189,7 @@ class CacheMachine(RuleBasedStateMachine):
         """Unlocking one request's node once more than it was locked raises."""
         r = data.draw(st.sampled_from(self.in_flight))
         if r.node.anchor or r.node.lock_ref != 1:
-            return   # shared with another request (or nothing locked): not a double unlock
+            return  # shared with another request (or nothing locked): not a double unlock
         self.cache.lock_handle(r.node, unlock=True)
         with pytest.raises(CacheLockError):
             self.cache.lock_handle(r.node, unlock=True)

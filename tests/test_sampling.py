@@ -13,7 +13,9 @@ VOCAB = 50
 ROWS = 64
 
 
-def sampler_with(params: generation_pb2.SamplingParams, rows: int = ROWS, output_ids=(), seed: int = 0) -> Sampler:
+def sampler_with(
+    params: generation_pb2.SamplingParams, rows: int = ROWS, output_ids=(), seed: int = 0
+) -> Sampler:
     s = Sampler(rows, VOCAB, torch.device("cpu"), random_seed=seed)
     for r in range(rows):
         s.reset_slot(r, params, np.asarray(output_ids, dtype=np.int32))
@@ -32,7 +34,11 @@ def draw(s: Sampler, logits: torch.Tensor, masks=None) -> list[int]:
 def test_defaults_of_unset_fields():
     spec = SamplingSpec.from_proto(generation_pb2.SamplingParams())
     assert (spec.temperature, spec.top_p, spec.top_k, spec.min_p) == (1.0, 1.0, 0, 0.0)
-    assert (spec.repetition_penalty, spec.frequency_penalty, spec.presence_penalty) == (1.0, 0.0, 0.0)
+    assert (spec.repetition_penalty, spec.frequency_penalty, spec.presence_penalty) == (
+        1.0,
+        0.0,
+        0.0,
+    )
     assert spec.seed is None and not spec.greedy and not spec.logprobs
 
 
@@ -47,7 +53,7 @@ def test_same_seed_same_tokens_and_retraction_proof():
     logits = [logits_rows(4, seed=i) for i in range(6)]
     a, b = sampler_with(params, rows=4), sampler_with(params, rows=4, seed=99)
     run_a = [draw(a, x) for x in logits]
-    assert run_a == [draw(b, x) for x in logits]           # worker seed does not matter
+    assert run_a == [draw(b, x) for x in logits]  # worker seed does not matter
     # Back after a retraction with 3 tokens generated: step 3 onwards draws the same.
     c = sampler_with(params, rows=4, output_ids=[1, 2, 3])
     assert [draw(c, x) for x in logits[3:]] == run_a[3:]
@@ -67,8 +73,8 @@ def test_sampling_covers_support_without_truncation():
     "params, allowed",
     [
         (generation_pb2.SamplingParams(top_k=3), {0, 1, 2}),
-        (generation_pb2.SamplingParams(top_p=0.7), {0, 1}),          # 0.4 + 0.3 reaches 0.7
-        (generation_pb2.SamplingParams(min_p=0.5), {0, 1}),          # p >= 0.5 * 0.4
+        (generation_pb2.SamplingParams(top_p=0.7), {0, 1}),  # 0.4 + 0.3 reaches 0.7
+        (generation_pb2.SamplingParams(min_p=0.5), {0, 1}),  # p >= 0.5 * 0.4
     ],
 )
 def test_truncation_restricts_support(params, allowed):
@@ -80,15 +86,17 @@ def test_truncation_restricts_support(params, allowed):
 
 
 def test_penalties_change_logits_as_specified():
-    params = generation_pb2.SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    params = generation_pb2.SamplingParams(
+        repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
     s = sampler_with(params, rows=1, output_ids=[3, 3, 3, 7])
     logits = torch.zeros(1, VOCAB)
     logits[0, 3], logits[0, 7], logits[0, 9] = 4.0, -1.0, 2.0
     out = s.apply_penalties(logits, [0])[0]
     assert out[3].item() == pytest.approx(4.0 / 2 - 0.5 * 3 - 0.25)
     assert out[7].item() == pytest.approx(-1.0 * 2 - 0.5 * 1 - 0.25)
-    assert out[9].item() == 2.0                                 # never generated: untouched
-    assert logits[0, 3].item() == 4.0                           # input not modified
+    assert out[9].item() == 2.0  # never generated: untouched
+    assert logits[0, 3].item() == 4.0  # input not modified
 
 
 def test_penalty_counts_follow_generated_tokens():
@@ -96,7 +104,7 @@ def test_penalty_counts_follow_generated_tokens():
     logits = torch.zeros(1, VOCAB)
     logits[0, 5], logits[0, 6] = 1.0, 0.5
     assert draw(s, logits) == [5]
-    assert draw(s, logits) == [6]       # 5 now penalised below 6
+    assert draw(s, logits) == [6]  # 5 now penalised below 6
 
 
 def test_bitmask_is_respected():
@@ -105,7 +113,7 @@ def test_bitmask_is_respected():
     packed = np.packbits(bits, bitorder="little").tobytes()
     assert unpack_mask(packed, VOCAB).nonzero()[0].tolist() == [3, 17]
     logits = logits_rows(2)
-    logits[:, 3], logits[:, 17] = -5.0, -6.0                   # allowed, but far from the max
+    logits[:, 3], logits[:, 17] = -5.0, -6.0  # allowed, but far from the max
     s = sampler_with(generation_pb2.SamplingParams(temperature=0.0), rows=2)
     assert draw(s, logits, [packed, b""]) == [3, int(logits[1].argmax())]
     sampled = sampler_with(generation_pb2.SamplingParams(temperature=1.0))
@@ -123,7 +131,9 @@ def test_logprobs_are_log_softmax_of_raw_logits():
         vals, ids = ref[i].topk(5)
         assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
         assert [v for _, v in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-6)
-    plain = sampler_with(generation_pb2.SamplingParams(temperature=0.0), rows=1).sample(logits[:1], [0], [b""])
+    plain = sampler_with(generation_pb2.SamplingParams(temperature=0.0), rows=1).sample(
+        logits[:1], [0], [b""]
+    )
     assert plain.logprobs == [None] and plain.top_logprobs == [None]
 
 
@@ -133,7 +143,14 @@ def test_seeded_generation_ignores_batch_company(tiny_llama_dir):
     from services.worker.model_runner import ModelRunner
     from services.worker.offline import generate
 
-    runner = ModelRunner(WorkerConfig(model_path=str(tiny_llama_dir), device="cpu", max_total_tokens=512, max_running_requests=4))
+    runner = ModelRunner(
+        WorkerConfig(
+            model_path=str(tiny_llama_dir),
+            device="cpu",
+            max_total_tokens=512,
+            max_running_requests=4,
+        )
+    )
     params = generation_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     prompt, other = [5, 6, 7, 8], [40, 41]
     alone = generate(runner, [prompt], 10, params, stop_at_eos=False)[0]

@@ -29,7 +29,9 @@ def submit(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int, **kw)
     sched.add_request(FRONTEND, msg)
 
 
-def run(sched: Scheduler, max_steps: int = 100_000, on_step=None) -> dict[str, engine_pb2.TokenDelta]:
+def run(
+    sched: Scheduler, max_steps: int = 100_000, on_step=None
+) -> dict[str, engine_pb2.TokenDelta]:
     """Steps until idle; returns each request's tokens and final delta."""
     tokens: dict[str, list[int]] = {}
     final: dict[str, engine_pb2.TokenDelta] = {}
@@ -60,18 +62,25 @@ def test_single_request_then_cache_hit():
     submit(sched, "a", prompt, 8)
     first = run(sched)["a"]
     assert list(first.token_ids) == expected(prompt, 8)
-    assert (first.finish_reason, first.prompt_tokens, first.cached_tokens, first.completion_tokens) == ("length", 40, 0, 8)
+    assert (
+        first.finish_reason,
+        first.prompt_tokens,
+        first.cached_tokens,
+        first.completion_tokens,
+    ) == ("length", 40, 0, 8)
     submit(sched, "b", prompt, 8)
     second = run(sched)["b"]
     assert list(second.token_ids) == expected(prompt, 8)
-    assert second.cached_tokens == 39   # everything but the last prompt token
+    assert second.cached_tokens == 39  # everything but the last prompt token
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight", "lof", "random", "priority"])
 def test_concurrent_shared_prefixes_are_token_exact(page_size, policy):
     rng = random.Random(7)
-    sched, _ = make(num_slots=6000, page_size=page_size, schedule_policy=policy, chunked_prefill_size=64)
+    sched, _ = make(
+        num_slots=6000, page_size=page_size, schedule_policy=policy, chunked_prefill_size=64
+    )
     systems = [rand_prompt(rng, rng.randrange(20, 120)) for _ in range(4)]
     want = {}
     for i in range(40):
@@ -176,12 +185,19 @@ def test_eos_stops_unless_ignored():
     sched, _ = make()
     prompt = list(range(1, 20))
     first = expected(prompt, 1)[0]
-    sched.info.eos_token_ids.append(first)   # the first token the fake model emits is "EOS"
+    sched.info.eos_token_ids.append(first)  # the first token the fake model emits is "EOS"
     submit(sched, "a", prompt, 10)
     got = run(sched)["a"]
-    assert got.finish_reason == "stop" and got.completion_tokens == 1 and got.matched_stop_token == first
+    assert (
+        got.finish_reason == "stop"
+        and got.completion_tokens == 1
+        and got.matched_stop_token == first
+    )
     msg_sampling = generation_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    sched.add_request(FRONTEND, engine_pb2.TokenizedRequest(rid="b", input_ids=pack_i32(prompt), sampling=msg_sampling))
+    sched.add_request(
+        FRONTEND,
+        engine_pb2.TokenizedRequest(rid="b", input_ids=pack_i32(prompt), sampling=msg_sampling),
+    )
     assert run(sched)["b"].completion_tokens == 10
 
 
@@ -201,7 +217,7 @@ def test_a_restarted_worker_stops_the_scheduler():
 
     worker.forward = forward
     submit(sched, "a", list(range(1, 20)), 5)
-    assert sched.step()   # batch 1: same worker
+    assert sched.step()  # batch 1: same worker
     with pytest.raises(WorkerError, match="restarted"):
         sched.step()
 
@@ -212,11 +228,15 @@ def test_overlap_schedule_is_exact_and_really_overlaps(page_size):
     rng = random.Random(11)
     prompts = [rand_prompt(rng, rng.randrange(5, 70)) for _ in range(20)]
     lengths = [rng.randrange(1, 40) for _ in prompts]
-    eos = expected(prompts[3], 5)[4]    # request 3 stops at its 5th token; others may too
+    eos = expected(prompts[3], 5)[4]  # request 3 stops at its 5th token; others may too
     got = {}
     for overlap in (False, True):
-        sched, worker = make(num_slots=900, page_size=page_size, chunked_prefill_size=32,
-                             disable_overlap_schedule=not overlap)
+        sched, worker = make(
+            num_slots=900,
+            page_size=page_size,
+            chunked_prefill_size=32,
+            disable_overlap_schedule=not overlap,
+        )
         sched.info.eos_token_ids.append(eos)
         for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
             submit(sched, f"r{i}", p, n)
@@ -237,11 +257,17 @@ def test_batch_log_lines_in_sglang_format(overlap, caplog):
     submit(sched, "a", list(range(1, 26)), 30)
     with caplog.at_level("INFO", logger="radixserve.scheduler"):
         run(sched)
-    assert re.search(r"Prefill batch\. #new-seq: 1, #new-token: 25, #cached-token: 0, token usage: \d\.\d\d, "
-                     r"#running-req: 0, #queue-req: 0, cuda graph: False", caplog.text)
-    decode = re.findall(r"Decode batch\. #running-req: \d+, #token: \d+, token usage: \d\.\d\d, cuda graph: False, "
-                        r"gen throughput \(token/s\): [\d.]+, #queue-req: 0", caplog.text)
-    assert len(decode) == 29 // 5   # 29 decode steps after the prefill's first token
+    assert re.search(
+        r"Prefill batch\. #new-seq: 1, #new-token: 25, #cached-token: 0, token usage: \d\.\d\d, "
+        r"#running-req: 0, #queue-req: 0, cuda graph: False",
+        caplog.text,
+    )
+    decode = re.findall(
+        r"Decode batch\. #running-req: \d+, #token: \d+, token usage: \d\.\d\d, cuda graph: False, "
+        r"gen throughput \(token/s\): [\d.]+, #queue-req: 0",
+        caplog.text,
+    )
+    assert len(decode) == 29 // 5  # 29 decode steps after the prefill's first token
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -249,7 +275,7 @@ def test_finished_request_leaves_all_but_its_last_token(overlap):
     """A stop seen a step late (overlap) still leaves prompt + output - 1 tokens in the tree."""
     prompt = list(range(1, 30))
     sched, _ = make(disable_overlap_schedule=not overlap)
-    sched.info.eos_token_ids.append(expected(prompt, 6)[5])   # stops at its 6th token
+    sched.info.eos_token_ids.append(expected(prompt, 6)[5])  # stops at its 6th token
     submit(sched, "a", prompt, 50)
     got = run(sched)["a"]
     assert (got.finish_reason, got.completion_tokens) == ("stop", 6)

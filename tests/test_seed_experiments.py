@@ -47,7 +47,7 @@ def p1():
     with Server("--enable-mfu-metrics", "--max-total-tokens", "60000", metrics=True) as s:
         client = Client(s, s.sched_metrics)
         yield client
-        client.fresh()   # idle at the end: flush is accepted
+        client.fresh()  # idle at the end: flush is accepted
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,10 @@ def test_2_any_shared_length_is_reused(p1, p16, n):
         want = shared if page == 1 else 16 * (shared // 16)
         assert hit == want, f"page size {page}, N={n}: hit {hit}, want {want}"
         rows.append((page, len(second), shared, hit))
-    print(f"\nN={n}: " + "; ".join(f"page {p}: prompt {L}, shared {s}, hit {h}" for p, L, s, h in rows))
+    print(
+        f"\nN={n}: "
+        + "; ".join(f"page {p}: prompt {L}, shared {s}, hit {h}" for p, L, s, h in rows)
+    )
 
 
 def test_3_the_cache_outlives_the_request(p1):
@@ -146,13 +149,19 @@ def test_5_hits_save_compute(p1):
         after = p1.metrics()
         prompt = sum(f.prompt_tokens for f in finals)
         cached = sum(f.cached_tokens for f in finals)
-        flops = after["radixserve:estimated_flops_total"] - before.get("radixserve:estimated_flops_total", 0.0)
+        flops = after["radixserve:estimated_flops_total"] - before.get(
+            "radixserve:estimated_flops_total", 0.0
+        )
         out[name] = (cached / prompt, prompt - cached, flops)
     hit, computed, flops = out["shared"]
     assert hit > 0.9, out
     assert out["distinct"][0] < 0.1, out
     num_params = _num_parameters(p1)
-    assert flops == pytest.approx(2 * num_params * computed, rel=0.10), (flops, num_params, computed)
+    assert flops == pytest.approx(2 * num_params * computed, rel=0.10), (
+        flops,
+        num_params,
+        computed,
+    )
 
 
 def _num_parameters(client: Client) -> int:

@@ -13,7 +13,7 @@ import pytest
 from services.scheduler.allocator import KVSlotAllocator
 from services.scheduler.radix_cache import RadixCache, check_slot_integrity
 
-OUTPUT_TOKENS = 1     # max_tokens 1 is enough for these experiments
+OUTPUT_TOKENS = 1  # max_tokens 1 is enough for these experiments
 
 
 def common(a: list[int], b: list[int]) -> int:
@@ -33,12 +33,12 @@ def serve(cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int]) -> int:
     own = alloc.alloc(len(prompt) - cached + OUTPUT_TOKENS, cached, m.slots[-1] if cached else 0)
     assert own is not None
     check_slot_integrity(alloc, cache, held_by_requests=alloc.slots_needed(len(own), cached))
-    output = [90_000 + i for i in range(OUTPUT_TOKENS)]          # "compute": the sampled tokens
-    seq = prompt + output[:-1]                                    # the last token has no KV
+    output = [90_000 + i for i in range(OUTPUT_TOKENS)]  # "compute": the sampled tokens
+    seq = prompt + output[:-1]  # the last token has no KV
     slots = m.slots + own
     res = cache.insert_prefix(seq, slots[: len(seq)])
     kept = len(seq) - len(seq) % cache.page_size
-    alloc.free(slots[cached: res.prefix_len] + slots[kept:])
+    alloc.free(slots[cached : res.prefix_len] + slots[kept:])
     cache.lock_handle(m.node, unlock=True)
     cache.check_integrity()
     check_slot_integrity(alloc, cache, held_by_requests=0)
@@ -55,10 +55,10 @@ def paged(n: int, page_size: int) -> int:
 
 
 # -- experiment 1: the tree grows branches -------------------------------------------------
-P = list(range(1000, 1021))                  # 21 tokens, like the published P
-A = P + list(range(2000, 2009))              # 30 tokens
-B = P + list(range(3000, 3010))              # leaves A's branch right after P
-C = A + list(range(4000, 4005))              # follows A to its end
+P = list(range(1000, 1021))  # 21 tokens, like the published P
+A = P + list(range(2000, 2009))  # 30 tokens
+B = P + list(range(3000, 3010))  # leaves A's branch right after P
+C = A + list(range(4000, 4005))  # follows A to its end
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -69,7 +69,7 @@ def test_experiment_1_tree_grows_branches(page_size):
     assert got["A"] == 0
     assert got["B"] == paged(common(A, B), page_size)
     assert got["C"] == paged(common(A, C), page_size)
-    if page_size == 1:   # the published run: B hit 21 (= P), C hit 30 (= all of A)
+    if page_size == 1:  # the published run: B hit 21 (= P), C hit 30 (= all of A)
         assert (got["B"], got["C"]) == (len(P), len(A))
         assert got["C"] > got["B"]
 
@@ -92,8 +92,8 @@ def test_experiment_2_any_shared_length_is_reused():
         for ps, (cache, alloc) in caches.items():
             assert serve(cache, alloc, first) == 0
             hits[ps] = serve(cache, alloc, second)
-        assert hits[1] == len(second) - 1 == shared            # everything but the last token
-        assert hits[16] == 16 * (shared // 16)                 # what full-block hashing gives
+        assert hits[1] == len(second) - 1 == shared  # everything but the last token
+        assert hits[16] == 16 * (shared // 16)  # what full-block hashing gives
         assert hits[1] - hits[16] == shared % 16 <= 15
         rows.append((n, len(second), shared, hits[1], hits[16], hits[1] - hits[16]))
     print("\nexperiment 2: second prompt of each pair")

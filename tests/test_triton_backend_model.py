@@ -23,8 +23,16 @@ PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 8, 8, 8, 8, 8, 60, 61]]
 
 
 def _greedy(model_dir, backend: str) -> list[list[int]]:
-    cfg = WorkerConfig(model_path=str(model_dir), device="cpu", dtype="float32", attention_backend=backend,
-                       max_total_tokens=256, max_running_requests=4, context_length=64, disable_cuda_graph=True)
+    cfg = WorkerConfig(
+        model_path=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        attention_backend=backend,
+        max_total_tokens=256,
+        max_running_requests=4,
+        context_length=64,
+        disable_cuda_graph=True,
+    )
     runner = ModelRunner(cfg)
     assert runner.backend_name == backend
     return generate(runner, PROMPTS, max_new_tokens=6, stop_at_eos=False)
@@ -73,8 +81,15 @@ def _decode_meta(rows: list[tuple[int, int]]) -> AttentionMeta:
 
 
 def test_graph_runner_pads_batches_and_returns_the_eager_logits(tiny_llama_dir):
-    cfg = WorkerConfig(model_path=str(tiny_llama_dir), device="cpu", dtype="float32", attention_backend="triton",
-                       max_total_tokens=256, max_running_requests=4, context_length=64)
+    cfg = WorkerConfig(
+        model_path=str(tiny_llama_dir),
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=256,
+        max_running_requests=4,
+        context_length=64,
+    )
     runner = ModelRunner(cfg)
     model = runner.model
     # Fill the pool: offline.generate gives request i the slots base_i + 1 .. (see its docstring),
@@ -90,7 +105,7 @@ def test_graph_runner_pads_batches_and_returns_the_eager_logits(tiny_llama_dir):
         meta = _decode_meta([(bases[i], len(PROMPTS[i]) + 2) for i in rows])
         ids = torch.tensor([outputs[i][1] for i in rows])
         positions = torch.tensor([len(PROMPTS[i]) + 1 for i in rows])
-        want = model.compute_logits(model.forward(ids, positions, meta))   # [n, vocab]
+        want = model.compute_logits(model.forward(ids, positions, meta))  # [n, vocab]
         got = graphs.replay(ids, positions, meta)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

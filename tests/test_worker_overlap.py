@@ -14,25 +14,39 @@ PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
 
 
 def _runner(model_dir) -> ModelRunner:
-    return ModelRunner(WorkerConfig(model_path=str(model_dir), device="cpu", max_total_tokens=256,
-                                    max_running_requests=4))
+    return ModelRunner(
+        WorkerConfig(
+            model_path=str(model_dir), device="cpu", max_total_tokens=256, max_running_requests=4
+        )
+    )
 
 
 def _prefill(runner: ModelRunner) -> int:
-    req = engine_pb2.ForwardRequest(req_slot=0, input_ids=pack_i32(PROMPT), prefix_len=0,
-                                    out_slots=pack_i32(range(1, 9)), is_new=True, sample=True,
-                                    sampling=generation_pb2.SamplingParams(temperature=0))
+    req = engine_pb2.ForwardRequest(
+        req_slot=0,
+        input_ids=pack_i32(PROMPT),
+        prefix_len=0,
+        out_slots=pack_i32(range(1, 9)),
+        is_new=True,
+        sample=True,
+        sampling=generation_pb2.SamplingParams(temperature=0),
+    )
     return runner.forward(engine_pb2.ForwardBatch(batch_id=1, reqs=[req])).tokens[0].token_id
 
 
 def _decode(runner: ModelRunner, batch_id: int, position: int, token: int | None) -> int:
-    req = engine_pb2.ForwardRequest(req_slot=0, prefix_len=position, out_slots=pack_i32([position + 1]),
-                                    sample=True)
+    req = engine_pb2.ForwardRequest(
+        req_slot=0, prefix_len=position, out_slots=pack_i32([position + 1]), sample=True
+    )
     if token is None:
         req.use_last_sampled = True
     else:
         req.input_ids = pack_i32([token])
-    return runner.forward(engine_pb2.ForwardBatch(batch_id=batch_id, is_decode=True, reqs=[req])).tokens[0].token_id
+    return (
+        runner.forward(engine_pb2.ForwardBatch(batch_id=batch_id, is_decode=True, reqs=[req]))
+        .tokens[0]
+        .token_id
+    )
 
 
 def test_use_last_sampled_equals_sending_the_token(tiny_llama_dir):
@@ -48,7 +62,13 @@ def test_use_last_sampled_equals_sending_the_token(tiny_llama_dir):
 
 def test_use_last_sampled_before_any_sample_is_refused(tiny_llama_dir):
     runner = _runner(tiny_llama_dir)
-    req = engine_pb2.ForwardRequest(req_slot=1, prefix_len=0, out_slots=pack_i32([3]), is_new=True,
-                                    sample=True, use_last_sampled=True)
+    req = engine_pb2.ForwardRequest(
+        req_slot=1,
+        prefix_len=0,
+        out_slots=pack_i32([3]),
+        is_new=True,
+        sample=True,
+        use_last_sampled=True,
+    )
     with pytest.raises(ValueError, match="use_last_sampled"):
         runner.forward(engine_pb2.ForwardBatch(batch_id=1, is_decode=True, reqs=[req]))

@@ -33,40 +33,72 @@ def _opt(default, help: str, **kw):
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model_path: str = _opt(DEFAULT_MODEL_PATH, "HF-format model folder (config.json, *.safetensors, tokenizer)")
+    model_path: str = _opt(
+        DEFAULT_MODEL_PATH, "HF-format model folder (config.json, *.safetensors, tokenizer)"
+    )
     served_model_name: str = _opt("", "model id reported to clients (default: the folder's name)")
-    dtype: str = _opt("auto", "weights and KV dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    device: str = _opt("auto", "cuda or cpu (auto: cuda when available)", choices=["auto", "cuda", "cpu"])
+    dtype: str = _opt(
+        "auto", "weights and KV dtype", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    device: str = _opt(
+        "auto", "cuda or cpu (auto: cuda when available)", choices=["auto", "cuda", "cpu"]
+    )
     attention_backend: str = _opt("auto", "attention backend (auto: triton on cuda, torch on cpu)")
-    mem_fraction_static: float = _opt(0.0, "share of device memory for weights + KV pool (0: 0.85 on cuda, 0.3 of RAM on cpu)")
+    mem_fraction_static: float = _opt(
+        0.0, "share of device memory for weights + KV pool (0: 0.85 on cuda, 0.3 of RAM on cpu)"
+    )
     max_total_tokens: int = _opt(0, "KV pool size in tokens (0: derive from --mem-fraction-static)")
-    max_running_requests: int = _opt(64, "requests decoded at once (rows of the request-slot table)")
-    context_length: int = _opt(0, "max prompt + output tokens (0: the model's max_position_embeddings)")
+    max_running_requests: int = _opt(
+        64, "requests decoded at once (rows of the request-slot table)"
+    )
+    context_length: int = _opt(
+        0, "max prompt + output tokens (0: the model's max_position_embeddings)"
+    )
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs")
     cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
     random_seed: int = _opt(0, "seed for requests that give none")
-    cpu_threads: int = _opt(0, "torch threads on CPU (0: all cores but one, leaving it to the scheduler and frontend)")
-    worker_addr: str = _opt("", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)")
+    cpu_threads: int = _opt(
+        0, "torch threads on CPU (0: all cores but one, leaving it to the scheduler and frontend)"
+    )
+    worker_addr: str = _opt(
+        "", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)"
+    )
     worker_grpc_port: int = _opt(0, "gRPC info/health port of the worker (0: a free port)")
     host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
     metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
-    otlp_traces_endpoint: str = _opt("", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)")
+    otlp_traces_endpoint: str = _opt(
+        "", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)"
+    )
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     page_size: int = _opt(1, "tokens per KV page; the radix tree caches whole pages only")
-    radix_eviction_policy: str = _opt("lru", "which cached leaves go first", choices="services.scheduler.eviction:policy_names")
-    slru_protected_hits: int = _opt(2, "slru: hits after which a node moves to the protected segment")
+    radix_eviction_policy: str = _opt(
+        "lru", "which cached leaves go first", choices="services.scheduler.eviction:policy_names"
+    )
+    slru_protected_hits: int = _opt(
+        2, "slru: hits after which a node moves to the protected segment"
+    )
     disable_radix_cache: bool = _opt(False, "compute every prompt from scratch (nothing cached)")
-    schedule_policy: str = _opt("lpm", "waiting-queue order", choices="services.scheduler.schedule_policy:policy_names")
-    chunked_prefill_size: int = _opt(2048, "prefill at most this many new tokens of one request per batch (-1: no chunking)")
+    schedule_policy: str = _opt(
+        "lpm", "waiting-queue order", choices="services.scheduler.schedule_policy:policy_names"
+    )
+    chunked_prefill_size: int = _opt(
+        2048, "prefill at most this many new tokens of one request per batch (-1: no chunking)"
+    )
     max_prefill_tokens: int = _opt(8192, "new tokens in one prefill batch at most")
-    max_running_requests: int = _opt(64, "requests decoded at once (rows of the request-slot table)")
-    disable_overlap_schedule: bool = _opt(False, "wait for each decode step's tokens before sending the next step")
-    scheduler_addr: str = _opt("", "ZeroMQ address the scheduler binds for frontends (default: a per-instance ipc path)")
+    max_running_requests: int = _opt(
+        64, "requests decoded at once (rows of the request-slot table)"
+    )
+    disable_overlap_schedule: bool = _opt(
+        False, "wait for each decode step's tokens before sending the next step"
+    )
+    scheduler_addr: str = _opt(
+        "", "ZeroMQ address the scheduler binds for frontends (default: a per-instance ipc path)"
+    )
     worker_addr: str = _opt("", "ZeroMQ address of the worker to drive")
     control_port: int = _opt(0, "gRPC control port (flush, stats, health) (0: a free port)")
     host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
@@ -75,23 +107,33 @@ class SchedulerConfig:
     enable_mfu_metrics: bool = _opt(False, "count estimated FLOPs and bytes moved")
     metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
     engine_replica: str = _opt("0", "engine replica name (metrics label)")
-    otlp_traces_endpoint: str = _opt("", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)")
+    otlp_traces_endpoint: str = _opt(
+        "", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)"
+    )
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    model_path: str = _opt(DEFAULT_MODEL_PATH, "HF-format model folder (tokenizer and chat template)")
+    model_path: str = _opt(
+        DEFAULT_MODEL_PATH, "HF-format model folder (tokenizer and chat template)"
+    )
     served_model_name: str = _opt("", "model id reported to clients (default: the folder's name)")
     host: str = _opt("127.0.0.1", "interface the public servers bind (0.0.0.0 in a container)")
     port: int = _opt(30000, "public gRPC port")
     http_port: int = _opt(30080, "OpenAI-compatible HTTP port (-1: off)")
-    scheduler_addrs: list[str] = _opt([], "ZeroMQ addresses of the engine schedulers (comma separated)")
-    scheduler_control_addrs: list[str] = _opt([], "gRPC control addresses of the schedulers, same order")
+    scheduler_addrs: list[str] = _opt(
+        [], "ZeroMQ addresses of the engine schedulers (comma separated)"
+    )
+    scheduler_control_addrs: list[str] = _opt(
+        [], "gRPC control addresses of the schedulers, same order"
+    )
     max_model_len: int = _opt(0, "context length (0: asked from the engines)")
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
     metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
-    otlp_traces_endpoint: str = _opt("", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)")
+    otlp_traces_endpoint: str = _opt(
+        "", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)"
+    )
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
 
@@ -121,7 +163,9 @@ def resolve_choices(spec):
     return spec
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, seen: set[str] | None = None) -> None:
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, seen: set[str] | None = None
+) -> None:
     """Adds one ``--flag`` per field of ``cls``; names already in ``seen`` are skipped."""
     seen = set() if seen is None else seen
     hints = typing.get_type_hints(cls)
@@ -139,7 +183,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, seen: set[str
         elif tp is list:
             parser.add_argument(flag, type=lambda s: [x for x in s.split(",") if x], **kw)
         else:
-            parser.add_argument(flag, type=tp, choices=resolve_choices(f.metadata.get("choices")), **kw)
+            parser.add_argument(
+                flag, type=tp, choices=resolve_choices(f.metadata.get("choices")), **kw
+            )
 
 
 def from_args(cls: type, ns: argparse.Namespace, **overrides):

@@ -13,16 +13,32 @@ from radixserve.v1 import generation_pb2_grpc
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (a user message with --chat)")
-    parser.add_argument("--target", default="127.0.0.1:30000", help="frontend gRPC address host:port")
-    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (server default 128)")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
+    parser.add_argument(
+        "--target", default="127.0.0.1:30000", help="frontend gRPC address host:port"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="new tokens at most (server default 128)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy (server default 1.0)"
+    )
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="the same seed gives the same tokens")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="the same seed gives the same tokens"
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
-    parser.add_argument("--show-stats", action="store_true", help="print finish reason and token counts to stderr")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up (default: none)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the chat template",
+    )
+    parser.add_argument(
+        "--show-stats", action="store_true", help="print finish reason and token counts to stderr"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds before giving up (default: none)"
+    )
 
 
 def build_request(ns: argparse.Namespace) -> pb.GenerateRequest:

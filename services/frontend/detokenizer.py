@@ -31,7 +31,9 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
-        if context and self._tok.decode(context, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT_CHAR):
+        if context and self._tok.decode(context, skip_special_tokens=skip_special_tokens).endswith(
+            REPLACEMENT_CHAR
+        ):
             # A prompt ending mid-character would swallow the output's first bytes into
             # text that was never emitted: decode the output on its own instead.
             context = []
@@ -48,7 +50,7 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(REPLACEMENT_CHAR)):
             return ""  # nothing new, or an unfinished character: wait for more tokens
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Appends tokens; returns the text that became final (maybe "")."""

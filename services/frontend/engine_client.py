@@ -32,8 +32,8 @@ from services.common import transport
 log = logging.getLogger(__name__)
 
 ROUTING_PREFIX_TOKENS = 32
-PROBE_INTERVAL_S = 0.5       # while the engines are not ready yet
-HEALTH_INTERVAL_S = 5.0      # once they are
+PROBE_INTERVAL_S = 0.5  # while the engines are not ready yet
+HEALTH_INTERVAL_S = 5.0  # once they are
 CONTROL_TIMEOUT_S = 5.0
 
 
@@ -161,14 +161,21 @@ class EngineClient:
     # ---- control -----------------------------------------------------------------
 
     async def get_stats(self) -> list[engine_pb2.SchedulerStats]:
-        calls = [s.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs]
+        calls = [
+            s.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs
+        ]
         return list(await asyncio.gather(*calls))
 
     async def flush_cache(self) -> generation_pb2.FlushCacheResponse:
         """Flushes every engine; flushed only if all did, else their refusal reasons."""
         if not self._stubs:
-            return generation_pb2.FlushCacheResponse(flushed=False, message="no scheduler control address configured")
-        calls = [s.FlushCache(generation_pb2.FlushCacheRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs]
+            return generation_pb2.FlushCacheResponse(
+                flushed=False, message="no scheduler control address configured"
+            )
+        calls = [
+            s.FlushCache(generation_pb2.FlushCacheRequest(), timeout=CONTROL_TIMEOUT_S)
+            for s in self._stubs
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         reasons = []
         for i, res in enumerate(results):
@@ -197,7 +204,9 @@ class EngineClient:
                 worker = engine_pb2.WorkerInfo(max_model_len=self._max_model_len)
                 self.info = EngineInfo(worker, 1, 0, self._max_model_len, self.num_engines)
             return True
-        calls = [s.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs]
+        calls = [
+            s.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         down = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
         if down:
@@ -213,7 +222,12 @@ class EngineClient:
         for rid, e in list(self._engine_of.items()):
             if e == engine:
                 self._queues[rid].put_nowait(
-                    engine_pb2.TokenDelta(rid=rid, finish_reason="abort", error_code="UNAVAILABLE", finish_message=message)
+                    engine_pb2.TokenDelta(
+                        rid=rid,
+                        finish_reason="abort",
+                        error_code="UNAVAILABLE",
+                        finish_message=message,
+                    )
                 )
 
     async def _watch_engines(self) -> None:

@@ -96,12 +96,20 @@ class ChatCompletionRequest(_SamplingBody):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
 
 
 def _param_of(field: str | None, input_param: str) -> str | None:
@@ -131,7 +139,9 @@ def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
     if body.seed is not None and not 0 <= body.seed < 2**64:
         raise ApiError(400, f"seed must be in [0, 2^64), got {body.seed}", "seed")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sp = pb.SamplingParams(stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos)
+    sp = pb.SamplingParams(
+        stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos
+    )
     optional = {
         "max_tokens": max_tokens,
         "temperature": body.temperature,
@@ -151,7 +161,10 @@ def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
 
 def _request(body: _SamplingBody, sp: pb.SamplingParams) -> pb.GenerateRequest:
     return pb.GenerateRequest(
-        request_id=body.request_id or "", sampling=sp, priority=body.priority, cache_salt=body.cache_salt or ""
+        request_id=body.request_id or "",
+        sampling=sp,
+        priority=body.priority,
+        cache_salt=body.cache_salt or "",
     )
 
 
@@ -165,7 +178,9 @@ def completion_to_request(body: CompletionRequest) -> pb.GenerateRequest:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise ApiError(400, "batches of prompts are not supported; send one prompt per request", "prompt")
+            raise ApiError(
+                400, "batches of prompts are not supported; send one prompt per request", "prompt"
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         req.text = prompt
@@ -180,13 +195,17 @@ def _content_text(content: str | list[dict[str, Any]] | None) -> str:
     parts = []
     for part in content:
         if part.get("type") != "text":
-            raise ApiError(400, f"only text content parts are supported, got {part.get('type')!r}", "messages")
+            raise ApiError(
+                400, f"only text content parts are supported, got {part.get('type')!r}", "messages"
+            )
         parts.append(str(part.get("text", "")))
     return "".join(parts)
 
 
 def chat_to_request(body: ChatCompletionRequest) -> pb.GenerateRequest:
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     req = _request(body, _sampling(body, max_tokens))
     req.sampling.logprobs = body.logprobs
     if body.top_logprobs is not None:
@@ -228,7 +247,15 @@ class _Logprobs:
             tok = self._token(token_id)
             return {"token": tok, "logprob": logprob, "bytes": list(tok.encode())}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]} for lp in lps]}
+        return {
+            "content": [
+                {
+                    **entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top],
+                }
+                for lp in lps
+            ]
+        }
 
     def completion(self, lps) -> dict | None:
         if not lps:
@@ -253,9 +280,16 @@ class _Api:
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.fe.model_id:
-            raise ApiError(404, f"The model {model!r} does not exist; this server serves {self.fe.model_id!r}", "model", "not_found_error")
+            raise ApiError(
+                404,
+                f"The model {model!r} does not exist; this server serves {self.fe.model_id!r}",
+                "model",
+                "not_found_error",
+            )
 
-    def open(self, req: pb.GenerateRequest, input_param: str, http: Request) -> AsyncIterator[pb.GenerateResponse]:
+    def open(
+        self, req: pb.GenerateRequest, input_param: str, http: Request
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             return self.fe.open(req, carrier_from(http.headers.items()))
         except FrontendError as e:
@@ -272,7 +306,9 @@ class _Api:
             raise _api_error(e, input_param) from e
         return "".join(text), lps, resp
 
-    async def sse(self, stream, input_param: str, chunk, include_usage: bool, head: dict | None = None) -> AsyncIterator[str]:
+    async def sse(
+        self, stream, input_param: str, chunk, include_usage: bool, head: dict | None = None
+    ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per response, usage if asked, then [DONE]."""
         try:
             if head is not None:
@@ -307,12 +343,19 @@ def create_app(frontend: Frontend) -> FastAPI:
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
-        return JSONResponse(ApiError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid body')}", param).body(), status_code=400)
+        return JSONResponse(
+            ApiError(
+                400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid body')}", param
+            ).body(),
+            status_code=400,
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = frontend.engines.healthy
-        return JSONResponse({"status": "ok" if ok else "engines not ready"}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "engines not ready"}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -322,12 +365,21 @@ def create_app(frontend: Frontend) -> FastAPI:
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
         res = await frontend.flush_cache()
-        return JSONResponse({"flushed": res.flushed, "message": res.message}, status_code=200 if res.flushed else 400)
+        return JSONResponse(
+            {"flushed": res.flushed, "message": res.message},
+            status_code=200 if res.flushed else 400,
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
         max_len = frontend.max_model_len
-        card = {"id": frontend.model_id, "object": "model", "created": 0, "owned_by": "radixserve", "max_model_len": max_len}
+        card = {
+            "id": frontend.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "radixserve",
+            "max_model_len": max_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -340,12 +392,19 @@ def create_app(frontend: Frontend) -> FastAPI:
             out = {"id": rid, "object": "text_completion", "created": created, "model": model}
             if usage is not None:
                 return {**out, "choices": [], "usage": usage}
-            choice = {"index": 0, "text": text, "logprobs": api.logprobs.completion(lps), "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": api.logprobs.completion(lps),
+                "finish_reason": finish,
+            }
             return {**out, "choices": [choice]}
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(api.sse(stream, "prompt", chunk, usage), media_type="text/event-stream")
+            return StreamingResponse(
+                api.sse(stream, "prompt", chunk, usage), media_type="text/event-stream"
+            )
         text, lps, final = await api.collect(stream, "prompt")
         return {**chunk(text, final.finish_reason, lps), "usage": _usage(final)}
 
@@ -359,13 +418,20 @@ def create_app(frontend: Frontend) -> FastAPI:
             out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
             if usage is not None:
                 return {**out, "choices": [], "usage": usage}
-            choice = {"index": 0, "delta": delta, "logprobs": api.logprobs.chat(lps), "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": api.logprobs.chat(lps),
+                "finish_reason": finish,
+            }
             return {**out, "choices": [choice]}
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             head = {"role": "assistant", "content": ""}
-            return StreamingResponse(api.sse(stream, "messages", chunk, usage, head=head), media_type="text/event-stream")
+            return StreamingResponse(
+                api.sse(stream, "messages", chunk, usage, head=head), media_type="text/event-stream"
+            )
         text, lps, final = await api.collect(stream, "messages")
         choice = {
             "index": 0,
@@ -373,7 +439,14 @@ def create_app(frontend: Frontend) -> FastAPI:
             "logprobs": api.logprobs.chat(lps),
             "finish_reason": final.finish_reason,
         }
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": _usage(final)}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": _usage(final),
+        }
 
     return app
 

@@ -49,7 +49,10 @@ class FrontendServer:
         # NOT_SERVING until the engines answer (they may start after us).
         await aset_serving(self._health, [SERVICE_NAME], False)
         self.engines = EngineClient(
-            cfg.scheduler_addrs, cfg.scheduler_control_addrs, cfg.max_model_len, on_health=self._on_engine_health
+            cfg.scheduler_addrs,
+            cfg.scheduler_control_addrs,
+            cfg.max_model_len,
+            on_health=self._on_engine_health,
         )
         metrics = FrontendMetrics(model_id_of(cfg))
         frontend = Frontend(tokenizer, self.engines, model_id_of(cfg), metrics)
@@ -63,7 +66,11 @@ class FrontendServer:
             self._http = HttpServer(frontend, cfg.host, cfg.http_port)
             self.http_port = await self._http.start()
         http = f"{cfg.host}:{self.http_port}" if self._http else "off"
-        extra = f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}" if cfg.enable_metrics else ""
+        extra = (
+            f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}"
+            if cfg.enable_metrics
+            else ""
+        )
         log.info("frontend: gRPC on %s:%d, HTTP on %s%s", cfg.host, self.grpc_port, http, extra)
 
     async def stop(self, grace_s: float = 2.0) -> None:

@@ -22,8 +22,15 @@ class FrontendMetrics:
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, {"model_name": model_name}
         names = list(labels)
-        self.requests = Counter(P + "frontend_requests", "Finished requests", [*names, "finish_reason"], registry=r)
-        self.errors = Counter(P + "frontend_errors", "Requests that ended with a gRPC error", [*names, "code"], registry=r)
+        self.requests = Counter(
+            P + "frontend_requests", "Finished requests", [*names, "finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            P + "frontend_errors",
+            "Requests that ended with a gRPC error",
+            [*names, "code"],
+            registry=r,
+        )
         self.labels = labels
 
         def counter(name: str, doc: str):
@@ -33,11 +40,25 @@ class FrontendMetrics:
             return Histogram(P + name, doc, names, buckets=buckets, registry=r).labels(**labels)
 
         self.prompt_tokens = counter("frontend_prompt_tokens", "Prompt tokens of finished requests")
-        self.cached_tokens = counter("frontend_cached_tokens", "Prompt tokens reused from the radix cache")
+        self.cached_tokens = counter(
+            "frontend_cached_tokens", "Prompt tokens reused from the radix cache"
+        )
         self.completion_tokens = counter("frontend_completion_tokens", "Tokens streamed to clients")
-        self.ttft = hist("time_to_first_token_seconds", "Arrival at the frontend to the first token", TIME_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Gap between streamed messages, per token", TOKEN_GAP_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival at the frontend to the last message", TIME_BUCKETS)
+        self.ttft = hist(
+            "time_to_first_token_seconds",
+            "Arrival at the frontend to the first token",
+            TIME_BUCKETS,
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Gap between streamed messages, per token",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds",
+            "Arrival at the frontend to the last message",
+            TIME_BUCKETS,
+        )
 
     def serve(self, host: str, port: int) -> int:
         """Starts /metrics on host:port (0: a free port); returns the port."""

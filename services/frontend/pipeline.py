@@ -61,7 +61,7 @@ def _status_from_name(name: str) -> grpc.StatusCode:
 class _Progress:
     """Counts and timings of a request so far; the scheduler's last delta carries its totals."""
 
-    delivered: int = 0            # tokens streamed to the client
+    delivered: int = 0  # tokens streamed to the client
     cached_tokens: int = 0
     last: engine_pb2.TokenDelta = field(default_factory=engine_pb2.TokenDelta)
 
@@ -73,7 +73,11 @@ class _Progress:
 
 class Frontend:
     def __init__(
-        self, tokenizer: Tokenizer, engines: EngineClient, model_id: str, metrics: FrontendMetrics | None = None
+        self,
+        tokenizer: Tokenizer,
+        engines: EngineClient,
+        model_id: str,
+        metrics: FrontendMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.engines = engines
@@ -85,7 +89,9 @@ class Frontend:
     @property
     def vocab_size(self) -> int:
         info = self.engines.info
-        return info.worker.vocab_size if info and info.worker.vocab_size else self.tokenizer.vocab_size
+        return (
+            info.worker.vocab_size if info and info.worker.vocab_size else self.tokenizer.vocab_size
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -128,11 +134,15 @@ class Frontend:
 
     def _require_ready(self) -> None:
         if not self.engines.ready:
-            raise FrontendError(grpc.StatusCode.UNAVAILABLE, "the engines are not ready yet; retry shortly")
+            raise FrontendError(
+                grpc.StatusCode.UNAVAILABLE, "the engines are not ready yet; retry shortly"
+            )
 
     # ---- generate ----------------------------------------------------------------
 
-    def _prepare(self, req: pb.GenerateRequest, arrival: float) -> tuple[engine_pb2.TokenizedRequest, list[int]]:
+    def _prepare(
+        self, req: pb.GenerateRequest, arrival: float
+    ) -> tuple[engine_pb2.TokenizedRequest, list[int]]:
         self._require_ready()
         try:
             validate_request(req, self.vocab_size)
@@ -176,7 +186,9 @@ class Frontend:
         try:
             return self.engines.submit(treq, ids)
         except DuplicateRequestError as e:
-            raise FrontendError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {treq.rid!r} is already in flight") from e
+            raise FrontendError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {treq.rid!r} is already in flight"
+            ) from e
 
     async def generate(
         self, req: pb.GenerateRequest, caller_trace: Mapping[str, str] | None = None
@@ -185,14 +197,18 @@ class Frontend:
         async for resp in self.open(req, caller_trace):
             yield resp
 
-    async def _run(self, treq, ids, queue, arrival, span: RequestSpan) -> AsyncIterator[pb.GenerateResponse]:
+    async def _run(
+        self, treq, ids, queue, arrival, span: RequestSpan
+    ) -> AsyncIterator[pb.GenerateResponse]:
         final, error, last_t = None, "CANCELLED", None
         try:
             # One child span for the whole response: detokenizing and streaming every delta.
             with span.child("stream"):
                 async for resp in self._stream(treq, ids, queue, arrival):
                     now = time.time()
-                    self.metrics.on_tokens(len(resp.token_ids), now - arrival, None if last_t is None else now - last_t)
+                    self.metrics.on_tokens(
+                        len(resp.token_ids), now - arrival, None if last_t is None else now - last_t
+                    )
                     last_t = now
                     if resp.finish_reason:
                         final, error = resp, ""
@@ -216,7 +232,9 @@ class Frontend:
         while True:
             delta: engine_pb2.TokenDelta = await queue.get()
             if delta.error_code:
-                raise FrontendError(_status_from_name(delta.error_code), delta.finish_message or delta.error_code)
+                raise FrontendError(
+                    _status_from_name(delta.error_code), delta.finish_message or delta.error_code
+                )
             progress.delivered += len(delta.token_ids)
             progress.note(delta)
             text = stops.feed(detok.add(delta.token_ids))
@@ -232,12 +250,22 @@ class Frontend:
                 self.engines.abort(treq.rid, "stop string matched")
                 if not delta.finish_reason:
                     progress.note(await _final_delta(queue))
-                self._finish(resp, "stop", stops.matched, len(ids), progress, arrival, progress.delivered)
+                self._finish(
+                    resp, "stop", stops.matched, len(ids), progress, arrival, progress.delivered
+                )
                 yield resp
                 return
             if delta.finish_reason:
                 n_out = max(delta.completion_tokens, progress.delivered)
-                self._finish(resp, delta.finish_reason, self._stop_token_text(delta), len(ids), progress, arrival, n_out)
+                self._finish(
+                    resp,
+                    delta.finish_reason,
+                    self._stop_token_text(delta),
+                    len(ids),
+                    progress,
+                    arrival,
+                    n_out,
+                )
                 yield resp
                 return
             yield resp
@@ -248,7 +276,15 @@ class Frontend:
         return self.tokenizer.token_strings([delta.matched_stop_token])[0]
 
     @staticmethod
-    def _finish(resp, reason: str, matched: str, prompt_len: int, progress: _Progress, arrival: float, n_out: int) -> None:
+    def _finish(
+        resp,
+        reason: str,
+        matched: str,
+        prompt_len: int,
+        progress: _Progress,
+        arrival: float,
+        n_out: int,
+    ) -> None:
         last = progress.last
         resp.finish_reason = reason
         resp.matched_stop = matched

@@ -18,7 +18,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend) -> None:
         self._fe = frontend
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             caller = carrier_from(context.invocation_metadata() or ())
             async for resp in self._fe.generate(request, caller):
@@ -26,19 +28,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except FrontendError as e:
             await context.abort(e.code, e.message)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
         try:
             return self._fe.tokenize(request)
         except FrontendError as e:
             await context.abort(e.code, e.message)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
         try:
             return self._fe.model_info()
         except FrontendError as e:
             await context.abort(e.code, e.message)
 
-    async def FlushCache(self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext) -> pb.FlushCacheResponse:
+    async def FlushCache(
+        self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FlushCacheResponse:
         return await self._fe.flush_cache()
 
 

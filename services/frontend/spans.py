@@ -31,9 +31,14 @@ class RequestSpan:
         self._span: trace.Span | None = None
         if tracing.enabled():
             self._span = _tracer.start_span(
-                "generate", context=tracing.context_from(caller or {}), kind=SpanKind.SERVER,
-                attributes={"gen_ai.request.model": model_id, "gen_ai.system": "radixserve",
-                            "gen_ai.operation.name": "text_completion"},
+                "generate",
+                context=tracing.context_from(caller or {}),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "gen_ai.request.model": model_id,
+                    "gen_ai.system": "radixserve",
+                    "gen_ai.operation.name": "text_completion",
+                },
             )
 
     @contextmanager
@@ -56,12 +61,14 @@ class RequestSpan:
             return
         self._span.set_attribute("radixserve.request_id", rid)
         if final is not None:
-            self._span.set_attributes({
-                "gen_ai.usage.input_tokens": final.prompt_tokens,
-                "gen_ai.usage.output_tokens": final.completion_tokens,
-                "radixserve.cached_tokens": final.cached_tokens,
-                "gen_ai.response.finish_reasons": [final.finish_reason],
-            })
+            self._span.set_attributes(
+                {
+                    "gen_ai.usage.input_tokens": final.prompt_tokens,
+                    "gen_ai.usage.output_tokens": final.completion_tokens,
+                    "radixserve.cached_tokens": final.cached_tokens,
+                    "gen_ai.response.finish_reasons": [final.finish_reason],
+                }
+            )
         if error:
             self._span.set_status(Status(StatusCode.ERROR, error))
         self._span.end()

@@ -41,7 +41,7 @@ class StopStringMatcher:
             self.matched, self._held = self.stops[i], ""
             return buf[:pos]
         keep = _held_suffix_len(buf, self.stops)
-        self._held = buf[len(buf) - keep:] if keep else ""
+        self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
 
     def flush(self) -> str:

@@ -52,7 +52,9 @@ _FLOAT_RANGES = {
 def _check_token_ids(field: str, ids, vocab_size: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
-            raise ValidationError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+            raise ValidationError(
+                f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})"
+            )
 
 
 def validate_sampling(sp: pb.SamplingParams, vocab_size: int) -> None:
@@ -60,18 +62,25 @@ def validate_sampling(sp: pb.SamplingParams, vocab_size: int) -> None:
         raise ValidationError("sampling.max_tokens", f"must be >= 1, got {sp.max_tokens}")
     for name, rng in _FLOAT_RANGES.items():
         if sp.HasField(name) and not rng.holds(getattr(sp, name)):
-            raise ValidationError(f"sampling.{name}", f"must be in {rng.text()}, got {getattr(sp, name):g}")
+            raise ValidationError(
+                f"sampling.{name}", f"must be in {rng.text()}, got {getattr(sp, name):g}"
+            )
     if sp.HasField("top_k") and sp.top_k < 0:
         raise ValidationError("sampling.top_k", f"must be >= 0 (0 = off), got {sp.top_k}")
     if sp.HasField("top_logprobs") and not 0 <= sp.top_logprobs <= 20:
         raise ValidationError("sampling.top_logprobs", f"must be in [0, 20], got {sp.top_logprobs}")
     if len(sp.stop) > MAX_STOP_STRINGS:
-        raise ValidationError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}")
+        raise ValidationError(
+            "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}"
+        )
     for i, s in enumerate(sp.stop):
         if not s:
             raise ValidationError(f"sampling.stop[{i}]", "stop strings must be non-empty")
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValidationError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}")
+        raise ValidationError(
+            "sampling.stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}",
+        )
     _check_token_ids("sampling.stop_token_ids", sp.stop_token_ids, vocab_size)
 
 
@@ -90,7 +99,9 @@ def validate_input(req: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int
             raise ValidationError("messages", "at least one message is required")
         for i, m in enumerate(req.messages.messages):
             if m.role not in CHAT_ROLES:
-                raise ValidationError(f"messages[{i}].role", f"unknown role {m.role!r}; one of {sorted(CHAT_ROLES)}")
+                raise ValidationError(
+                    f"messages[{i}].role", f"unknown role {m.role!r}; one of {sorted(CHAT_ROLES)}"
+                )
 
 
 def validate_request(req: pb.GenerateRequest, vocab_size: int) -> None:
@@ -109,7 +120,8 @@ def validate_length(prompt_len: int, sp: pb.SamplingParams, max_model_len: int) 
         raise ValidationError("input", "the prompt is empty after tokenization")
     if prompt_len >= max_model_len:
         raise ValidationError(
-            "input", f"the prompt has {prompt_len} tokens; the model's context is {max_model_len} (max_model_len)"
+            "input",
+            f"the prompt has {prompt_len} tokens; the model's context is {max_model_len} (max_model_len)",
         )
     if sp.HasField("max_tokens") and prompt_len + sp.max_tokens > max_model_len:
         raise ValidationError(

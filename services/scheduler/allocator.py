@@ -37,7 +37,7 @@ class KVSlotAllocator:
         if num_slots < 0:
             raise SlotError(f"num_slots must be >= 0, got {num_slots}")
         self.page_size = page_size
-        self._num_pages = num_slots // page_size        # usable pages are 1 .. _num_pages
+        self._num_pages = num_slots // page_size  # usable pages are 1 .. _num_pages
         # Descending, so that a fresh allocator hands out pages 1, 2, 3, ... (readable logs).
         self._free_pages: list[int] = list(range(self._num_pages, 0, -1))
         self._used: set[int] = set()
@@ -60,7 +60,7 @@ class KVSlotAllocator:
         """New pages that ``alloc(n, cur_len, ...)`` takes: the rest of the current page first."""
         _check_sizes(n, cur_len)
         ps = self.page_size
-        room = (-cur_len) % ps          # unused slots left in the page of position cur_len - 1
+        room = (-cur_len) % ps  # unused slots left in the page of position cur_len - 1
         return -(-max(0, n - room) // ps)
 
     def is_free(self, slot: int) -> bool:
@@ -93,7 +93,7 @@ class KVSlotAllocator:
             return pages
         for page in pages:
             out.extend(range(page * ps, page * ps + ps))
-        del out[len(out) - (need * ps - n):]   # the last page may be only partly used
+        del out[len(out) - (need * ps - n) :]  # the last page may be only partly used
         return out
 
     def free(self, slots: Sequence[int]) -> None:
@@ -106,7 +106,7 @@ class KVSlotAllocator:
         pages = slots if ps == 1 else {s // ps for s in slots}
         used = self._used
         before = len(used)
-        used.difference_update(pages)   # one C-level pass; the count tells whether all were in use
+        used.difference_update(pages)  # one C-level pass; the count tells whether all were in use
         if before - len(used) != len(pages):
             raise self._undo_bad_free(slots, pages)
         self._free_pages.extend(pages)
@@ -118,7 +118,9 @@ class KVSlotAllocator:
         if len(free) != len(self._free_pages):
             raise RuntimeError("allocator: a page is twice in the free list")
         if free & self._used:
-            raise RuntimeError(f"allocator: pages both free and in use: {sorted(free & self._used)[:8]}")
+            raise RuntimeError(
+                f"allocator: pages both free and in use: {sorted(free & self._used)[:8]}"
+            )
         if free | self._used != set(range(1, self._num_pages + 1)):
             raise RuntimeError("allocator: free + used pages are not exactly the usable pages")
 
@@ -163,4 +165,4 @@ def _first_dup(slots: Sequence[int]) -> int:
         if s in seen:
             return s
         seen.add(s)
-    raise AssertionError("no duplicate")   # only called after a duplicate was detected
+    raise AssertionError("no duplicate")  # only called after a duplicate was detected

@@ -16,13 +16,29 @@ class BatchLog:
         self._since = time.perf_counter()
 
     @staticmethod
-    def prefill(new_seq: int, new_tokens: int, cached: int, usage: float, running: int, queued: int) -> None:
-        log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                 "#running-req: %d, #queue-req: %d, cuda graph: False",
-                 new_seq, new_tokens, cached, usage, running, queued)
+    def prefill(
+        new_seq: int, new_tokens: int, cached: int, usage: float, running: int, queued: int
+    ) -> None:
+        log.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d, cuda graph: False",
+            new_seq,
+            new_tokens,
+            cached,
+            usage,
+            running,
+            queued,
+        )
 
-    def decode(self, n_tokens: int, running: int, kv_tokens: int, usage: float, cuda_graph: bool,
-               queued: int) -> None:
+    def decode(
+        self,
+        n_tokens: int,
+        running: int,
+        kv_tokens: int,
+        usage: float,
+        cuda_graph: bool,
+        queued: int,
+    ) -> None:
         """Counts one decode step; logs every decode_interval steps with the throughput since."""
         self.decode_steps += 1
         self._tokens += n_tokens
@@ -31,6 +47,13 @@ class BatchLog:
         now = time.perf_counter()
         tput = self._tokens / max(1e-9, now - self._since)
         self._since, self._tokens = now, 0
-        log.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
-                 "gen throughput (token/s): %.2f, #queue-req: %d",
-                 running, kv_tokens, usage, cuda_graph, tput, queued)
+        log.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
+            "gen throughput (token/s): %.2f, #queue-req: %d",
+            running,
+            kv_tokens,
+            usage,
+            cuda_graph,
+            tput,
+            queued,
+        )

@@ -73,7 +73,9 @@ def recount_tree(root: Any, page_size: int, allocator: KVSlotAllocator | None) -
     if allocator is not None:
         free_in_tree = [s for s in slots if allocator.is_free(s)]
         if free_in_tree:
-            raise CacheIntegrityError(f"tree holds slots the allocator calls free: {free_in_tree[:8]}")
+            raise CacheIntegrityError(
+                f"tree holds slots the allocator calls free: {free_in_tree[:8]}"
+            )
     return evictable, protected
 
 
@@ -91,7 +93,11 @@ def _check_node(node: Any, ckey: Any, parent: Any, page_size: int) -> None:
     if page_size > 1:
         for i in range(0, n, page_size):
             first = node.value[i]
-            if first % page_size or node.value[i:i + page_size] != list(range(first, first + page_size)):
-                raise CacheIntegrityError(f"slots {node.value[i:i + page_size]} are not one whole page")
+            if first % page_size or node.value[i : i + page_size] != list(
+                range(first, first + page_size)
+            ):
+                raise CacheIntegrityError(
+                    f"slots {node.value[i : i + page_size]} are not one whole page"
+                )
     if node.lock_ref < 0:
         raise CacheIntegrityError(f"negative lock count {node.lock_ref}")

@@ -19,17 +19,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
 
-CLOCK_SPAN = 1 << 64   # the logical clock stays below this; it packs (major, clock) into one int
-_SEQ_SPAN = 1 << 48    # heap entries pack (score, sequence number) the same way
+CLOCK_SPAN = 1 << 64  # the logical clock stays below this; it packs (major, clock) into one int
+_SEQ_SPAN = 1 << 48  # heap entries pack (score, sequence number) the same way
 
 
 class ScoredNode(Protocol):
     """What a policy may read from a tree node (the cache keeps these up to date)."""
 
-    last_access: int   # logical clock of the last match/insert that reached the node
-    hit_count: int     # matches that reached the node
-    priority: int      # max priority of the requests that inserted or matched it
-    heap_seq: int      # sequence number of the node's live heap entry (-1: none)
+    last_access: int  # logical clock of the last match/insert that reached the node
+    hit_count: int  # matches that reached the node
+    priority: int  # max priority of the requests that inserted or matched it
+    heap_seq: int  # sequence number of the node's live heap entry (-1: none)
 
 
 class EvictionPolicy(ABC):
@@ -112,7 +112,9 @@ def make_policy(name: str, slru_protected_hits: int = 2) -> EvictionPolicy:
     try:
         cls = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {policy_names()}") from None
+        raise ValueError(
+            f"unknown eviction policy {name!r}; choose one of {policy_names()}"
+        ) from None
     return cls.create(slru_protected_hits)
 
 
@@ -160,9 +162,9 @@ class LeafHeap:
                 continue
             node.heap_seq = -1
             if not is_candidate(node):
-                continue   # locked or grew children: pushed again when it is a leaf again
+                continue  # locked or grew children: pushed again when it is a leaf again
             if self._score(node) != score:
-                self.push(node)   # touched since filed: scores only grow, so re-file it
+                self.push(node)  # touched since filed: scores only grow, so re-file it
                 continue
             return node
         return None

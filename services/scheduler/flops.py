@@ -19,19 +19,23 @@ def linear_params_per_layer(info: engine_pb2.WorkerInfo) -> int:
     return h * q + 2 * h * kv + q * h + 3 * h * info.intermediate_size
 
 
-def batch_cost(info: engine_pb2.WorkerInfo, items: list[tuple[int, int, bool]]) -> tuple[float, float, float]:
+def batch_cost(
+    info: engine_pb2.WorkerInfo, items: list[tuple[int, int, bool]]
+) -> tuple[float, float, float]:
     """(flops, read_bytes, write_bytes) for items of (first position, new tokens, sampled)."""
     layers = info.num_layers
     per_token = 2 * layers * linear_params_per_layer(info)
     attn_unit = 4 * layers * info.num_attention_heads * info.head_dim
-    kv_token_bytes = 2 * layers * info.num_key_value_heads * info.head_dim * DTYPE_BYTES.get(info.dtype, 4)
+    kv_token_bytes = (
+        2 * layers * info.num_key_value_heads * info.head_dim * DTYPE_BYTES.get(info.dtype, 4)
+    )
     flops = read = write = 0.0
     for start, n, sample in items:
-        context_sum = n * start + n * (n + 1) // 2   # sum over new tokens of (position + 1)
+        context_sum = n * start + n * (n + 1) // 2  # sum over new tokens of (position + 1)
         flops += per_token * n + attn_unit * context_sum
         if sample:
             flops += 2 * info.hidden_size * info.vocab_size
         read += kv_token_bytes * (start + n)
         write += kv_token_bytes * n
-    read += info.num_parameters * DTYPE_BYTES.get(info.dtype, 4)   # weights, once per batch
+    read += info.num_parameters * DTYPE_BYTES.get(info.dtype, 4)  # weights, once per batch
     return flops, read, write

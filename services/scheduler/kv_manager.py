@@ -17,7 +17,7 @@ class KVManager:
         self.allocator = allocator
         self.cache = cache
         self.page_size = allocator.page_size
-        self._held: dict[str, int] = {}   # rid -> own slots (whole pages) held outside the tree
+        self._held: dict[str, int] = {}  # rid -> own slots (whole pages) held outside the tree
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -84,7 +84,7 @@ class KVManager:
         ps = self.page_size
         # Free whole pages only: those that start at or after the first page not kept.
         first_free = -(-keep // ps) * ps if ps > 1 else keep
-        gone = req.kv_slots[max(first_free, req.locked_len):]
+        gone = req.kv_slots[max(first_free, req.locked_len) :]
         if gone:
             self.allocator.free(gone)
         del req.kv_slots[keep:]
@@ -100,7 +100,7 @@ class KVManager:
         n = req.kv_len if n is None else n
         key = req.fill_ids[:n]
         res = self.cache.insert_prefix(key, req.kv_slots[:n], req.namespace, req.priority)
-        dup = req.kv_slots[req.locked_len:res.prefix_len]
+        dup = req.kv_slots[req.locked_len : res.prefix_len]
         if dup:
             self.allocator.free(dup)
         # peek: re-finding what was just inserted is not a hit.
@@ -121,7 +121,7 @@ class KVManager:
             return
         if cache_it and req.kv_len > req.locked_len:
             self.commit(req)
-        own = req.kv_slots[req.locked_len:]
+        own = req.kv_slots[req.locked_len :]
         if own:
             self.allocator.free(own)
         self.cache.lock_handle(req.node, unlock=True)

@@ -77,7 +77,7 @@ def drain_frontends(sched: Scheduler, sock: zmq.Socket, timeout_ms: int) -> None
         try:
             identity, msg = transport.recv_routed(sock, engine_pb2.FrontendToScheduler, zmq.NOBLOCK)
         except zmq.Again:
-            sched.publish_stats()   # control calls see new and aborted requests at once
+            sched.publish_stats()  # control calls see new and aborted requests at once
             return
         if msg.HasField("generate"):
             sched.add_request(identity, msg.generate)
@@ -93,8 +93,9 @@ def main(cfg: SchedulerConfig) -> None:
     ctx = zmq.Context()
     worker = transport.dealer(ctx, cfg.worker_addr)
     info = wait_for_worker(worker, cfg.worker_addr)
-    metrics = SchedulerMetrics(info.model_id, cfg.engine_replica, cfg.enable_mfu_metrics,
-                               enabled=cfg.enable_metrics)
+    metrics = SchedulerMetrics(
+        info.model_id, cfg.engine_replica, cfg.enable_mfu_metrics, enabled=cfg.enable_metrics
+    )
     sched = Scheduler(cfg, worker, info, metrics)
     sched.publish_stats()
     frontends = transport.router(ctx, cfg.scheduler_addr)
@@ -102,8 +103,16 @@ def main(cfg: SchedulerConfig) -> None:
     extra = ""
     if cfg.enable_metrics:
         extra = f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}"
-    log.info("scheduler: ZeroMQ on %s, control gRPC on %s:%d%s; model %s, pool %d tokens, page size %d",
-             cfg.scheduler_addr, cfg.host, port, extra, info.model_id, sched.kv.total, cfg.page_size)
+    log.info(
+        "scheduler: ZeroMQ on %s, control gRPC on %s:%d%s; model %s, pool %d tokens, page size %d",
+        cfg.scheduler_addr,
+        cfg.host,
+        port,
+        extra,
+        info.model_id,
+        sched.kv.total,
+        cfg.page_size,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -26,8 +26,14 @@ P = "radixserve:"
 class SchedulerMetrics:
     """All scheduler metrics; a disabled instance accepts every call and records nothing."""
 
-    def __init__(self, model_name: str, engine: str, mfu: bool = False,
-                 registry: CollectorRegistry | None = None, enabled: bool = True):
+    def __init__(
+        self,
+        model_name: str,
+        engine: str,
+        mfu: bool = False,
+        registry: CollectorRegistry | None = None,
+        enabled: bool = True,
+    ):
         self.enabled, self.mfu = enabled, mfu and enabled
         if not enabled:
             return
@@ -47,26 +53,42 @@ class SchedulerMetrics:
 
         self.labels = labels
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received").labels(**labels)
-        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the radix cache").labels(**labels)
+        self.cached_tokens = counter(
+            "cached_tokens", "Prompt tokens served from the radix cache"
+        ).labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(**labels)
         self.num_requests = counter("num_requests", "Finished requests", ("finish_reason",))
-        self.num_retracted = counter("num_retracted_requests", "Requests retracted to free KV").labels(**labels)
+        self.num_retracted = counter(
+            "num_retracted_requests", "Requests retracted to free KV"
+        ).labels(**labels)
         self.prompt_hist = hist("prompt_tokens_histogram", "Prompt length", TOKEN_BUCKETS)
-        self.uncached_hist = hist("uncached_prompt_tokens_histogram", "Prompt tokens computed", TOKEN_BUCKETS)
+        self.uncached_hist = hist(
+            "uncached_prompt_tokens_histogram", "Prompt tokens computed", TOKEN_BUCKETS
+        )
         self.queue_time = hist("queue_time_seconds", "Arrival to first scheduled", TIME_BUCKETS)
         self.running = gauge("num_running_reqs", "Requests in the running batch")
         self.queued = gauge("num_queue_reqs", "Requests waiting")
-        self.token_usage = gauge("token_usage", "Share of the KV pool in use (not free, not evictable)")
-        self.hit_rate = gauge("cache_hit_rate", "Cached share of the prompt tokens of the last prefill batch")
+        self.token_usage = gauge(
+            "token_usage", "Share of the KV pool in use (not free, not evictable)"
+        )
+        self.hit_rate = gauge(
+            "cache_hit_rate", "Cached share of the prompt tokens of the last prefill batch"
+        )
         self.available = gauge("kv_available_tokens", "Free KV slots (evictable not counted)")
         self.evictable = gauge("kv_evictable_tokens", "KV slots held by unlocked tree nodes")
         self.used = gauge("kv_used_tokens", "KV slots held by running requests")
         self.max_total = gauge("max_total_num_tokens", "KV pool size in tokens")
         self.page_size = gauge("page_size", "Radix cache page size")
         if self.mfu:
-            self.flops = counter("estimated_flops", "Estimated FLOPs of forward batches").labels(**labels)
-            self.read_bytes = counter("estimated_read_bytes", "Estimated bytes read (weights + KV)").labels(**labels)
-            self.write_bytes = counter("estimated_write_bytes", "Estimated KV bytes written").labels(**labels)
+            self.flops = counter("estimated_flops", "Estimated FLOPs of forward batches").labels(
+                **labels
+            )
+            self.read_bytes = counter(
+                "estimated_read_bytes", "Estimated bytes read (weights + KV)"
+            ).labels(**labels)
+            self.write_bytes = counter(
+                "estimated_write_bytes", "Estimated KV bytes written"
+            ).labels(**labels)
 
     @classmethod
     def disabled(cls) -> SchedulerMetrics:

@@ -15,12 +15,17 @@ log = logging.getLogger("radixserve.scheduler")
 
 def delta_of(req: Req) -> engine_pb2.TokenDelta:
     """What the request produced since its last delta (and, once finished, its timings)."""
-    new = req.output_ids[req.sent_tokens:]
-    d = engine_pb2.TokenDelta(rid=req.rid, token_ids=new, finish_reason=req.finish_reason,
-                              finish_message=req.finish_message, error_code=req.error_code,
-                              matched_stop_token=req.matched_stop_token)
+    new = req.output_ids[req.sent_tokens :]
+    d = engine_pb2.TokenDelta(
+        rid=req.rid,
+        token_ids=new,
+        finish_reason=req.finish_reason,
+        finish_message=req.finish_message,
+        error_code=req.error_code,
+        matched_stop_token=req.matched_stop_token,
+    )
     if req.logprobs:
-        d.logprobs.extend(req.logprobs[req.sent_tokens:])
+        d.logprobs.extend(req.logprobs[req.sent_tokens :])
     req.sent_tokens = len(req.output_ids)
     # Counts ride on every delta, so a frontend that stops early (stop string) has them.
     d.prompt_tokens = len(req.input_ids)

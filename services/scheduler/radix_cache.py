@@ -34,13 +34,22 @@ from services.scheduler.cache_integrity import (
 from services.scheduler.eviction import LeafHeap, make_policy
 
 __all__ = [
-    "BasePrefixCache", "CacheIntegrityError", "CacheLockError", "DisabledCache", "InsertResult",
-    "MatchResult", "RadixCache", "SizeInfo", "SlotLeakError", "TreeNode", "check_slot_integrity",
+    "BasePrefixCache",
+    "CacheIntegrityError",
+    "CacheLockError",
+    "DisabledCache",
+    "InsertResult",
+    "MatchResult",
+    "RadixCache",
+    "SizeInfo",
+    "SlotLeakError",
+    "TreeNode",
+    "check_slot_integrity",
     "create_prefix_cache",
 ]
 
 
-_INTERN_MIN = 32   # shorter runs are not worth re-pointing (see _walk)
+_INTERN_MIN = 32  # shorter runs are not worth re-pointing (see _walk)
 
 
 class CacheLockError(RuntimeError):
@@ -48,39 +57,50 @@ class CacheLockError(RuntimeError):
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "hit_count",
-                 "priority", "heap_seq", "anchor")
+    __slots__ = (
+        "key",
+        "value",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "priority",
+        "heap_seq",
+        "anchor",
+    )
 
-    def __init__(self, key: list[int], value: list[int], parent: TreeNode | None,
-                 anchor: bool = False):
-        self.key = key                   # token ids of this run
-        self.value = value               # their KV slots, same length
+    def __init__(
+        self, key: list[int], value: list[int], parent: TreeNode | None, anchor: bool = False
+    ):
+        self.key = key  # token ids of this run
+        self.value = value  # their KV slots, same length
         self.children: dict[Any, TreeNode] = {}
-        self.parent = parent             # None once evicted (or for the root)
-        self.lock_ref = 0                # in-flight requests whose path runs through here
-        self.last_access = 0             # logical clock (policy input)
-        self.hit_count = 0               # matches that reached this node (policy input)
-        self.priority = 0                # max priority of requests that used it (policy input)
-        self.heap_seq = -1               # sequence number of this node's live heap entry
-        self.anchor = anchor             # the root or a namespace root: holds no tokens
+        self.parent = parent  # None once evicted (or for the root)
+        self.lock_ref = 0  # in-flight requests whose path runs through here
+        self.last_access = 0  # logical clock (policy input)
+        self.hit_count = 0  # matches that reached this node (policy input)
+        self.priority = 0  # max priority of requests that used it (policy input)
+        self.heap_seq = -1  # sequence number of this node's live heap entry
+        self.anchor = anchor  # the root or a namespace root: holds no tokens
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock={self.lock_ref}, children={len(self.children)})"
 
 
 class MatchResult(NamedTuple):
-    slots: list[int]      # KV slots of the matched prefix; len(slots) == matched tokens
-    node: TreeNode        # lock this node to keep the match alive
+    slots: list[int]  # KV slots of the matched prefix; len(slots) == matched tokens
+    node: TreeNode  # lock this node to keep the match alive
 
 
 class InsertResult(NamedTuple):
-    prefix_len: int       # tokens that were already in the tree (their given slots are duplicates)
-    node: TreeNode        # the node ending at the last inserted token
+    prefix_len: int  # tokens that were already in the tree (their given slots are duplicates)
+    node: TreeNode  # the node ending at the last inserted token
 
 
 class SizeInfo(NamedTuple):
-    evictable: int        # tokens in unlocked nodes
-    protected: int        # tokens in locked nodes
+    evictable: int  # tokens in unlocked nodes
+    protected: int  # tokens in locked nodes
 
 
 class BasePrefixCache(ABC):
@@ -88,19 +108,22 @@ class BasePrefixCache(ABC):
     root: TreeNode
 
     @abstractmethod
-    def match_prefix(self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *,
-                     peek: bool = False) -> MatchResult:
+    def match_prefix(
+        self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+    ) -> MatchResult:
         """Longest cached prefix (whole pages only); counts a hit for the eviction policy
         unless ``peek`` (e.g. ordering the waiting queue is not a use of the cache)."""
 
-    def match_prompt(self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *,
-                     peek: bool = False) -> MatchResult:
+    def match_prompt(
+        self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+    ) -> MatchResult:
         """match_prefix(prompt[:-1]): the last prompt token is always computed (its logits)."""
         return self.match_prefix(prompt[:-1], namespace, priority, peek=peek)
 
     @abstractmethod
-    def insert_prefix(self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "",
-                      priority: int = 0) -> InsertResult:
+    def insert_prefix(
+        self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "", priority: int = 0
+    ) -> InsertResult:
         """Caches tokens -> slots (whole pages only). Slots at positions [0, prefix_len) were
         already cached: the caller frees those it owns, and any tail beyond the whole pages."""
 
@@ -125,10 +148,17 @@ class BasePrefixCache(ABC):
 
 
 class RadixCache(BasePrefixCache):
-    def __init__(self, allocator: KVSlotAllocator, page_size: int = 1, policy: str = "lru",
-                 slru_protected_hits: int = 2):
+    def __init__(
+        self,
+        allocator: KVSlotAllocator,
+        page_size: int = 1,
+        policy: str = "lru",
+        slru_protected_hits: int = 2,
+    ):
         if page_size != allocator.page_size:
-            raise ValueError(f"cache page_size {page_size} != allocator page_size {allocator.page_size}")
+            raise ValueError(
+                f"cache page_size {page_size} != allocator page_size {allocator.page_size}"
+            )
         self.allocator = allocator
         self.page_size = page_size
         self.policy = make_policy(policy, slru_protected_hits)
@@ -136,24 +166,27 @@ class RadixCache(BasePrefixCache):
         self._evictable = 0
         self._protected = 0
         self._clock = 0
-        self._leaves = LeafHeap(self.policy.score)   # unlocked leaves: eviction candidates
+        self._leaves = LeafHeap(self.policy.score)  # unlocked leaves: eviction candidates
 
     # -- match ------------------------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *,
-                     peek: bool = False) -> MatchResult:
+    def match_prefix(
+        self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+    ) -> MatchResult:
         """See BasePrefixCache. A plain list argument gets the tree's int objects for the
         tokens it matched (equal values): a later insert of the same tokens (or of a list
         built from them) then compares pointers instead of ints, which halves its cost."""
         tokens = _as_list(tokens)
         return self._match(tokens, len(tokens), namespace, priority, peek)
 
-    def match_prompt(self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *,
-                     peek: bool = False) -> MatchResult:
-        prompt = _as_list(prompt)   # no prompt[:-1] copy: the walk stops one token short
+    def match_prompt(
+        self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+    ) -> MatchResult:
+        prompt = _as_list(prompt)  # no prompt[:-1] copy: the walk stops one token short
         return self._match(prompt, max(0, len(prompt) - 1), namespace, priority, peek)
 
-    def _match(self, tokens: list[int], end: int, namespace: str, priority: int,
-               peek: bool) -> MatchResult:
+    def _match(
+        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool
+    ) -> MatchResult:
         anchor = self.root.children.get(namespace)
         if anchor is None:
             return MatchResult([], self.root)
@@ -171,14 +204,16 @@ class RadixCache(BasePrefixCache):
                     n.priority = priority
         return MatchResult(slots, node)
 
-    def _walk(self, node: TreeNode, tokens: list[int], end: int) -> tuple[TreeNode, int, list[TreeNode]]:
+    def _walk(
+        self, node: TreeNode, tokens: list[int], end: int
+    ) -> tuple[TreeNode, int, list[TreeNode]]:
         """Follows tokens[:end] down from node, splitting where the match ends inside a node.
         Returns the last matched node, the matched length and the matched path."""
         ps = self.page_size
         pos = 0
         path: list[TreeNode] = []
         while pos < end:
-            child = node.children.get(tokens[pos] if ps == 1 else tuple(tokens[pos:pos + ps]))
+            child = node.children.get(tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
             n = _common_len(child.key, tokens, pos, end)
@@ -187,8 +222,8 @@ class RadixCache(BasePrefixCache):
             if n >= _INTERN_MIN and tokens[pos + n - 1] is not child.key[n - 1]:
                 # Equal values, the tree's int objects: the same tokens' next walk (the
                 # insert after a match) then compares pointers instead of int values.
-                tokens[pos:pos + n] = child.key if n == len(child.key) else child.key[:n]
-            if n < len(child.key):   # the match ends inside child: cut it there and stop
+                tokens[pos : pos + n] = child.key if n == len(child.key) else child.key[:n]
+            if n < len(child.key):  # the match ends inside child: cut it there and stop
                 child = self._split(child, n)
                 path.append(child)
                 return child, pos + n, path
@@ -218,8 +253,9 @@ class RadixCache(BasePrefixCache):
         return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
 
     # -- insert -----------------------------------------------------------------------
-    def insert_prefix(self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "",
-                      priority: int = 0) -> InsertResult:
+    def insert_prefix(
+        self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "", priority: int = 0
+    ) -> InsertResult:
         tokens, slots = _as_list(tokens), _as_list(slots)
         if len(tokens) != len(slots):
             raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
@@ -249,7 +285,9 @@ class RadixCache(BasePrefixCache):
             self.root.children[namespace] = anchor
         return anchor
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], priority: int) -> TreeNode:
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: list[int], priority: int
+    ) -> TreeNode:
         leaf = TreeNode(key, value, parent)
         leaf.last_access = self._clock
         leaf.priority = priority
@@ -261,7 +299,7 @@ class RadixCache(BasePrefixCache):
     # -- locking ----------------------------------------------------------------------
     def lock_handle(self, node: TreeNode, unlock: bool = False) -> None:
         if node.anchor:
-            return   # the root or a namespace root: holds nothing, so "no match" needs no case
+            return  # the root or a namespace root: holds nothing, so "no match" needs no case
         if node.parent is None:
             raise CacheLockError(f"{node!r} is no longer in the tree (evicted or flushed)")
         if unlock:
@@ -303,7 +341,7 @@ class RadixCache(BasePrefixCache):
         while count < n:
             node = self._leaves.pop(_is_evictable_leaf)
             if node is None:
-                break   # everything left is locked
+                break  # everything left is locked
             count += len(node.value)
             freed += node.value if step == 1 else node.value[::step]
             self._remove_leaf(node)
@@ -321,7 +359,7 @@ class RadixCache(BasePrefixCache):
             if not parent.children and parent is not self.root:
                 self._drop_anchor(parent)
         elif not parent.children and parent.lock_ref == 0:
-            self._leaves.push(parent)   # the parent is a leaf now: it becomes a candidate
+            self._leaves.push(parent)  # the parent is a leaf now: it becomes a candidate
 
     def _drop_anchor(self, anchor: TreeNode) -> None:
         for ns, a in self.root.children.items():
@@ -340,7 +378,7 @@ class RadixCache(BasePrefixCache):
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            slots += node.value[:: self.page_size]   # one slot per page names the page
+            slots += node.value[:: self.page_size]  # one slot per page names the page
             node.parent = None
         self.root.children.clear()
         self._leaves.clear()
@@ -362,7 +400,9 @@ class RadixCache(BasePrefixCache):
         leaves = _evictable_leaves(self.root)
         missing = sum(1 for leaf in leaves if leaf not in self._leaves)
         if missing:
-            raise CacheIntegrityError(f"{missing} evictable leaves are missing from the eviction heap")
+            raise CacheIntegrityError(
+                f"{missing} evictable leaves are missing from the eviction heap"
+            )
 
 
 class DisabledCache(BasePrefixCache):
@@ -373,12 +413,14 @@ class DisabledCache(BasePrefixCache):
         self.page_size = page_size
         self.root = TreeNode([], [], None, anchor=True)
 
-    def match_prefix(self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *,
-                     peek: bool = False) -> MatchResult:
+    def match_prefix(
+        self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+    ) -> MatchResult:
         return MatchResult([], self.root)
 
-    def insert_prefix(self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "",
-                      priority: int = 0) -> InsertResult:
+    def insert_prefix(
+        self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "", priority: int = 0
+    ) -> InsertResult:
         if len(tokens) != len(slots):
             raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
         return InsertResult(0, self.root)
@@ -393,7 +435,7 @@ class DisabledCache(BasePrefixCache):
         return 0
 
     def reset(self) -> None:
-        return None   # nothing is ever cached, so a flush has nothing to give back
+        return None  # nothing is ever cached, so a flush has nothing to give back
 
     def size_info(self) -> SizeInfo:
         return SizeInfo(0, 0)
@@ -403,8 +445,9 @@ class DisabledCache(BasePrefixCache):
             raise CacheIntegrityError("the disabled cache's root grew children or locks")
 
 
-def create_prefix_cache(allocator: KVSlotAllocator, page_size: int, disable: bool, policy: str,
-                        slru_protected_hits: int) -> BasePrefixCache:
+def create_prefix_cache(
+    allocator: KVSlotAllocator, page_size: int, disable: bool, policy: str, slru_protected_hits: int
+) -> BasePrefixCache:
     if disable:
         return DisabledCache(allocator, page_size)
     return RadixCache(allocator, page_size, policy, slru_protected_hits)
@@ -415,7 +458,7 @@ def _as_list(seq: Sequence[int]) -> list[int]:
     """Keys are compared as lists (list == list runs in C); a tuple never equals a list."""
     if type(seq) is list:
         return seq
-    tolist = getattr(seq, "tolist", None)   # numpy arrays and tensors: plain ints, not scalars
+    tolist = getattr(seq, "tolist", None)  # numpy arrays and tensors: plain ints, not scalars
     return tolist() if tolist is not None else list(seq)
 
 
@@ -426,12 +469,12 @@ def _common_len(key: list[int], tokens: list[int], start: int, end: int) -> int:
     request. When the slices differ, bisect with slice comparisons (O(len) C work in all).
     """
     n = min(len(key), end - start)
-    if (key if n == len(key) else key[:n]) == tokens[start:start + n]:
+    if (key if n == len(key) else key[:n]) == tokens[start : start + n]:
         return n
-    lo, hi = 0, n   # key[:lo] matches; the first mismatch lies in [lo, hi)
+    lo, hi = 0, n  # key[:lo] matches; the first mismatch lies in [lo, hi)
     while hi - lo > 16:
         mid = (lo + hi) // 2
-        if key[lo:mid] == tokens[start + lo:start + mid]:
+        if key[lo:mid] == tokens[start + lo : start + mid]:
             lo = mid
         else:
             hi = mid
@@ -443,7 +486,7 @@ def _common_len(key: list[int], tokens: list[int], start: int, end: int) -> int:
 def _check_pages(slots: list[int], start: int, end: int, ps: int) -> None:
     """Cheap guard (two slots per page) that slots[start:end] are whole allocator pages in
     order, as eviction frees a page by naming its first slot."""
-    firsts, lasts = slots[start:end:ps], slots[start + ps - 1:end:ps]
+    firsts, lasts = slots[start:end:ps], slots[start + ps - 1 : end : ps]
     for first, last in zip(firsts, lasts, strict=True):
         if first % ps or last != first + ps - 1:
             raise ValueError(

@@ -8,7 +8,7 @@ class ReqSlotTable:
         if size < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {size}")
         self.size = size
-        self._free = list(range(size - 1, -1, -1))   # pop() hands out low rows first
+        self._free = list(range(size - 1, -1, -1))  # pop() hands out low rows first
 
     @property
     def num_free(self) -> int:

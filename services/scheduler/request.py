@@ -21,10 +21,10 @@ from radixserve.v1 import generation_pb2
 DEFAULT_MAX_TOKENS = 128
 
 
-@dataclass(eq=False)   # identity: requests are compared in queue lookups, never by value
+@dataclass(eq=False)  # identity: requests are compared in queue lookups, never by value
 class Req:
     rid: str
-    identity: bytes                       # the frontend socket that gets this request's output
+    identity: bytes  # the frontend socket that gets this request's output
     input_ids: list[int]
     sampling: generation_pb2.SamplingParams
     priority: int = 0
@@ -35,13 +35,13 @@ class Req:
 
     output_ids: list[int] = field(default_factory=list)
     kv_slots: list[int] = field(default_factory=list)
-    locked_len: int = 0                   # leading kv_slots owned by the tree (and locked)
-    node: Any = None                      # the tree node locked for this request
-    req_slot: int | None = None           # row of the request-slot table while running
-    table_dirty: bool = True              # the worker's row must be (re)written: send is_new
-    lookahead: int = 0                    # id of a queued batch that computes its next token (overlap)
-    cached_tokens: int = -1               # prompt tokens reused at first admission (-1: not yet)
-    sent_tokens: int = 0                  # output tokens already streamed to the frontend
+    locked_len: int = 0  # leading kv_slots owned by the tree (and locked)
+    node: Any = None  # the tree node locked for this request
+    req_slot: int | None = None  # row of the request-slot table while running
+    table_dirty: bool = True  # the worker's row must be (re)written: send is_new
+    lookahead: int = 0  # id of a queued batch that computes its next token (overlap)
+    cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not yet)
+    sent_tokens: int = 0  # output tokens already streamed to the frontend
     logprobs: list = field(default_factory=list)
     finish_reason: str = ""
     finish_message: str = ""

@@ -21,7 +21,9 @@ def _ns(t: float) -> int:
 def _start(req: Req, name: str, start: float | None = None) -> None:
     parent = tracing.context_from(req.trace_context)
     attrs = {"radixserve.request_id": req.rid}
-    span = _tracer.start_span(name, context=parent, start_time=_ns(start or time.time()), attributes=attrs)
+    span = _tracer.start_span(
+        name, context=parent, start_time=_ns(start or time.time()), attributes=attrs
+    )
     req.spans["phase"] = span
 
 
@@ -48,21 +50,33 @@ def on_prefill_chunk(req: Req, new_tokens: int) -> None:
     span = req.spans.get("phase") if tracing.enabled() else None
     if span is not None:
         index = req.spans["chunks"] = req.spans.get("chunks", 0) + 1
-        span.add_event("chunk", {"radixserve.chunk_index": index - 1, "radixserve.new_tokens": new_tokens})
+        span.add_event(
+            "chunk", {"radixserve.chunk_index": index - 1, "radixserve.new_tokens": new_tokens}
+        )
 
 
 def on_first_token(req: Req) -> None:
     if tracing.enabled():
-        _end(req, **{"radixserve.cached_tokens": max(req.cached_tokens, 0),
-                     "radixserve.new_tokens": len(req.input_ids) - max(req.cached_tokens, 0),
-                     "radixserve.chunks": req.spans.get("chunks", 0)})
+        _end(
+            req,
+            **{
+                "radixserve.cached_tokens": max(req.cached_tokens, 0),
+                "radixserve.new_tokens": len(req.input_ids) - max(req.cached_tokens, 0),
+                "radixserve.chunks": req.spans.get("chunks", 0),
+            },
+        )
         _start(req, "decode", req.first_token_time)
 
 
 def on_finish(req: Req) -> None:
     if tracing.enabled():
-        _end(req, **{"gen_ai.usage.output_tokens": len(req.output_ids),
-                     "gen_ai.response.finish_reasons": [req.finish_reason]})
+        _end(
+            req,
+            **{
+                "gen_ai.usage.output_tokens": len(req.output_ids),
+                "gen_ai.response.finish_reasons": [req.finish_reason],
+            },
+        )
 
 
 def traceparent(req: Req) -> str:
@@ -77,5 +91,3 @@ def batch_context(reqs: list[Req]) -> tuple[dict[str, str], list[str]]:
         return {}, []
     links = [tp for tp in (traceparent(r) for r in reqs) if tp]
     return ({"traceparent": links[0]} if links else {}), links
-
-

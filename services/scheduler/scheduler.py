@@ -54,24 +54,36 @@ class Item:
     """One request's share of a batch."""
 
     req: Req
-    start: int          # position of the first token computed
-    n: int              # tokens computed
+    start: int  # position of the first token computed
+    n: int  # tokens computed
     sample: bool
     is_prefill: bool
-    from_last: bool = False   # input = the token the worker sampled in the batch before (overlap)
+    from_last: bool = False  # input = the token the worker sampled in the batch before (overlap)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, worker_sock: zmq.Socket, info: engine_pb2.WorkerInfo,
-                 metrics: SchedulerMetrics | None = None):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        worker_sock: zmq.Socket,
+        info: engine_pb2.WorkerInfo,
+        metrics: SchedulerMetrics | None = None,
+    ):
         self.cfg = cfg
         self.worker = worker_sock
         self.info = info
         self.max_model_len = info.max_model_len
         self.max_running = min(cfg.max_running_requests, info.max_running_requests)
-        allocator = KVSlotAllocator(usable_slots(int(info.max_total_num_tokens), cfg.page_size), cfg.page_size)
-        cache = create_prefix_cache(allocator, cfg.page_size, cfg.disable_radix_cache,
-                                    cfg.radix_eviction_policy, cfg.slru_protected_hits)
+        allocator = KVSlotAllocator(
+            usable_slots(int(info.max_total_num_tokens), cfg.page_size), cfg.page_size
+        )
+        cache = create_prefix_cache(
+            allocator,
+            cfg.page_size,
+            cfg.disable_radix_cache,
+            cfg.radix_eviction_policy,
+            cfg.slru_protected_hits,
+        )
         self.kv = KVManager(allocator, cache)
         self.table = ReqSlotTable(self.max_running)
         self.metrics = metrics or SchedulerMetrics.disabled()
@@ -85,16 +97,22 @@ class Scheduler:
         self.outbox = Outbox()
         self.dirty_since_check = False
         self.snapshot = engine_pb2.SchedulerStats()
-        self.inflight: tuple[list[Item], int] | None = None   # a batch sent, its result not read
+        self.inflight: tuple[list[Item], int] | None = None  # a batch sent, its result not read
 
     # ------------------------------------------------------------------ admission --
     def add_request(self, identity: bytes, msg: engine_pb2.TokenizedRequest) -> None:
         ids = unpack_i32(msg.input_ids).tolist()
-        req = Req(rid=msg.rid, identity=identity, input_ids=ids, sampling=msg.sampling,
-                  priority=msg.priority, namespace=msg.cache_salt,
-                  eos_token_ids=frozenset(msg.eos_token_ids) | frozenset(self.info.eos_token_ids),
-                  arrival_time=msg.arrival_time or time.time(),
-                  trace_context=dict(msg.trace_context))
+        req = Req(
+            rid=msg.rid,
+            identity=identity,
+            input_ids=ids,
+            sampling=msg.sampling,
+            priority=msg.priority,
+            namespace=msg.cache_salt,
+            eos_token_ids=frozenset(msg.eos_token_ids) | frozenset(self.info.eos_token_ids),
+            arrival_time=msg.arrival_time or time.time(),
+            trace_context=dict(msg.trace_context),
+        )
         problem = self._reject_reason(req)
         if problem or req.rid in self.by_rid:
             code = "RESOURCE_EXHAUSTED" if problem else "ALREADY_EXISTS"
@@ -112,8 +130,10 @@ class Scheduler:
             return "input_ids is empty"
         need = len(req.input_ids) + req.max_new_tokens
         if need > self.kv.total:
-            return (f"prompt ({len(req.input_ids)} tokens) + max_tokens ({req.max_new_tokens}) needs "
-                    f"{need} KV slots; this engine's pool holds {self.kv.total}")
+            return (
+                f"prompt ({len(req.input_ids)} tokens) + max_tokens ({req.max_new_tokens}) needs "
+                f"{need} KV slots; this engine's pool holds {self.kv.total}"
+            )
         if len(req.input_ids) >= self.max_model_len:
             return f"prompt has {len(req.input_ids)} tokens; max_model_len is {self.max_model_len}"
         return ""
@@ -162,11 +182,14 @@ class Scheduler:
         items: list[Item] = []
         for req in self.running:
             if req.in_prefill:
-                break   # a chunked prefill runs next: no lookahead
+                break  # a chunked prefill runs next: no lookahead
             if id(req) in pending:
                 # Its length stop is known now; a dirty table row needs the full output ids.
-                if req.table_dirty or len(req.output_ids) + 1 >= req.max_new_tokens \
-                        or req.seq_len + 1 >= self.max_model_len:
+                if (
+                    req.table_dirty
+                    or len(req.output_ids) + 1 >= req.max_new_tokens
+                    or req.seq_len + 1 >= self.max_model_len
+                ):
                     continue
                 from_last = True
             elif req.kv_len == req.seq_len - 1:
@@ -175,11 +198,11 @@ class Scheduler:
                 continue
             if self.kv.grow(req, 1) is None:
                 break
-            req.lookahead = self.batch_id + 1   # the id _send will give this batch
+            req.lookahead = self.batch_id + 1  # the id _send will give this batch
             items.append(Item(req, req.kv_len - 1, 1, True, False, from_last))
         else:
             return items
-        for it in items:   # not all of them fit, or a prefill comes first: take it all back
+        for it in items:  # not all of them fit, or a prefill comes first: take it all back
             self.kv.shrink(it.req, 1)
             it.req.lookahead = 0
         return []
@@ -254,7 +277,9 @@ class Scheduler:
                 continue
             while self.kv.grow(req, 1) is None:
                 if not self._retract_one(keep=req):
-                    raise WorkerError("decode cannot get one KV slot even after retracting every other request")
+                    raise WorkerError(
+                        "decode cannot get one KV slot even after retracting every other request"
+                    )
             items.append(Item(req, req.kv_len - 1, 1, True, False))
         # A request retracted after it got its slot this step must not run.
         return [it for it in items if it.req in self.running]
@@ -275,10 +300,16 @@ class Scheduler:
         old = self.new_token_ratio
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
         self.metrics.on_retract()
-        log.warning("Retract requests. #retracted-reqs: 1, rid: %s, #decoded: %d, "
-                    "#new-token-ratio: %.4f -> %.4f, #running-req: %d, #queue-req: %d",
-                    victim.rid, len(victim.output_ids), old, self.new_token_ratio,
-                    len(self.running), len(self.waiting))
+        log.warning(
+            "Retract requests. #retracted-reqs: 1, rid: %s, #decoded: %d, "
+            "#new-token-ratio: %.4f -> %.4f, #running-req: %d, #queue-req: %d",
+            victim.rid,
+            len(victim.output_ids),
+            old,
+            self.new_token_ratio,
+            len(self.running),
+            len(self.waiting),
+        )
         return True
 
     def _leave_running(self, req: Req, cache_it: bool) -> None:
@@ -298,15 +329,19 @@ class Scheduler:
     def _forward_request(self, it: Item) -> engine_pb2.ForwardRequest:
         req = it.req
         fr = engine_pb2.ForwardRequest(
-            req_slot=req.req_slot, rid=req.rid, prefix_len=it.start, sample=it.sample,
-            out_slots=pack_i32(req.kv_slots[it.start:it.start + it.n]))
+            req_slot=req.req_slot,
+            rid=req.rid,
+            prefix_len=it.start,
+            sample=it.sample,
+            out_slots=pack_i32(req.kv_slots[it.start : it.start + it.n]),
+        )
         if it.from_last:
             fr.use_last_sampled = True
         else:
-            fr.input_ids = pack_i32(req.fill_ids[it.start:it.start + it.n])
+            fr.input_ids = pack_i32(req.fill_ids[it.start : it.start + it.n])
         if req.table_dirty:
             fr.is_new = True
-            fr.prefix_slots = pack_i32(req.kv_slots[:it.start])
+            fr.prefix_slots = pack_i32(req.kv_slots[: it.start])
             fr.sampling.CopyFrom(req.sampling)
             fr.output_ids = pack_i32(req.output_ids)
             fr.eos_token_ids.extend(sorted(req.eos_token_ids))
@@ -315,8 +350,9 @@ class Scheduler:
 
     def _send(self, items: list[Item]) -> None:
         self.batch_id += 1
-        batch = engine_pb2.ForwardBatch(batch_id=self.batch_id,
-                                        is_decode=not any(it.is_prefill for it in items))
+        batch = engine_pb2.ForwardBatch(
+            batch_id=self.batch_id, is_decode=not any(it.is_prefill for it in items)
+        )
         batch.reqs.extend(self._forward_request(it) for it in items)
         parent, links = request_spans.batch_context([it.req for it in items])
         batch.trace_context.update(parent)
@@ -331,9 +367,11 @@ class Scheduler:
             raise WorkerError(f"the worker answered batch {batch_id} with something else")
         if reply.result.worker_instance != self.info.instance_id:
             # Its KV pool is new and empty: every slot the tree names is garbage now.
-            raise WorkerError(f"the worker restarted (instance {self.info.instance_id or '?'} -> "
-                              f"{reply.result.worker_instance or '?'}); its KV pool is gone, so the "
-                              "scheduler stops to start over with an empty tree")
+            raise WorkerError(
+                f"the worker restarted (instance {self.info.instance_id or '?'} -> "
+                f"{reply.result.worker_instance or '?'}); its KV pool is gone, so the "
+                "scheduler stops to start over with an empty tree"
+            )
         return reply.result
 
     def _recv_worker(self) -> engine_pb2.WorkerToScheduler:
@@ -359,9 +397,9 @@ class Scheduler:
         for it, tok in zip(items, result.tokens, strict=True):
             req = it.req
             if req.finished:
-                continue   # finished (or aborted) while this step was queued: its token is moot
+                continue  # finished (or aborted) while this step was queued: its token is moot
             if req.lookahead == result.batch_id:
-                req.lookahead = 0   # no step of it in flight any more (a later one may be)
+                req.lookahead = 0  # no step of it in flight any more (a later one may be)
             if it.is_prefill:
                 request_spans.on_prefill_chunk(req, it.n)
                 if not self.cfg.disable_radix_cache:
@@ -404,8 +442,11 @@ class Scheduler:
     def busy_flush_reply(running: int, waiting: int) -> generation_pb2.FlushCacheResponse:
         return generation_pb2.FlushCacheResponse(
             flushed=False,
-            message=(f"Cache not flushed: {running} request(s) running and {waiting} waiting; "
-                     "flush when the engine is idle."))
+            message=(
+                f"Cache not flushed: {running} request(s) running and {waiting} waiting; "
+                "flush when the engine is idle."
+            ),
+        )
 
     def flush_cache(self) -> generation_pb2.FlushCacheResponse:
         if self.running or self.waiting:
@@ -424,11 +465,16 @@ class Scheduler:
         size = self.kv.cache.size_info()
         free = self.kv.allocator.num_free
         return engine_pb2.SchedulerStats(
-            max_total_num_tokens=self.kv.total, available_tokens=free,
-            evictable_tokens=size.evictable, protected_tokens=size.protected,
+            max_total_num_tokens=self.kv.total,
+            available_tokens=free,
+            evictable_tokens=size.evictable,
+            protected_tokens=size.protected,
             used_tokens=self.kv.total - free - size.evictable,
-            num_running_reqs=len(self.running), num_queue_reqs=len(self.waiting),
-            page_size=self.cfg.page_size, worker=self.info)
+            num_running_reqs=len(self.running),
+            num_queue_reqs=len(self.waiting),
+            page_size=self.cfg.page_size,
+            worker=self.info,
+        )
 
     def run_commands(self) -> None:
         """Runs control calls (from the gRPC thread) between batches, on the loop's thread."""
@@ -456,8 +502,10 @@ class Scheduler:
         self.kv.check()
         size = self.kv.cache.size_info()
         if size.protected or self.kv.held_by_requests():
-            raise AssertionError(f"idle engine still holds KV: protected={size.protected}, "
-                                 f"held_by_requests={self.kv.held_by_requests()}")
+            raise AssertionError(
+                f"idle engine still holds KV: protected={size.protected}, "
+                f"held_by_requests={self.kv.held_by_requests()}"
+            )
         self.publish_stats()
 
     # ------------------------------------------------------------------ logs --
@@ -469,14 +517,28 @@ class Scheduler:
         new_tokens = sum(it.n for it in items)
         cached = sum(max(r.cached_tokens, 0) for r in admitted)
         self.metrics.on_prefill_batch(new_tokens, cached, self)
-        self.batch_log.prefill(len(admitted), new_tokens, cached, self.token_usage(),
-                               len(self.running) - len(admitted), len(self.waiting))
+        self.batch_log.prefill(
+            len(admitted),
+            new_tokens,
+            cached,
+            self.token_usage(),
+            len(self.running) - len(admitted),
+            len(self.waiting),
+        )
 
     def _after_decode(self, n_tokens: int, result: engine_pb2.ForwardResult) -> None:
         # Every decode step (however it was built) lowers the reserve a little.
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        self.batch_log.decode(n_tokens, len(self.running), sum(r.kv_len for r in self.running),
-                              self.token_usage(), result.cuda_graph, len(self.waiting))
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+        self.batch_log.decode(
+            n_tokens,
+            len(self.running),
+            sum(r.kv_len for r in self.running),
+            self.token_usage(),
+            result.cuda_graph,
+            len(self.waiting),
+        )
 
 
 def usable_slots(pool_slots: int, page_size: int) -> int:
@@ -494,7 +556,7 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
-    lo, hi = 0, n   # binary search on slice equality: C-speed comparisons, O(log n) of them
+    lo, hi = 0, n  # binary search on slice equality: C-speed comparisons, O(log n) of them
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[:mid] == b[:mid]:

@@ -60,14 +60,14 @@ class CudaGraphRunner:
         self.capacity = self.max_bs * max_context  # kv_slots entries of the largest batch
         self._alloc_buffers(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}   # static output of each graph: [bs, vocab]
+        self.logits: dict[int, torch.Tensor] = {}  # static output of each graph: [bs, vocab]
         self._capture_all(device)
 
     def _capture_all(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by all graphs
-        for bs in reversed(self.sizes):               # largest first: smaller ones reuse its memory
+        for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
             self._capture(bs)
         torch.cuda.synchronize(device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
@@ -82,13 +82,13 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
-        self.qo_indptr = i32(torch.arange(n + 1))      # one new token per row, forever
+        self.qo_indptr = i32(torch.arange(n + 1))  # one new token per row, forever
         self.kv_indptr = i32(torch.arange(n + 1))
         self.kv_slots = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self.prefix_lens = i32(torch.zeros(n))
-        self.extend_lens = i32(torch.ones(n))          # forever 1
+        self.extend_lens = i32(torch.ones(n))  # forever 1
         self.seq_lens = i32(torch.ones(n))
-        self._ramp = i32(torch.arange(n + 1))          # 0, 1, 2, ...: padding offsets
+        self._ramp = i32(torch.arange(n + 1))  # 0, 1, 2, ...: padding offsets
 
     def _static_meta(self, bs: int) -> AttentionMeta:
         """Views of the static buffers: the graph of size bs reads exactly these addresses."""
@@ -107,7 +107,7 @@ class CudaGraphRunner:
 
     def _run(self, bs: int, meta: AttentionMeta) -> torch.Tensor:
         hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], meta)
-        return self.model.compute_logits(hidden)   # [bs, vocab]
+        return self.model.compute_logits(hidden)  # [bs, vocab]
 
     def _capture(self, bs: int) -> None:
         meta = self._static_meta(bs)
@@ -130,12 +130,16 @@ class CudaGraphRunner:
     def _graph_size(self, batch_size: int) -> int:
         return next(bs for bs in self.sizes if bs >= batch_size)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta
+    ) -> torch.Tensor:
         """Logits [B, vocab] (float32) of a decode batch of B <= max_bs requests."""
         n, bs = meta.batch_size, self._graph_size(meta.batch_size)
         pad, used = bs - n, meta.kv_slots.numel()
         if used + pad > self.capacity:
-            raise ValueError(f"decode batch holds {used} context slots, the graphs at most {self.capacity - pad}")
+            raise ValueError(
+                f"decode batch holds {used} context slots, the graphs at most {self.capacity - pad}"
+            )
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:bs].zero_()
         self.positions[:n].copy_(positions)

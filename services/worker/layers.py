@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)   # one fused op
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Reduced precision: statistics in float32, the weight applied in x's dtype (as HF).
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
@@ -48,7 +48,9 @@ class FusedLinear(nn.Linear):
 def rope_parameters(config) -> dict:
     """The rope settings whichever way transformers keeps them (rope_parameters in 5.x,
     rope_scaling + rope_theta before)."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
     return params
@@ -91,11 +93,13 @@ class RotaryEmbedding(nn.Module):
         # must hold real values.
         self.inv_freq = rope_inv_freq(config, head_dim)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per forward, shared by every layer: cos, sin [T, head_dim // 2]."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
@@ -110,7 +114,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---- MLP and attention -------------------------------------------------------------
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class GatedMLP(nn.Module):
@@ -146,7 +154,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_id = layer_id
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = FusedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.qkv_proj = FusedLinear(
+            hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
         # Qwen3 normalises each head of q and k before rope.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -154,25 +164,29 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,                 # [T, hidden]
+        x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMeta,
         backend: AttentionBackend,
-        k_pool: torch.Tensor,            # [slots + 1, kv_heads, head_dim]
+        k_pool: torch.Tensor,  # [slots + 1, kv_heads, head_dim]
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)                                  # qkv: [T, (H + 2 KVH) * D]
+        qkv = self.qkv_proj(x)  # qkv: [T, (H + 2 KVH) * D]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k side by side are heads too: one rotary pass for both.
-            qk = apply_rotary(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]   # q: [T, H, D], k: [T, KVH, D]
+            qk = apply_rotary(
+                qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                cos,
+                sin,
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # q: [T, H, D], k: [T, KVH, D]
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(q, k, v, k_pool, v_pool, meta)   # [T, H, D]
+        out = backend.forward(q, k, v, k_pool, v_pool, meta)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))

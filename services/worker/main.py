@@ -53,12 +53,20 @@ def forward_span(batch: engine_pb2.ForwardBatch):
     links = [link for tp in batch.trace_links if (link := tracing.link_to({"traceparent": tp}))]
     new_tokens = sum(len(r.input_ids) // 4 for r in batch.reqs)
     return _tracer.start_span(
-        "forward", context=tracing.context_from(batch.trace_context), links=links,
-        attributes={"radixserve.batch_size": len(batch.reqs), "radixserve.new_tokens": new_tokens,
-                    "radixserve.is_decode": batch.is_decode})
+        "forward",
+        context=tracing.context_from(batch.trace_context),
+        links=links,
+        attributes={
+            "radixserve.batch_size": len(batch.reqs),
+            "radixserve.new_tokens": new_tokens,
+            "radixserve.is_decode": batch.is_decode,
+        },
+    )
 
 
-def handle(runner: ModelRunner, msg: engine_pb2.SchedulerToWorker, instance: str) -> engine_pb2.WorkerToScheduler:
+def handle(
+    runner: ModelRunner, msg: engine_pb2.SchedulerToWorker, instance: str
+) -> engine_pb2.WorkerToScheduler:
     if msg.HasField("info"):
         info = runner.info()
         info.instance_id = instance
@@ -88,15 +96,26 @@ def main(cfg: WorkerConfig) -> None:
     set_cpu_threads(cfg.cpu_threads)
     runner = ModelRunner(cfg)
     info = runner.info()
-    instance = uuid.uuid4().hex   # the scheduler notices a restarted worker (an empty KV pool) by it
+    instance = uuid.uuid4().hex  # the scheduler notices a restarted worker (an empty KV pool) by it
     ctx = zmq.Context()
     sock = transport.router(ctx, cfg.worker_addr)
     server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
     metrics = WorkerMetrics(info.model_id) if cfg.enable_metrics else None
-    extra = f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}" if metrics else ""
-    log.info("worker: ZeroMQ on %s, gRPC health on %s:%d%s; %s (%s, %s, %s attention), pool %d tokens",
-             cfg.worker_addr, cfg.host, port, extra, info.model_id, info.device, info.dtype,
-             info.attention_backend, info.max_total_num_tokens)
+    extra = (
+        f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}" if metrics else ""
+    )
+    log.info(
+        "worker: ZeroMQ on %s, gRPC health on %s:%d%s; %s (%s, %s, %s attention), pool %d tokens",
+        cfg.worker_addr,
+        cfg.host,
+        port,
+        extra,
+        info.model_id,
+        info.device,
+        info.dtype,
+        info.attention_backend,
+        info.max_total_num_tokens,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

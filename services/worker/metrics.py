@@ -17,14 +17,32 @@ class WorkerMetrics:
         labels = ["model_name", "mode"]
         r = self.registry
         self.model_name = model_name
-        self.forward_time = Histogram(P + "forward_time_seconds", "Model forward + sampling per batch",
-                                      labels, buckets=TIME_BUCKETS, registry=r)
-        self.batch_size = Histogram(P + "forward_batch_size", "Requests per forward batch",
-                                    labels, buckets=SIZE_BUCKETS, registry=r)
-        self.tokens = Counter(P + "forward_tokens", "Tokens computed by forward batches", labels, registry=r)
-        self.cuda_graph = Counter(P + "cuda_graph_replays", "Decode batches replayed from a CUDA graph",
-                                  ["model_name"], registry=r)
-        self.failures = Counter(P + "forward_failures", "Forward batches that failed", ["model_name"], registry=r)
+        self.forward_time = Histogram(
+            P + "forward_time_seconds",
+            "Model forward + sampling per batch",
+            labels,
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            P + "forward_batch_size",
+            "Requests per forward batch",
+            labels,
+            buckets=SIZE_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            P + "forward_tokens", "Tokens computed by forward batches", labels, registry=r
+        )
+        self.cuda_graph = Counter(
+            P + "cuda_graph_replays",
+            "Decode batches replayed from a CUDA graph",
+            ["model_name"],
+            registry=r,
+        )
+        self.failures = Counter(
+            P + "forward_failures", "Forward batches that failed", ["model_name"], registry=r
+        )
 
     def serve(self, host: str, port: int) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -37,6 +55,8 @@ class WorkerMetrics:
         mode = "decode" if batch.is_decode else "prefill"
         self.forward_time.labels(self.model_name, mode).observe(result.forward_time)
         self.batch_size.labels(self.model_name, mode).observe(len(batch.reqs))
-        self.tokens.labels(self.model_name, mode).inc(sum(len(r.input_ids) // 4 for r in batch.reqs))
+        self.tokens.labels(self.model_name, mode).inc(
+            sum(len(r.input_ids) // 4 for r in batch.reqs)
+        )
         if result.cuda_graph:
             self.cuda_graph.labels(self.model_name).inc()

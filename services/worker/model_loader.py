@@ -30,7 +30,7 @@ def load_config(model_path: str) -> PretrainedConfig:
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """"auto": float32 on CPU (fast and exact there), the checkpoint's dtype on CUDA."""
+    """ "auto": float32 on CPU (fast and exact there), the checkpoint's dtype on CUDA."""
     if name != "auto":
         return _DTYPES[name]
     if device.type != "cuda":
@@ -93,7 +93,13 @@ def load_model(
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(iter_tensors(files, progress))
     model.eval()
-    log.info("loaded %s (%d parameters, %s) from %s", cls.__name__, num_parameters(model), dtype, model_path)
+    log.info(
+        "loaded %s (%d parameters, %s) from %s",
+        cls.__name__,
+        num_parameters(model),
+        dtype,
+        model_path,
+    )
     return model, config
 
 

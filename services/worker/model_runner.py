@@ -62,7 +62,10 @@ def _context_length(cfg: WorkerConfig, c) -> int:
     length = cfg.context_length or c.max_position_embeddings
     window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
     if window and length > window:
-        log.warning("context length capped at the sliding window (%d tokens; full attention beyond is not implemented)", window)
+        log.warning(
+            "context length capped at the sliding window (%d tokens; full attention beyond is not implemented)",
+            window,
+        )
         return int(window)
     return int(length)
 
@@ -75,7 +78,7 @@ class _Req:
     input_ids: np.ndarray
     out_slots: np.ndarray
     prefix_len: int
-    prefix_slots: np.ndarray | None   # only when is_new
+    prefix_slots: np.ndarray | None  # only when is_new
 
 
 class ModelRunner:
@@ -108,14 +111,20 @@ class ModelRunner:
         backend = cls(c.num_attention_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.model.attach(backend, self.kv_pool)
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context, self.device)
-        self.sampler = Sampler(cfg.max_running_requests, self.vocab_size, self.device, cfg.random_seed)
+        self.sampler = Sampler(
+            cfg.max_running_requests, self.vocab_size, self.device, cfg.random_seed
+        )
         self.eos_token_ids = eos_token_ids(cfg.model_path, c)
         self.graphs = self._capture_graphs(cfg)
         # The last token sampled per request slot: the input of an overlap-scheduled decode.
         self.last_sampled = np.full(cfg.max_running_requests, -1, dtype=np.int64)
         log.info(
             "worker ready: %d KV slots (%.1f MiB), backend %s, %s on %s",
-            self.num_slots, self.kv_pool.nbytes() / 2**20, self.backend_name, self.dtype, self.device,
+            self.num_slots,
+            self.kv_pool.nbytes() / 2**20,
+            self.backend_name,
+            self.dtype,
+            self.device,
         )
 
     def _capture_graphs(self, cfg: WorkerConfig):
@@ -163,16 +172,18 @@ class ModelRunner:
         reqs, input_ids, positions, meta = self._begin(batch)
         sampled = [i for i, msg in enumerate(batch.reqs) if msg.sample]
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
-            logits = self.graphs.replay(input_ids, positions, meta)[sampled]   # [n, vocab]
+            logits = self.graphs.replay(input_ids, positions, meta)[sampled]  # [n, vocab]
             result.cuda_graph = True
         else:
             hidden = self.model.forward(input_ids, positions, meta)
             last_rows = meta.qo_indptr[1:].long()[sampled] - 1
-            logits = self.model.compute_logits(hidden[last_rows])              # [n, vocab]
+            logits = self.model.compute_logits(hidden[last_rows])  # [n, vocab]
         tokens = [engine_pb2.SampledToken(token_id=-1) for _ in reqs]
         if sampled:
             out = self.sampler.sample(
-                logits, [reqs[i].req_slot for i in sampled], [batch.reqs[i].allowed_token_mask for i in sampled]
+                logits,
+                [reqs[i].req_slot for i in sampled],
+                [batch.reqs[i].allowed_token_mask for i in sampled],
             )
             for j, i in enumerate(sampled):
                 tokens[i] = _sampled_token(out, j)
@@ -187,7 +198,9 @@ class ModelRunner:
         _, input_ids, positions, meta = self._begin(batch)
         return self.model.compute_logits(self.model.forward(input_ids, positions, meta))
 
-    def _begin(self, batch: engine_pb2.ForwardBatch) -> tuple[list[_Req], torch.Tensor, torch.Tensor, AttentionMeta]:
+    def _begin(
+        self, batch: engine_pb2.ForwardBatch
+    ) -> tuple[list[_Req], torch.Tensor, torch.Tensor, AttentionMeta]:
         """Checks the whole batch, then updates sampling state and the table; the model inputs."""
         reqs = [self._parse(r, batch.is_decode) for r in batch.reqs]
         self._check_batch(reqs)
@@ -195,7 +208,7 @@ class ModelRunner:
             if msg.is_new:
                 params = msg.sampling if msg.HasField("sampling") else None
                 self.sampler.reset_slot(r.req_slot, params, unpack_i32(msg.output_ids))
-                if not msg.use_last_sampled:   # a new owner of the slot: forget the old token
+                if not msg.use_last_sampled:  # a new owner of the slot: forget the old token
                     self.last_sampled[r.req_slot] = -1
         return (reqs, *self._prepare(reqs, batch.is_decode))
 
@@ -207,7 +220,9 @@ class ModelRunner:
         if msg.use_last_sampled:
             last = int(self.last_sampled[msg.req_slot])
             if last < 0 or len(ids):
-                raise ValueError(f"{where}: use_last_sampled needs empty input_ids and a token sampled before")
+                raise ValueError(
+                    f"{where}: use_last_sampled needs empty input_ids and a token sampled before"
+                )
             ids = np.array([last], dtype=np.int32)
         if len(ids) == 0:
             raise ValueError(f"{where}: no input_ids")
@@ -223,7 +238,9 @@ class ModelRunner:
         if msg.is_new:
             prefix_slots = unpack_i32(msg.prefix_slots)
             if len(prefix_slots) != msg.prefix_len:
-                raise ValueError(f"{where}: {len(prefix_slots)} prefix_slots for prefix_len {msg.prefix_len}")
+                raise ValueError(
+                    f"{where}: {len(prefix_slots)} prefix_slots for prefix_len {msg.prefix_len}"
+                )
         elif not self.sampler.has_state(msg.req_slot):
             raise ValueError(f"{where}: req_slot was never started (is_new not set)")
         return _Req(msg.req_slot, ids, out_slots, msg.prefix_len, prefix_slots)
@@ -235,11 +252,16 @@ class ModelRunner:
         ids = np.concatenate([r.input_ids for r in reqs])
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"input_ids out of the vocabulary [0, {self.vocab_size})")
-        kv = np.concatenate([r.out_slots for r in reqs] + [r.prefix_slots for r in reqs if r.prefix_slots is not None])
+        kv = np.concatenate(
+            [r.out_slots for r in reqs]
+            + [r.prefix_slots for r in reqs if r.prefix_slots is not None]
+        )
         if kv.min() < 1 or kv.max() > self.num_slots:
             raise ValueError(f"KV slot out of range [1, {self.num_slots}] (slot 0 is padding)")
 
-    def _prepare(self, reqs: list[_Req], is_decode: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
+    def _prepare(
+        self, reqs: list[_Req], is_decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
         """Writes the table rows and builds the batch's tensors (vectorised over tokens).
 
         Index arithmetic runs on the host (no device sync for sizes); only the results move."""
@@ -255,7 +277,12 @@ class ModelRunner:
         new = [i for i, r in enumerate(reqs) if r.prefix_slots is not None and r.prefix_len > 0]
         if new:
             prefix_slots = host(np.concatenate([reqs[i].prefix_slots for i in new]))
-            self.table.write(req_slots[new], torch.zeros(len(new), dtype=torch.int64), prefix_lens[new], prefix_slots.to(dev))
+            self.table.write(
+                req_slots[new],
+                torch.zeros(len(new), dtype=torch.int64),
+                prefix_lens[new],
+                prefix_slots.to(dev),
+            )
         out_slots = host(np.concatenate([r.out_slots for r in reqs])).to(dev)
         self.table.write(req_slots, prefix_lens, extend_lens, out_slots)
         zero = torch.zeros(1, dtype=torch.int64)

@@ -33,7 +33,9 @@ def generate(
     outputs: list[list[int]] = []
     wave = info.max_running_requests
     for start in range(0, len(prompts), wave):
-        outputs += _generate_wave(runner, prompts[start : start + wave], max_new_tokens, sampling, eos)
+        outputs += _generate_wave(
+            runner, prompts[start : start + wave], max_new_tokens, sampling, eos
+        )
     return outputs
 
 
@@ -43,7 +45,9 @@ def _generate_wave(runner, prompts, max_new_tokens, sampling, eos) -> list[list[
     if sum(spans) > info.max_total_num_tokens:
         raise ValueError(f"{sum(spans)} KV slots needed, the pool has {info.max_total_num_tokens}")
     if max(spans) > info.max_model_len:
-        raise ValueError(f"prompt + max_new_tokens {max(spans)} exceeds max_model_len {info.max_model_len}")
+        raise ValueError(
+            f"prompt + max_new_tokens {max(spans)} exceeds max_model_len {info.max_model_len}"
+        )
     bases = [1 + sum(spans[:i]) for i in range(len(prompts))]
     outputs: list[list[int]] = [[] for _ in prompts]
     prefill = engine_pb2.ForwardBatch(batch_id=0, is_decode=False)
@@ -61,12 +65,14 @@ def _generate_wave(runner, prompts, max_new_tokens, sampling, eos) -> list[list[
     _append(outputs, runner.forward(prefill), list(range(len(prompts))))
     step = 1
     while True:
-        active = [i for i, out in enumerate(outputs) if len(out) < max_new_tokens and out[-1] not in eos]
+        active = [
+            i for i, out in enumerate(outputs) if len(out) < max_new_tokens and out[-1] not in eos
+        ]
         if not active:
             return outputs
         batch = engine_pb2.ForwardBatch(batch_id=step, is_decode=True)
         for i in active:
-            pos = len(prompts[i]) + len(outputs[i]) - 1   # the last sampled token's position
+            pos = len(prompts[i]) + len(outputs[i]) - 1  # the last sampled token's position
             batch.reqs.add(
                 req_slot=i,
                 input_ids=pack_i32([outputs[i][-1]]),

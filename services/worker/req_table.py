@@ -19,8 +19,10 @@ def segment_arange(lens: torch.Tensor, starts: torch.Tensor | None = None) -> to
 
     lens [B] int64 (>= 0) -> [sum(lens)] int64."""
     total = int(lens.sum())
-    offsets = torch.cumsum(lens, 0) - lens                           # first index of each segment
-    idx = torch.arange(total, device=lens.device) - torch.repeat_interleave(offsets, lens, output_size=total)
+    offsets = torch.cumsum(lens, 0) - lens  # first index of each segment
+    idx = torch.arange(total, device=lens.device) - torch.repeat_interleave(
+        offsets, lens, output_size=total
+    )
     if starts is not None:
         idx += torch.repeat_interleave(starts, lens, output_size=total)
     return idx
@@ -31,9 +33,13 @@ class ReqToTokenTable:
         self.max_running_requests = max_running_requests
         self.max_context = max_context
         # int32 halves the table; gathered slots are widened to int64 for indexing.
-        self.table = torch.zeros((max_running_requests, max_context), dtype=torch.int32, device=device)
+        self.table = torch.zeros(
+            (max_running_requests, max_context), dtype=torch.int32, device=device
+        )
 
-    def write(self, req_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(
+        self, req_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         """Row req_slots[b], positions starts[b] .. starts[b]+lens[b]-1 <- the next lens[b] of slots.
 
         req_slots, starts, lens: [B] int64; slots: [sum(lens)]."""

@@ -73,7 +73,11 @@ class SamplingSpec:
 
     @property
     def has_penalty(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -95,24 +99,30 @@ def unpack_mask(packed: bytes, vocab: int) -> np.ndarray:
 @dataclass
 class SampleOutput:
     token_ids: list[int]
-    logprobs: list[float | None]                          # None where not asked for
-    top_logprobs: list[list[tuple[int, float]] | None]    # best first
+    logprobs: list[float | None]  # None where not asked for
+    top_logprobs: list[list[tuple[int, float]] | None]  # best first
 
 
 class Sampler:
     """Per-request-slot sampling state and the batched sampling step."""
 
-    def __init__(self, max_running_requests: int, vocab_size: int, device: torch.device, random_seed: int):
+    def __init__(
+        self, max_running_requests: int, vocab_size: int, device: torch.device, random_seed: int
+    ):
         self.vocab_size = vocab_size
         self.device = device
         self.specs: list[SamplingSpec | None] = [None] * max_running_requests
         self.num_generated = [0] * max_running_requests
         # Token counts of generated tokens, only read for slots with penalties.
-        self.counts = torch.zeros((max_running_requests, vocab_size), dtype=torch.int32, device=device)
+        self.counts = torch.zeros(
+            (max_running_requests, vocab_size), dtype=torch.int32, device=device
+        )
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(random_seed)
 
-    def reset_slot(self, slot: int, params: generation_pb2.SamplingParams | None, output_ids: np.ndarray) -> None:
+    def reset_slot(
+        self, slot: int, params: generation_pb2.SamplingParams | None, output_ids: np.ndarray
+    ) -> None:
         """A request (new, or back after a retraction) takes ``slot``."""
         self.specs[slot] = SamplingSpec.from_proto(params)
         self.num_generated[slot] = int(len(output_ids))
@@ -156,7 +166,7 @@ class Sampler:
         if not rows:
             return logits
         dev = logits.device
-        counts = self.counts[[slots[i] for i in rows]].float()                    # [n, V]
+        counts = self.counts[[slots[i] for i in rows]].float()  # [n, V]
         rep = torch.tensor([specs[i].repetition_penalty for i in rows], device=dev)[:, None]
         freq = torch.tensor([specs[i].frequency_penalty for i in rows], device=dev)[:, None]
         pres = torch.tensor([specs[i].presence_penalty for i in rows], device=dev)[:, None]
@@ -169,8 +179,10 @@ class Sampler:
         logits[rows] = sub
         return logits
 
-    def _choose(self, logits: torch.Tensor, specs: list[SamplingSpec], steps: list[int]) -> torch.Tensor:
-        token_ids = torch.argmax(logits, dim=-1)                                   # greedy rows
+    def _choose(
+        self, logits: torch.Tensor, specs: list[SamplingSpec], steps: list[int]
+    ) -> torch.Tensor:
+        token_ids = torch.argmax(logits, dim=-1)  # greedy rows
         rows = [i for i, sp in enumerate(specs) if not sp.greedy]
         if rows:
             probs = self._processed_probs(logits[rows], [specs[i] for i in rows])
@@ -184,16 +196,20 @@ class Sampler:
         logits = logits / temp
         if all(sp.top_k <= 0 and sp.top_p >= 1.0 and sp.min_p <= 0.0 for sp in specs):
             return torch.softmax(logits, dim=-1)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)                # [n, V]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
         rank = torch.arange(logits.shape[1], device=dev)[None, :]
-        top_k = torch.tensor([sp.top_k if sp.top_k > 0 else logits.shape[1] for sp in specs], device=dev)
+        top_k = torch.tensor(
+            [sp.top_k if sp.top_k > 0 else logits.shape[1] for sp in specs], device=dev
+        )
         remove = rank >= top_k[:, None]
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         top_p = torch.tensor([sp.top_p for sp in specs], device=dev)[:, None]
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove |= (mass_before >= top_p) & (top_p < 1.0)   # top_p 1: float rounding must not cut the tail
+        remove |= (mass_before >= top_p) & (
+            top_p < 1.0
+        )  # top_p 1: float rounding must not cut the tail
         min_p = torch.tensor([sp.min_p for sp in specs], device=dev)[:, None]
         remove |= probs < min_p * probs[:, :1]
         remove[:, 0] = False
@@ -201,7 +217,9 @@ class Sampler:
         out = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
         return torch.softmax(out, dim=-1)
 
-    def _draw(self, probs: torch.Tensor, specs: list[SamplingSpec], steps: list[int]) -> torch.Tensor:
+    def _draw(
+        self, probs: torch.Tensor, specs: list[SamplingSpec], steps: list[int]
+    ) -> torch.Tensor:
         """One token per row: argmax(probs / Exp(1) noise), the noise from the row's generator."""
         noise = torch.empty_like(probs)
         for j, sp in enumerate(specs):
@@ -220,9 +238,15 @@ class Sampler:
         pen = [i for i, s in enumerate(slots) if self.specs[s].has_penalty]
         if pen:
             idx = torch.tensor([slots[i] for i in pen], device=self.counts.device)
-            self.counts.index_put_((idx, token_ids[pen]), torch.ones(len(pen), dtype=torch.int32, device=self.counts.device), accumulate=True)
+            self.counts.index_put_(
+                (idx, token_ids[pen]),
+                torch.ones(len(pen), dtype=torch.int32, device=self.counts.device),
+                accumulate=True,
+            )
 
-    def _output(self, token_ids: torch.Tensor, specs: list[SamplingSpec], raw: torch.Tensor | None) -> SampleOutput:
+    def _output(
+        self, token_ids: torch.Tensor, specs: list[SamplingSpec], raw: torch.Tensor | None
+    ) -> SampleOutput:
         ids = token_ids.tolist()
         logprobs: list[float | None] = [None] * len(ids)
         tops: list[list[tuple[int, float]] | None] = [None] * len(ids)
@@ -236,5 +260,7 @@ class Sampler:
                 logprobs[i] = chosen[i]
                 if sp.top_logprobs > 0:
                     k = sp.top_logprobs
-                    tops[i] = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+                    tops[i] = list(
+                        zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True)
+                    )
         return SampleOutput(ids, logprobs, tops)

@@ -29,8 +29,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _check_model_info(stub, args: argparse.Namespace) -> None:
     info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout)
-    print(f"model_id={info.model_id!r} max_model_len={info.max_model_len} "
-          f"page_size={info.page_size} num_engines={info.num_engines}")
+    print(
+        f"model_id={info.model_id!r} max_model_len={info.max_model_len} "
+        f"page_size={info.page_size} num_engines={info.num_engines}"
+    )
     if not info.model_id or info.max_model_len <= 0:
         sys.exit(f"GetModelInfo returned no model: {info}")
     if args.expect_engines and info.num_engines != args.expect_engines:
@@ -49,8 +51,10 @@ def _check_generate(stub, args: argparse.Namespace) -> None:
     if last is None or not last.finish_reason:
         sys.exit("Generate ended without a final message carrying finish_reason")
     if tokens < 1 or last.completion_tokens != tokens or tokens > args.max_tokens:
-        sys.exit(f"Generate streamed {tokens} tokens, completion_tokens={last.completion_tokens}, "
-                 f"max_tokens={args.max_tokens}")
+        sys.exit(
+            f"Generate streamed {tokens} tokens, completion_tokens={last.completion_tokens}, "
+            f"max_tokens={args.max_tokens}"
+        )
     print(f"generated {tokens} tokens, finish_reason={last.finish_reason!r}: {text!r}")
 
 

@@ -24,13 +24,13 @@ import torch
 @dataclass
 class AttentionMeta:
     is_decode: bool
-    out_slots: torch.Tensor    # [T] int64: KV slot of each new token
-    qo_indptr: torch.Tensor    # [B+1] int32: row offsets of each request's new tokens
-    kv_indptr: torch.Tensor    # [B+1] int32: offsets of each request's context in kv_slots
-    kv_slots: torch.Tensor     # [sum(seq_lens)] int64: KV slots of each context, position order
+    out_slots: torch.Tensor  # [T] int64: KV slot of each new token
+    qo_indptr: torch.Tensor  # [B+1] int32: row offsets of each request's new tokens
+    kv_indptr: torch.Tensor  # [B+1] int32: offsets of each request's context in kv_slots
+    kv_slots: torch.Tensor  # [sum(seq_lens)] int64: KV slots of each context, position order
     prefix_lens: torch.Tensor  # [B] int32: tokens already in the pool before this batch
     extend_lens: torch.Tensor  # [B] int32: new tokens in this batch
-    seq_lens: torch.Tensor     # [B] int32: prefix_lens + extend_lens
+    seq_lens: torch.Tensor  # [B] int32: prefix_lens + extend_lens
     max_seq_len: int
     max_extend_len: int
 
@@ -55,13 +55,13 @@ class AttentionBackend:
 
     def forward(
         self,
-        q: torch.Tensor,        # [T, num_heads, head_dim]
-        k: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        k_pool: torch.Tensor,   # [num_slots + 1, num_kv_heads, head_dim] (this layer's)
-        v_pool: torch.Tensor,   # [num_slots + 1, num_kv_heads, head_dim]
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_pool: torch.Tensor,  # [num_slots + 1, num_kv_heads, head_dim] (this layer's)
+        v_pool: torch.Tensor,  # [num_slots + 1, num_kv_heads, head_dim]
         meta: AttentionMeta,
-    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
         raise NotImplementedError
 
 
@@ -80,5 +80,7 @@ def backend_names() -> list[str]:
 
 def get_backend(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS:
-        raise ValueError(f"--attention-backend {name!r} is unknown; choose one of {backend_names()}")
+        raise ValueError(
+            f"--attention-backend {name!r} is unknown; choose one of {backend_names()}"
+        )
     return _BACKENDS[name]

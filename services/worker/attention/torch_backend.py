@@ -24,8 +24,8 @@ from services.worker.attention.base import AttentionBackend, AttentionMeta, regi
 class _ExtendItem:
     q_start: int
     q_end: int
-    kv_slots: torch.Tensor | None    # [seq_len] context slots; None when there is no prefix
-    mask: torch.Tensor | None        # [extend, seq_len] bool; None: plain causal
+    kv_slots: torch.Tensor | None  # [seq_len] context slots; None when there is no prefix
+    mask: torch.Tensor | None  # [extend, seq_len] bool; None: plain causal
 
 
 @register_backend
@@ -35,8 +35,8 @@ class TorchBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, sm_scale)
         self.group = num_heads // num_kv_heads
-        self._decode_slots: torch.Tensor | None = None   # [B, Lmax] int64
-        self._decode_mask: torch.Tensor | None = None    # [B, 1, 1, Lmax] additive float
+        self._decode_slots: torch.Tensor | None = None  # [B, Lmax] int64
+        self._decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive float
         self._extend: list[_ExtendItem] = []
 
     # ---- once per batch -------------------------------------------------------------
@@ -49,9 +49,11 @@ class TorchBackend(AttentionBackend):
 
     def _prepare_decode(self, meta: AttentionMeta) -> None:
         seq_lens = meta.seq_lens.long()
-        cols = torch.arange(meta.max_seq_len, device=seq_lens.device)[None, :]   # [1, Lmax]
-        valid = cols < seq_lens[:, None]                                          # [B, Lmax]
-        idx = (meta.kv_indptr[:-1].long()[:, None] + cols).clamp_(max=max(meta.kv_slots.numel() - 1, 0))
+        cols = torch.arange(meta.max_seq_len, device=seq_lens.device)[None, :]  # [1, Lmax]
+        valid = cols < seq_lens[:, None]  # [B, Lmax]
+        idx = (meta.kv_indptr[:-1].long()[:, None] + cols).clamp_(
+            max=max(meta.kv_slots.numel() - 1, 0)
+        )
         self._decode_slots = meta.kv_slots[idx].masked_fill_(~valid, 0)
         # Additive mask (0 / -inf) broadcast over heads; forward casts it to q's dtype once.
         mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
@@ -69,7 +71,9 @@ class TorchBackend(AttentionBackend):
                 continue
             rows = torch.arange(n_new, device=meta.kv_slots.device)[:, None] + p
             mask = torch.arange(seq_len, device=meta.kv_slots.device)[None, :] <= rows
-            self._extend.append(_ExtendItem(qo[b], qo[b + 1], meta.kv_slots[kv[b] : kv[b + 1]], mask))
+            self._extend.append(
+                _ExtendItem(qo[b], qo[b + 1], meta.kv_slots[kv[b] : kv[b + 1]], mask)
+            )
 
     # ---- per layer ------------------------------------------------------------------
 
@@ -89,10 +93,10 @@ class TorchBackend(AttentionBackend):
         keys = k_pool.index_select(0, flat).view(b, lmax, self.num_kv_heads, self.head_dim)
         values = v_pool.index_select(0, flat).view(b, lmax, self.num_kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q.view(b, self.num_heads, 1, self.head_dim),   # [B, H, 1, D]
-            keys.transpose(1, 2),                          # [B, KVH, Lmax, D] (a view)
+            q.view(b, self.num_heads, 1, self.head_dim),  # [B, H, 1, D]
+            keys.transpose(1, 2),  # [B, KVH, Lmax, D] (a view)
             values.transpose(1, 2),
-            attn_mask=self._decode_mask,                   # [B, 1, 1, Lmax] 0 / -inf
+            attn_mask=self._decode_mask,  # [B, 1, 1, Lmax] 0 / -inf
             scale=self.sm_scale,
             enable_gqa=self.group > 1,
         )
@@ -102,14 +106,19 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         for item in self._extend:
             s, e = item.q_start, item.q_end
-            qh = q[s:e].transpose(0, 1)[None]                          # qh: [1, H, E, D]
+            qh = q[s:e].transpose(0, 1)[None]  # qh: [1, H, E, D]
             if item.kv_slots is None:
                 kh, vh = k[s:e], v[s:e]
             else:
-                kh, vh = k_pool.index_select(0, item.kv_slots), v_pool.index_select(0, item.kv_slots)  # [S, KVH, D]
+                kh, vh = (
+                    k_pool.index_select(0, item.kv_slots),
+                    v_pool.index_select(0, item.kv_slots),
+                )  # [S, KVH, D]
             kh, vh = kh.transpose(0, 1)[None], vh.transpose(0, 1)[None]  # [1, KVH, S, D]
             o = F.scaled_dot_product_attention(
-                qh, kh, vh,
+                qh,
+                kh,
+                vh,
                 attn_mask=item.mask,
                 is_causal=item.mask is None,
                 scale=self.sm_scale,

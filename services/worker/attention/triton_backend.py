@@ -32,24 +32,43 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.devic
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 num_kv_splits: int | None = None):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sm_scale: float,
+        num_kv_splits: int | None = None,
+    ):
         super().__init__(num_heads, num_kv_heads, head_dim, sm_scale)
         self.num_kv_splits = num_kv_splits  # None: choose_num_kv_splits per batch
 
     def forward(
         self,
-        q: torch.Tensor,        # [T, num_heads, head_dim]
-        k: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        k_pool: torch.Tensor,   # [num_slots + 1, num_kv_heads, head_dim]
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_pool: torch.Tensor,  # [num_slots + 1, num_kv_heads, head_dim]
         v_pool: torch.Tensor,
         meta: AttentionMeta,
-    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         store_kv(k_pool, v_pool, meta.out_slots, k, v)
         if meta.is_decode:
-            splits = self.num_kv_splits or choose_num_kv_splits(q.shape[0], self.num_kv_heads, q.device)
-            return decode_attention(q, k_pool, v_pool, meta.kv_indptr, meta.kv_slots, self.sm_scale, splits)
-        return extend_attention(q, k_pool, v_pool, meta.qo_indptr, meta.kv_indptr, meta.kv_slots,
-                                meta.prefix_lens, self.sm_scale, meta.max_extend_len)
+            splits = self.num_kv_splits or choose_num_kv_splits(
+                q.shape[0], self.num_kv_heads, q.device
+            )
+            return decode_attention(
+                q, k_pool, v_pool, meta.kv_indptr, meta.kv_slots, self.sm_scale, splits
+            )
+        return extend_attention(
+            q,
+            k_pool,
+            v_pool,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_slots,
+            meta.prefix_lens,
+            self.sm_scale,
+            meta.max_extend_len,
+        )

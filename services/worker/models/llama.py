@@ -82,7 +82,9 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     qk_norm = False
 
-    def __init__(self, config, backend: AttentionBackend | None = None, kv_pool: KVPool | None = None):
+    def __init__(
+        self, config, backend: AttentionBackend | None = None, kv_pool: KVPool | None = None
+    ):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias_default or bool(getattr(config, "attention_bias", False))
@@ -90,7 +92,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: compute_logits reads the embedding; no second Parameter object, so moving
         # the model between devices can never untie them.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.rotary = RotaryEmbedding(config, head_dim_of(config))
         self.backend = backend
         self.kv_pool = kv_pool
@@ -101,9 +107,13 @@ class LlamaForCausalLM(nn.Module):
     # ---- the runner's interface -------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        assert self.backend is not None and self.kv_pool is not None, "attach() a backend and a KV pool first"
-        x = self.model.embed_tokens(input_ids)                     # x: [T, hidden]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta
+    ) -> torch.Tensor:
+        assert self.backend is not None and self.kv_pool is not None, (
+            "attach() a backend and a KV pool first"
+        )
+        x = self.model.embed_tokens(input_ids)  # x: [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         self.backend.prepare(meta)
         for i, layer in enumerate(self.model.layers):
@@ -113,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()   # [N, vocab]
+        return torch.nn.functional.linear(hidden, weight).float()  # [N, vocab]
 
     # ---- weights ----------------------------------------------------------------------
 
@@ -142,7 +152,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, tensor in tensors:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+            if name.endswith(_IGNORED_SUFFIXES) or (
+                name == "lm_head.weight" and self.lm_head is None
+            ):
                 continue
             if name not in expected:
                 continue  # extra tensors (e.g. another head) are harmless
