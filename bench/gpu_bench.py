@@ -1,6 +1,6 @@
 """GPU check of the Triton kernels and CUDA-graph decode; prints ONE markdown table.
 
-Run through bench/gpu_check.sh (which first runs tests/test_kernels.py compiled and passes
+Run through bench/gpu_check.sh (which first runs tests/unit/test_kernels.py compiled and passes
 its outcome in), on a CUDA machine with torch, triton and transformers:
 
     .venv/bin/python bench/gpu_bench.py [--peak-tbps 4.8] [--budget-s 240]
@@ -449,7 +449,7 @@ def main() -> int:
     parser.add_argument(
         "--tests-summary",
         default="",
-        help="pytest's last line for tests/test_kernels.py (from gpu_check.sh)",
+        help="pytest's last line for tests/unit/test_kernels.py (from gpu_check.sh)",
     )
     parser.add_argument("--tests-rc", type=int, default=None, help="pytest's exit status")
     parser.add_argument("--skip-model", action="store_true", help="kernels only")
@@ -488,7 +488,7 @@ def main() -> int:
     )
     if args.tests_rc is not None:
         table.add(
-            "tests/test_kernels.py compiled (TRITON_INTERPRET unset)",
+            "tests/unit/test_kernels.py compiled (TRITON_INTERPRET unset)",
             args.tests_summary or "(no output)",
             "all pass",
             verdict(args.tests_rc == 0),

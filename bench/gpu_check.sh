@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot GPU check (about 3-5 minutes; hard limits keep it under 8): runs
-# tests/test_kernels.py compiled for the GPU, then bench/gpu_bench.py, and prints ONE
+# tests/unit/test_kernels.py compiled for the GPU, then bench/gpu_bench.py, and prints ONE
 # markdown table (pytest's failure output, if any, comes before it).
 #
 #   bench/gpu_check.sh                  # on a CUDA machine, from anywhere
@@ -23,7 +23,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # kernels/, services/ with
 
 log_dir=$(mktemp -d)
 echo "gpu_check: kernel tests (limit ${TESTS_LIMIT_S} s), logs in $log_dir" >&2
-timeout -k 10 "$TESTS_LIMIT_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+timeout -k 10 "$TESTS_LIMIT_S" "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py \
     > "$log_dir/tests.log" 2>&1
 tests_rc=$?
 tests_summary=$(tail -n 1 "$log_dir/tests.log" | tr -d '|')
@@ -31,7 +31,7 @@ if [ "$tests_rc" -eq 124 ] || [ "$tests_rc" -eq 137 ]; then
     tests_summary="timed out after ${TESTS_LIMIT_S} s"
 fi
 if [ "$tests_rc" -ne 0 ]; then
-    echo "----- tests/test_kernels.py (rc $tests_rc), last 80 lines -----"
+    echo "----- tests/unit/test_kernels.py (rc $tests_rc), last 80 lines -----"
     tail -n 80 "$log_dir/tests.log"
     echo "-----"
 fi

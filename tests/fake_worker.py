@@ -12,7 +12,10 @@ import hashlib
 from collections import deque
 
 from radixserve.internal.v1 import engine_pb2
-from services.common.transport import unpack_i32
+from radixserve.v1 import generation_pb2
+from services.common.config import SchedulerConfig
+from services.common.transport import pack_i32, unpack_i32
+from services.scheduler.scheduler import Scheduler
 
 VOCAB = 1000
 EOS = 999
@@ -109,3 +112,42 @@ class FakeWorkerSocket:
 
     def recv(self, flags: int = 0) -> bytes:
         return self.replies.popleft()
+
+
+# -- driving a real Scheduler against the fake worker (unit and property tests) ----------
+FRONTEND = b"frontend-1"
+
+
+def make(num_slots: int = 4096, max_running: int = 16, **cfg) -> tuple[Scheduler, FakeWorker]:
+    worker = FakeWorker(num_slots, max_running)
+    sched = Scheduler(SchedulerConfig(**cfg), FakeWorkerSocket(worker), worker.info)
+    return sched, worker
+
+
+def submit(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int, **kw) -> None:
+    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0)
+    msg = engine_pb2.TokenizedRequest(rid=rid, input_ids=pack_i32(prompt), sampling=sampling, **kw)
+    sched.add_request(FRONTEND, msg)
+
+
+def run(
+    sched: Scheduler, max_steps: int = 100_000, on_step=None
+) -> dict[str, engine_pb2.TokenDelta]:
+    """Steps until idle; returns each request's tokens and final delta."""
+    tokens: dict[str, list[int]] = {}
+    final: dict[str, engine_pb2.TokenDelta] = {}
+    for step in range(max_steps):
+        worked = sched.step()
+        for deltas in sched.outbox.take().values():
+            for d in deltas:
+                tokens.setdefault(d.rid, []).extend(d.token_ids)
+                if d.finish_reason:
+                    final[d.rid] = d
+        if on_step:
+            on_step(step)
+        if not worked:
+            sched.check_idle()
+            break
+    for rid, d in final.items():
+        d.token_ids[:] = tokens.get(rid, [])
+    return final

@@ -15,9 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from services.common.config import DEFAULT_MODEL_PATH
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "models" / "radixserve-zen"
+DEFAULT_MODEL = Path(DEFAULT_MODEL_PATH)
 
 
 def free_port() -> int:
@@ -72,7 +73,7 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "radixserve.cli",
+            "services.cli",
             "serve",
             "--model-path",
             str(model),

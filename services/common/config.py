@@ -18,9 +18,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# The small Llama the project trains itself (scripts/train_default_model.py); ships in the repo.
-DEFAULT_MODEL_PATH = str(REPO_ROOT / "models" / "radixserve-zen")
+# The small Llama the project trains itself (scripts/train_default_model.py). It ships as
+# package data beside this module, so the default works from a checkout and from an
+# installed wheel (the containers) alike.
+DEFAULT_MODEL_PATH = str(Path(__file__).resolve().parent / "default_model" / "radixserve-zen")
 ENV_PREFIX = "RADIXSERVE_"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "radixserve"
 DOCKERFILE = REPO_ROOT / "docker" / "Dockerfile"
 

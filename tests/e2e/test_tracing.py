@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.otlp_sink import OtlpSink
+from tests.e2e.otlp_sink import OtlpSink
 from tests.server_util import Server, greedy
 
 pytestmark = pytest.mark.slow

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
-        from radixserve.serve import serve
+        from services.cli.serve import serve
 
         return serve(ns)
     if ns.command == "generate":

@@ -12,11 +12,11 @@ import json
 import re
 import typing
 
-import helm_render as hr
 import kubernetes_validate
 import pytest
 
 from services.common import config as rs_config
+from tests.deploy import helm_render as hr
 
 K8S_VERSION = "1.34.0"  # resource.k8s.io/v1 (DRA) is GA from 1.34
 GPU_MODES = ["dra", "device-plugin", "none"]

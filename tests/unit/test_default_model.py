@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "radixserve-zen"
+from services.common.config import DEFAULT_MODEL_PATH
+
+MODEL_DIR = Path(DEFAULT_MODEL_PATH)
 MAX_WEIGHTS_BYTES = 8 * 1024 * 1024
 
 

@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import helm_render as hr
 import pytest
 
-from radixserve.serve import healthy
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from services.cli.serve import healthy
+from services.common.config import DEFAULT_MODEL_PATH
+from tests.deploy import helm_render as hr
 from tests.server_util import free_port
 
-MODEL_DIR = hr.REPO_ROOT / "models" / "radixserve-zen"
+MODEL_DIR = Path(DEFAULT_MODEL_PATH)
 VENV_BIN = Path(sys.executable).parent
 RELEASE, NAMESPACE = "rs", "ns"
 # Every port the chart fixes (values.yaml documents them).

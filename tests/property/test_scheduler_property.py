@@ -11,8 +11,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fake_worker import expected
-from tests.test_scheduler import make, run, submit
+from tests.fake_worker import expected, make, run, submit
 
 request = st.tuples(
     st.integers(0, 2),  # which shared prefix

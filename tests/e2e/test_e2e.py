@@ -205,7 +205,7 @@ def test_two_servers_side_by_side_and_generate_cli():
             [
                 sys.executable,
                 "-m",
-                "radixserve.cli",
+                "services.cli",
                 "generate",
                 "Beautiful is better than",
                 "--target",

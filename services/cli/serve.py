@@ -83,7 +83,7 @@ def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, Fronten
 
 
 def spawn(name: str, cfg) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "radixserve.cli", name, *to_argv(cfg)]
+    cmd = [sys.executable, "-m", "services.cli", name, *to_argv(cfg)]
     return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 
 

@@ -1,0 +1,1 @@
+"""The `radixserve` command: serve (three supervised processes), one service, generate, bench."""
