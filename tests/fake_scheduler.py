@@ -15,7 +15,6 @@ import grpc
 import zmq
 
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
-from radixserve.v1 import generation_pb2
 from services.common import transport
 from services.common.config import FrontendConfig
 from tests.server_util import free_port
@@ -164,7 +163,7 @@ class FakeScheduler:
         r.emitted += 1
         delta = engine_pb2.TokenDelta(rid=r.req.rid, token_ids=[token], matched_stop_token=-1)
         if sp.logprobs:
-            lp = generation_pb2.TokenLogprob(token_id=token, logprob=-0.5)
+            lp = engine_pb2.TokenLogprob(token_id=token, logprob=-0.5)
             lp.top.add(token_id=token, logprob=-0.5)
             delta.logprobs.append(lp)
         if token == EOS_ID and not slow:
@@ -213,11 +212,9 @@ class _Control(engine_pb2_grpc.SchedulerControlServicer):
 
     def FlushCache(self, request, context):
         if self._fake.flush_refusal:
-            return generation_pb2.FlushCacheResponse(
-                flushed=False, message=self._fake.flush_refusal
-            )
+            return engine_pb2.FlushReply(flushed=False, message=self._fake.flush_refusal)
         self._fake.flushes += 1
-        return generation_pb2.FlushCacheResponse(flushed=True, message="Cache flushed.")
+        return engine_pb2.FlushReply(flushed=True, message="Cache flushed.")
 
 
 class FrontendThread:

@@ -12,7 +12,6 @@ import hashlib
 from collections import deque
 
 from radixserve.internal.v1 import engine_pb2
-from radixserve.v1 import generation_pb2
 from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32, unpack_i32
 from services.scheduler.scheduler import Scheduler
@@ -125,7 +124,7 @@ def make(num_slots: int = 4096, max_running: int = 16, **cfg) -> tuple[Scheduler
 
 
 def submit(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int, **kw) -> None:
-    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0)
+    sampling = engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0)
     msg = engine_pb2.TokenizedRequest(rid=rid, input_ids=pack_i32(prompt), sampling=sampling, **kw)
     sched.add_request(FRONTEND, msg)
 

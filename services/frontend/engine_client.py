@@ -26,7 +26,6 @@ import zmq
 import zmq.asyncio
 
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
-from radixserve.v1 import generation_pb2
 from services.common import transport
 
 log = logging.getLogger(__name__)
@@ -166,15 +165,14 @@ class EngineClient:
         ]
         return list(await asyncio.gather(*calls))
 
-    async def flush_cache(self) -> generation_pb2.FlushCacheResponse:
+    async def flush_cache(self) -> engine_pb2.FlushReply:
         """Flushes every engine; flushed only if all did, else their refusal reasons."""
         if not self._stubs:
-            return generation_pb2.FlushCacheResponse(
+            return engine_pb2.FlushReply(
                 flushed=False, message="no scheduler control address configured"
             )
         calls = [
-            s.FlushCache(generation_pb2.FlushCacheRequest(), timeout=CONTROL_TIMEOUT_S)
-            for s in self._stubs
+            s.FlushCache(engine_pb2.FlushRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         reasons = []
@@ -184,8 +182,8 @@ class EngineClient:
             elif not res.flushed:
                 reasons.append(f"engine {i}: {res.message}" if len(results) > 1 else res.message)
         if reasons:
-            return generation_pb2.FlushCacheResponse(flushed=False, message="; ".join(reasons))
-        return generation_pb2.FlushCacheResponse(flushed=True, message="Cache flushed.")
+            return engine_pb2.FlushReply(flushed=False, message="; ".join(reasons))
+        return engine_pb2.FlushReply(flushed=True, message="Cache flushed.")
 
     def _info_from(self, stats: list[engine_pb2.SchedulerStats]) -> EngineInfo:
         lens = [s.worker.max_model_len for s in stats if s.worker.max_model_len > 0]

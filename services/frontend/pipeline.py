@@ -22,6 +22,11 @@ from radixserve.v1 import generation_pb2 as pb
 from services.common.transport import pack_i32
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import DuplicateRequestError, EngineClient
+from services.frontend.engine_messages import (
+    flush_to_public,
+    logprobs_to_public,
+    sampling_to_engine,
+)
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.spans import RequestSpan
 from services.frontend.stop_strings import StopStringMatcher
@@ -130,7 +135,7 @@ class Frontend:
         return pb.TokenizeResponse(ids=ids, tokens=self.tokenizer.token_strings(ids))
 
     async def flush_cache(self) -> pb.FlushCacheResponse:
-        return await self.engines.flush_cache()
+        return flush_to_public(await self.engines.flush_cache())
 
     def _require_ready(self) -> None:
         if not self.engines.ready:
@@ -153,7 +158,7 @@ class Frontend:
         treq = engine_pb2.TokenizedRequest(
             rid=req.request_id or uuid.uuid4().hex,
             input_ids=pack_i32(ids),
-            sampling=req.sampling,
+            sampling=sampling_to_engine(req.sampling),
             priority=req.priority,
             cache_salt=req.cache_salt,
             eos_token_ids=self.tokenizer.eos_token_ids,
@@ -180,7 +185,7 @@ class Frontend:
             self.metrics.on_error(e.code.name)
             span.finish(req.request_id, None, e.code.name)
             raise
-        return self._run(treq, ids, queue, arrival, span)
+        return self._run(treq, list(req.sampling.stop), ids, queue, arrival, span)
 
     def _submit(self, treq: engine_pb2.TokenizedRequest, ids: list[int]) -> asyncio.Queue:
         try:
@@ -198,13 +203,13 @@ class Frontend:
             yield resp
 
     async def _run(
-        self, treq, ids, queue, arrival, span: RequestSpan
+        self, treq, stop: list[str], ids, queue, arrival, span: RequestSpan
     ) -> AsyncIterator[pb.GenerateResponse]:
         final, error, last_t = None, "CANCELLED", None
         try:
             # One child span for the whole response: detokenizing and streaming every delta.
             with span.child("stream"):
-                async for resp in self._stream(treq, ids, queue, arrival):
+                async for resp in self._stream(treq, stop, ids, queue, arrival):
                     now = time.time()
                     self.metrics.on_tokens(
                         len(resp.token_ids), now - arrival, None if last_t is None else now - last_t
@@ -224,10 +229,12 @@ class Frontend:
             self.engines.release(treq.rid)
             span.finish(treq.rid, final, error)
 
-    async def _stream(self, treq, ids, queue, arrival) -> AsyncIterator[pb.GenerateResponse]:
+    async def _stream(
+        self, treq, stop: list[str], ids, queue, arrival
+    ) -> AsyncIterator[pb.GenerateResponse]:
         sp = treq.sampling
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
-        stops = StopStringMatcher(sp.stop)
+        stops = StopStringMatcher(stop)
         progress = _Progress()
         while True:
             delta: engine_pb2.TokenDelta = await queue.get()
@@ -243,7 +250,7 @@ class Frontend:
                 text += stops.flush()
             resp = pb.GenerateResponse(request_id=treq.rid, token_ids=delta.token_ids, text=text)
             if sp.logprobs:
-                resp.logprobs.extend(delta.logprobs)
+                resp.logprobs.extend(logprobs_to_public(delta.logprobs))
             if stops.matched is not None:
                 # The scheduler does not see text: tell it to stop now, and take the counts
                 # and timings from its last delta (they ride only on that one).

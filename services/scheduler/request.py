@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.v1 import generation_pb2
+from radixserve.internal.v1 import engine_pb2
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -26,7 +26,7 @@ class Req:
     rid: str
     identity: bytes  # the frontend socket that gets this request's output
     input_ids: list[int]
-    sampling: generation_pb2.SamplingParams
+    sampling: engine_pb2.SamplingParams
     priority: int = 0
     namespace: str = ""
     eos_token_ids: frozenset[int] = frozenset()

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import zmq
 
 from radixserve.internal.v1 import engine_pb2
-from radixserve.v1 import generation_pb2
 from services.common import transport
 from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32, unpack_i32
@@ -439,8 +438,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ control --
     @staticmethod
-    def busy_flush_reply(running: int, waiting: int) -> generation_pb2.FlushCacheResponse:
-        return generation_pb2.FlushCacheResponse(
+    def busy_flush_reply(running: int, waiting: int) -> engine_pb2.FlushReply:
+        return engine_pb2.FlushReply(
             flushed=False,
             message=(
                 f"Cache not flushed: {running} request(s) running and {waiting} waiting; "
@@ -448,13 +447,13 @@ class Scheduler:
             ),
         )
 
-    def flush_cache(self) -> generation_pb2.FlushCacheResponse:
+    def flush_cache(self) -> engine_pb2.FlushReply:
         if self.running or self.waiting:
             return self.busy_flush_reply(len(self.running), len(self.waiting))
         self.kv.flush()
         self.publish_stats()
         log.info("Cache flushed.")
-        return generation_pb2.FlushCacheResponse(flushed=True, message="Cache flushed.")
+        return engine_pb2.FlushReply(flushed=True, message="Cache flushed.")
 
     def publish_stats(self) -> None:
         """Refreshes the snapshot that control calls and gauges read without waiting for the loop."""

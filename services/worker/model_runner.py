@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from radixserve.internal.v1 import engine_pb2
-from radixserve.v1 import generation_pb2
 from services.common.config import WorkerConfig
 from services.common.transport import unpack_i32
 from services.worker.attention.base import AttentionBackend, AttentionMeta, get_backend
@@ -309,5 +308,5 @@ def _sampled_token(out: SampleOutput, j: int) -> engine_pb2.SampledToken:
         token.logprob.token_id = out.token_ids[j]
         token.logprob.logprob = out.logprobs[j]
         for tid, lp in out.top_logprobs[j] or []:
-            token.logprob.top.append(generation_pb2.TopLogprob(token_id=tid, logprob=lp))
+            token.logprob.top.append(engine_pb2.TopLogprob(token_id=tid, logprob=lp))
     return token

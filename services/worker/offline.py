@@ -11,7 +11,6 @@ Request i of a wave owns the contiguous KV slots
 from __future__ import annotations
 
 from radixserve.internal.v1 import engine_pb2
-from radixserve.v1 import generation_pb2
 from services.common.transport import pack_i32
 from services.worker.model_runner import ModelRunner
 
@@ -20,14 +19,14 @@ def generate(
     runner: ModelRunner,
     prompts: list[list[int]],
     max_new_tokens: int,
-    sampling: generation_pb2.SamplingParams | None = None,
+    sampling: engine_pb2.SamplingParams | None = None,
     stop_at_eos: bool = True,
 ) -> list[list[int]]:
     """The generated tokens of each prompt (an EOS token, when hit, is the last one).
 
     ``sampling`` None means greedy (the server's default for an unset temperature is 1.0)."""
     if sampling is None:
-        sampling = generation_pb2.SamplingParams(temperature=0.0)
+        sampling = engine_pb2.SamplingParams(temperature=0.0)
     info = runner.info()
     eos = set(info.eos_token_ids) if stop_at_eos else set()
     outputs: list[list[int]] = []

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.v1 import generation_pb2
+from radixserve.internal.v1 import engine_pb2
 
 _MASK64 = (1 << 64) - 1
 
@@ -47,7 +47,7 @@ class SamplingSpec:
     top_logprobs: int = 0
 
     @classmethod
-    def from_proto(cls, p: generation_pb2.SamplingParams | None) -> SamplingSpec:
+    def from_proto(cls, p: engine_pb2.SamplingParams | None) -> SamplingSpec:
         if p is None:
             return cls()
 
@@ -121,7 +121,7 @@ class Sampler:
         self.generator.manual_seed(random_seed)
 
     def reset_slot(
-        self, slot: int, params: generation_pb2.SamplingParams | None, output_ids: np.ndarray
+        self, slot: int, params: engine_pb2.SamplingParams | None, output_ids: np.ndarray
     ) -> None:
         """A request (new, or back after a retraction) takes ``slot``."""
         self.specs[slot] = SamplingSpec.from_proto(params)

@@ -13,7 +13,6 @@ import torch
 from conftest import load_hf_model, make_tiny_model
 
 from radixserve.internal.v1 import engine_pb2
-from radixserve.v1 import generation_pb2
 from services.common.config import WorkerConfig
 from services.common.transport import pack_i32
 from services.worker.model_runner import ModelRunner
@@ -110,7 +109,7 @@ class Job:
         if not self.started:
             req.is_new = True
             req.prefix_slots = pack_i32(self.slots[:start])
-            req.sampling.CopyFrom(generation_pb2.SamplingParams(temperature=0.0))
+            req.sampling.CopyFrom(engine_pb2.SamplingParams(temperature=0.0))
         self.started = True
         if self.done_prompt < len(self.prompt):
             self.done_prompt += len(ids)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.v1 import generation_pb2
+from radixserve.internal.v1 import engine_pb2
 from services.worker.sampling import Sampler, SamplingSpec, step_seed, unpack_mask
 
 VOCAB = 50
@@ -14,7 +14,7 @@ ROWS = 64
 
 
 def sampler_with(
-    params: generation_pb2.SamplingParams, rows: int = ROWS, output_ids=(), seed: int = 0
+    params: engine_pb2.SamplingParams, rows: int = ROWS, output_ids=(), seed: int = 0
 ) -> Sampler:
     s = Sampler(rows, VOCAB, torch.device("cpu"), random_seed=seed)
     for r in range(rows):
@@ -32,7 +32,7 @@ def draw(s: Sampler, logits: torch.Tensor, masks=None) -> list[int]:
 
 
 def test_defaults_of_unset_fields():
-    spec = SamplingSpec.from_proto(generation_pb2.SamplingParams())
+    spec = SamplingSpec.from_proto(engine_pb2.SamplingParams())
     assert (spec.temperature, spec.top_p, spec.top_k, spec.min_p) == (1.0, 1.0, 0, 0.0)
     assert (spec.repetition_penalty, spec.frequency_penalty, spec.presence_penalty) == (
         1.0,
@@ -44,12 +44,12 @@ def test_defaults_of_unset_fields():
 
 def test_temperature_zero_is_argmax():
     logits = logits_rows()
-    s = sampler_with(generation_pb2.SamplingParams(temperature=0.0))
+    s = sampler_with(engine_pb2.SamplingParams(temperature=0.0))
     assert draw(s, logits) == logits.argmax(-1).tolist()
 
 
 def test_same_seed_same_tokens_and_retraction_proof():
-    params = generation_pb2.SamplingParams(temperature=1.0, seed=1234)
+    params = engine_pb2.SamplingParams(temperature=1.0, seed=1234)
     logits = [logits_rows(4, seed=i) for i in range(6)]
     a, b = sampler_with(params, rows=4), sampler_with(params, rows=4, seed=99)
     run_a = [draw(a, x) for x in logits]
@@ -57,13 +57,13 @@ def test_same_seed_same_tokens_and_retraction_proof():
     # Back after a retraction with 3 tokens generated: step 3 onwards draws the same.
     c = sampler_with(params, rows=4, output_ids=[1, 2, 3])
     assert [draw(c, x) for x in logits[3:]] == run_a[3:]
-    other = sampler_with(generation_pb2.SamplingParams(temperature=1.0, seed=4321), rows=4)
+    other = sampler_with(engine_pb2.SamplingParams(temperature=1.0, seed=4321), rows=4)
     assert [draw(other, x) for x in logits] != run_a
     assert step_seed(1, 0) != step_seed(1, 1) != step_seed(2, 0)
 
 
 def test_sampling_covers_support_without_truncation():
-    s = sampler_with(generation_pb2.SamplingParams(temperature=1.0))
+    s = sampler_with(engine_pb2.SamplingParams(temperature=1.0))
     flat = torch.zeros(ROWS, VOCAB)
     seen = {t for _ in range(5) for t in draw(s, flat)}
     assert len(seen) > 25
@@ -72,9 +72,9 @@ def test_sampling_covers_support_without_truncation():
 @pytest.mark.parametrize(
     "params, allowed",
     [
-        (generation_pb2.SamplingParams(top_k=3), {0, 1, 2}),
-        (generation_pb2.SamplingParams(top_p=0.7), {0, 1}),  # 0.4 + 0.3 reaches 0.7
-        (generation_pb2.SamplingParams(min_p=0.5), {0, 1}),  # p >= 0.5 * 0.4
+        (engine_pb2.SamplingParams(top_k=3), {0, 1, 2}),
+        (engine_pb2.SamplingParams(top_p=0.7), {0, 1}),  # 0.4 + 0.3 reaches 0.7
+        (engine_pb2.SamplingParams(min_p=0.5), {0, 1}),  # p >= 0.5 * 0.4
     ],
 )
 def test_truncation_restricts_support(params, allowed):
@@ -86,7 +86,7 @@ def test_truncation_restricts_support(params, allowed):
 
 
 def test_penalties_change_logits_as_specified():
-    params = generation_pb2.SamplingParams(
+    params = engine_pb2.SamplingParams(
         repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
     )
     s = sampler_with(params, rows=1, output_ids=[3, 3, 3, 7])
@@ -100,7 +100,7 @@ def test_penalties_change_logits_as_specified():
 
 
 def test_penalty_counts_follow_generated_tokens():
-    s = sampler_with(generation_pb2.SamplingParams(temperature=0.0, presence_penalty=2.0), rows=1)
+    s = sampler_with(engine_pb2.SamplingParams(temperature=0.0, presence_penalty=2.0), rows=1)
     logits = torch.zeros(1, VOCAB)
     logits[0, 5], logits[0, 6] = 1.0, 0.5
     assert draw(s, logits) == [5]
@@ -114,15 +114,15 @@ def test_bitmask_is_respected():
     assert unpack_mask(packed, VOCAB).nonzero()[0].tolist() == [3, 17]
     logits = logits_rows(2)
     logits[:, 3], logits[:, 17] = -5.0, -6.0  # allowed, but far from the max
-    s = sampler_with(generation_pb2.SamplingParams(temperature=0.0), rows=2)
+    s = sampler_with(engine_pb2.SamplingParams(temperature=0.0), rows=2)
     assert draw(s, logits, [packed, b""]) == [3, int(logits[1].argmax())]
-    sampled = sampler_with(generation_pb2.SamplingParams(temperature=1.0))
+    sampled = sampler_with(engine_pb2.SamplingParams(temperature=1.0))
     seen = {t for _ in range(3) for t in draw(sampled, logits_rows(), [packed] * ROWS)}
     assert seen <= {3, 17}
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
-    params = generation_pb2.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)
+    params = engine_pb2.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)
     logits = logits_rows(3)
     out = sampler_with(params, rows=3).sample(logits, [0, 1, 2], [b""] * 3)
     ref = torch.log_softmax(logits, -1)
@@ -131,7 +131,7 @@ def test_logprobs_are_log_softmax_of_raw_logits():
         vals, ids = ref[i].topk(5)
         assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
         assert [v for _, v in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-6)
-    plain = sampler_with(generation_pb2.SamplingParams(temperature=0.0), rows=1).sample(
+    plain = sampler_with(engine_pb2.SamplingParams(temperature=0.0), rows=1).sample(
         logits[:1], [0], [b""]
     )
     assert plain.logprobs == [None] and plain.top_logprobs == [None]
@@ -151,7 +151,7 @@ def test_seeded_generation_ignores_batch_company(tiny_llama_dir):
             max_running_requests=4,
         )
     )
-    params = generation_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    params = engine_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     prompt, other = [5, 6, 7, 8], [40, 41]
     alone = generate(runner, [prompt], 10, params, stop_at_eos=False)[0]
     batched = generate(runner, [other, prompt], 10, params, stop_at_eos=False)[1]

@@ -8,7 +8,6 @@ import re
 import pytest
 
 from radixserve.internal.v1 import engine_pb2
-from radixserve.v1 import generation_pb2
 from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32
 from services.scheduler.scheduler import Scheduler
@@ -156,7 +155,7 @@ def test_eos_stops_unless_ignored():
         and got.completion_tokens == 1
         and got.matched_stop_token == first
     )
-    msg_sampling = generation_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    msg_sampling = engine_pb2.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     sched.add_request(
         FRONTEND,
         engine_pb2.TokenizedRequest(rid="b", input_ids=pack_i32(prompt), sampling=msg_sampling),

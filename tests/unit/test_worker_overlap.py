@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from radixserve.internal.v1 import engine_pb2
-from radixserve.v1 import generation_pb2
 from services.common.config import WorkerConfig
 from services.common.transport import pack_i32
 from services.worker.model_runner import ModelRunner
@@ -29,7 +28,7 @@ def _prefill(runner: ModelRunner) -> int:
         out_slots=pack_i32(range(1, 9)),
         is_new=True,
         sample=True,
-        sampling=generation_pb2.SamplingParams(temperature=0),
+        sampling=engine_pb2.SamplingParams(temperature=0),
     )
     return runner.forward(engine_pb2.ForwardBatch(batch_id=1, reqs=[req])).tokens[0].token_id
 

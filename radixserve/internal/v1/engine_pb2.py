@@ -22,10 +22,9 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from radixserve.v1 import generation_pb2 as radixserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#radixserve/internal/v1/engine.proto\x12\x16radixserve.internal.v1\x1a\x1eradixserve/v1/generation.proto\"\xbe\x02\n\x10TokenizedRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x01(\x0c\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.radixserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0c\x61rrival_time\x18\x07 \x01(\x01\x12Q\n\rtrace_context\x18\x08 \x03(\x0b\x32:.radixserve.internal.v1.TokenizedRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"+\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x92\x01\n\x13\x46rontendToScheduler\x12<\n\x08generate\x18\x01 \x01(\x0b\x32(.radixserve.internal.v1.TokenizedRequestH\x00\x12\x35\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32$.radixserve.internal.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\xc2\x02\n\nTokenDelta\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.radixserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0e\x66inish_message\x18\x05 \x01(\t\x12\x1a\n\x12matched_stop_token\x18\x06 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\x05\x12\x12\n\nqueue_time\x18\n \x01(\x01\x12\x14\n\x0cprefill_time\x18\x0b \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_time\x18\x0c \x01(\x01\x12\x12\n\nerror_code\x18\r \x01(\t\"J\n\x13SchedulerToFrontend\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".radixserve.internal.v1.TokenDelta\"\xb1\x02\n\x0e\x46orwardRequest\x12\x10\n\x08req_slot\x18\x01 \x01(\x05\x12\x11\n\tinput_ids\x18\x02 \x01(\x0c\x12\x12\n\nprefix_len\x18\x03 \x01(\x05\x12\x11\n\tout_slots\x18\x04 \x01(\x0c\x12\x0e\n\x06is_new\x18\x05 \x01(\x08\x12\x14\n\x0cprefix_slots\x18\x06 \x01(\x0c\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12/\n\x08sampling\x18\x08 \x01(\x0b\x32\x1d.radixserve.v1.SamplingParams\x12\x12\n\noutput_ids\x18\t \x01(\x0c\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x1a\n\x12\x61llowed_token_mask\x18\x0b \x01(\x0c\x12\x0b\n\x03rid\x18\x0c \x01(\t\x12\x18\n\x10use_last_sampled\x18\r \x01(\x08\"\x82\x02\n\x0c\x46orwardBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x11\n\tis_decode\x18\x02 \x01(\x08\x12\x34\n\x04reqs\x18\x03 \x03(\x0b\x32&.radixserve.internal.v1.ForwardRequest\x12M\n\rtrace_context\x18\x04 \x03(\x0b\x32\x36.radixserve.internal.v1.ForwardBatch.TraceContextEntry\x12\x13\n\x0btrace_links\x18\x05 \x03(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x0cSampledToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12,\n\x07logprob\x18\x02 \x01(\x0b\x32\x1b.radixserve.v1.TokenLogprob\"\xa9\x01\n\rForwardResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x34\n\x06tokens\x18\x02 \x03(\x0b\x32$.radixserve.internal.v1.SampledToken\x12\x14\n\x0c\x66orward_time\x18\x03 \x01(\x01\x12\x12\n\ncuda_graph\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x17\n\x0fworker_instance\x18\x06 \x01(\t\"\x13\n\x11WorkerInfoRequest\"\xa9\x03\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1c\n\x14max_total_num_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14max_running_requests\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x16\n\x0enum_parameters\x18\n \x01(\x03\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\r \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x0e \x01(\x05\x12\x10\n\x08head_dim\x18\x0f \x01(\x05\x12\x19\n\x11intermediate_size\x18\x10 \x01(\x05\x12\x15\n\reos_token_ids\x18\x11 \x03(\x05\x12\x13\n\x0binstance_id\x18\x12 \x01(\t\"\x8f\x01\n\x11SchedulerToWorker\x12\x37\n\x07\x66orward\x18\x01 \x01(\x0b\x32$.radixserve.internal.v1.ForwardBatchH\x00\x12\x39\n\x04info\x18\x02 \x01(\x0b\x32).radixserve.internal.v1.WorkerInfoRequestH\x00\x42\x06\n\x04kind\"\x88\x01\n\x11WorkerToScheduler\x12\x37\n\x06result\x18\x01 \x01(\x0b\x32%.radixserve.internal.v1.ForwardResultH\x00\x12\x32\n\x04info\x18\x02 \x01(\x0b\x32\".radixserve.internal.v1.WorkerInfoH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\x8a\x02\n\x0eSchedulerStats\x12\x1c\n\x14max_total_num_tokens\x18\x01 \x01(\x03\x12\x18\n\x10\x61vailable_tokens\x18\x02 \x01(\x03\x12\x18\n\x10\x65victable_tokens\x18\x03 \x01(\x03\x12\x18\n\x10protected_tokens\x18\x04 \x01(\x03\x12\x13\n\x0bused_tokens\x18\x05 \x01(\x03\x12\x18\n\x10num_running_reqs\x18\x06 \x01(\x05\x12\x16\n\x0enum_queue_reqs\x18\x07 \x01(\x05\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x32\n\x06worker\x18\t \x01(\x0b\x32\".radixserve.internal.v1.WorkerInfo2\xbf\x01\n\x10SchedulerControl\x12Q\n\nFlushCache\x12 .radixserve.v1.FlushCacheRequest\x1a!.radixserve.v1.FlushCacheResponse\x12X\n\x08GetStats\x12$.radixserve.internal.v1.StatsRequest\x1a&.radixserve.internal.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#radixserve/internal/v1/engine.proto\x12\x16radixserve.internal.v1\"\xe4\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x0f\n\r_top_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x03top\x18\x03 \x03(\x0b\x32\".radixserve.internal.v1.TopLogprob\"\xc7\x02\n\x10TokenizedRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x01(\x0c\x12\x38\n\x08sampling\x18\x03 \x01(\x0b\x32&.radixserve.internal.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0c\x61rrival_time\x18\x07 \x01(\x01\x12Q\n\rtrace_context\x18\x08 \x03(\x0b\x32:.radixserve.internal.v1.TokenizedRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"+\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x92\x01\n\x13\x46rontendToScheduler\x12<\n\x08generate\x18\x01 \x01(\x0b\x32(.radixserve.internal.v1.TokenizedRequestH\x00\x12\x35\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32$.radixserve.internal.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\xcb\x02\n\nTokenDelta\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x08logprobs\x18\x03 \x03(\x0b\x32$.radixserve.internal.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0e\x66inish_message\x18\x05 \x01(\t\x12\x1a\n\x12matched_stop_token\x18\x06 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\x05\x12\x12\n\nqueue_time\x18\n \x01(\x01\x12\x14\n\x0cprefill_time\x18\x0b \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_time\x18\x0c \x01(\x01\x12\x12\n\nerror_code\x18\r \x01(\t\"J\n\x13SchedulerToFrontend\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".radixserve.internal.v1.TokenDelta\"\xba\x02\n\x0e\x46orwardRequest\x12\x10\n\x08req_slot\x18\x01 \x01(\x05\x12\x11\n\tinput_ids\x18\x02 \x01(\x0c\x12\x12\n\nprefix_len\x18\x03 \x01(\x05\x12\x11\n\tout_slots\x18\x04 \x01(\x0c\x12\x0e\n\x06is_new\x18\x05 \x01(\x08\x12\x14\n\x0cprefix_slots\x18\x06 \x01(\x0c\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x38\n\x08sampling\x18\x08 \x01(\x0b\x32&.radixserve.internal.v1.SamplingParams\x12\x12\n\noutput_ids\x18\t \x01(\x0c\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x1a\n\x12\x61llowed_token_mask\x18\x0b \x01(\x0c\x12\x0b\n\x03rid\x18\x0c \x01(\t\x12\x18\n\x10use_last_sampled\x18\r \x01(\x08\"\x82\x02\n\x0c\x46orwardBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x11\n\tis_decode\x18\x02 \x01(\x08\x12\x34\n\x04reqs\x18\x03 \x03(\x0b\x32&.radixserve.internal.v1.ForwardRequest\x12M\n\rtrace_context\x18\x04 \x03(\x0b\x32\x36.radixserve.internal.v1.ForwardBatch.TraceContextEntry\x12\x13\n\x0btrace_links\x18\x05 \x03(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"W\n\x0cSampledToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x35\n\x07logprob\x18\x02 \x01(\x0b\x32$.radixserve.internal.v1.TokenLogprob\"\xa9\x01\n\rForwardResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x34\n\x06tokens\x18\x02 \x03(\x0b\x32$.radixserve.internal.v1.SampledToken\x12\x14\n\x0c\x66orward_time\x18\x03 \x01(\x01\x12\x12\n\ncuda_graph\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x17\n\x0fworker_instance\x18\x06 \x01(\t\"\x13\n\x11WorkerInfoRequest\"\xa9\x03\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1c\n\x14max_total_num_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14max_running_requests\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\t \x01(\t\x12\x16\n\x0enum_parameters\x18\n \x01(\x03\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\r \x01(\x05\x12\x1b\n\x13num_key_value_heads\x18\x0e \x01(\x05\x12\x10\n\x08head_dim\x18\x0f \x01(\x05\x12\x19\n\x11intermediate_size\x18\x10 \x01(\x05\x12\x15\n\reos_token_ids\x18\x11 \x03(\x05\x12\x13\n\x0binstance_id\x18\x12 \x01(\t\"\x8f\x01\n\x11SchedulerToWorker\x12\x37\n\x07\x66orward\x18\x01 \x01(\x0b\x32$.radixserve.internal.v1.ForwardBatchH\x00\x12\x39\n\x04info\x18\x02 \x01(\x0b\x32).radixserve.internal.v1.WorkerInfoRequestH\x00\x42\x06\n\x04kind\"\x88\x01\n\x11WorkerToScheduler\x12\x37\n\x06result\x18\x01 \x01(\x0b\x32%.radixserve.internal.v1.ForwardResultH\x00\x12\x32\n\x04info\x18\x02 \x01(\x0b\x32\".radixserve.internal.v1.WorkerInfoH\x00\x42\x06\n\x04kind\"\x0e\n\x0c\x46lushRequest\".\n\nFlushReply\x12\x0f\n\x07\x66lushed\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\x8a\x02\n\x0eSchedulerStats\x12\x1c\n\x14max_total_num_tokens\x18\x01 \x01(\x03\x12\x18\n\x10\x61vailable_tokens\x18\x02 \x01(\x03\x12\x18\n\x10\x65victable_tokens\x18\x03 \x01(\x03\x12\x18\n\x10protected_tokens\x18\x04 \x01(\x03\x12\x13\n\x0bused_tokens\x18\x05 \x01(\x03\x12\x18\n\x10num_running_reqs\x18\x06 \x01(\x05\x12\x16\n\x0enum_queue_reqs\x18\x07 \x01(\x05\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x32\n\x06worker\x18\t \x01(\x0b\x32\".radixserve.internal.v1.WorkerInfo2\xc4\x01\n\x10SchedulerControl\x12V\n\nFlushCache\x12$.radixserve.internal.v1.FlushRequest\x1a\".radixserve.internal.v1.FlushReply\x12X\n\x08GetStats\x12$.radixserve.internal.v1.StatsRequest\x1a&.radixserve.internal.v1.SchedulerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,40 +35,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZEDREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_TOKENIZEDREQUEST']._serialized_start=96
-  _globals['_TOKENIZEDREQUEST']._serialized_end=414
-  _globals['_TOKENIZEDREQUEST_TRACECONTEXTENTRY']._serialized_start=363
-  _globals['_TOKENIZEDREQUEST_TRACECONTEXTENTRY']._serialized_end=414
-  _globals['_ABORTREQUEST']._serialized_start=416
-  _globals['_ABORTREQUEST']._serialized_end=459
-  _globals['_FRONTENDTOSCHEDULER']._serialized_start=462
-  _globals['_FRONTENDTOSCHEDULER']._serialized_end=608
-  _globals['_TOKENDELTA']._serialized_start=611
-  _globals['_TOKENDELTA']._serialized_end=933
-  _globals['_SCHEDULERTOFRONTEND']._serialized_start=935
-  _globals['_SCHEDULERTOFRONTEND']._serialized_end=1009
-  _globals['_FORWARDREQUEST']._serialized_start=1012
-  _globals['_FORWARDREQUEST']._serialized_end=1317
-  _globals['_FORWARDBATCH']._serialized_start=1320
-  _globals['_FORWARDBATCH']._serialized_end=1578
-  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_start=363
-  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_end=414
-  _globals['_SAMPLEDTOKEN']._serialized_start=1580
-  _globals['_SAMPLEDTOKEN']._serialized_end=1658
-  _globals['_FORWARDRESULT']._serialized_start=1661
-  _globals['_FORWARDRESULT']._serialized_end=1830
-  _globals['_WORKERINFOREQUEST']._serialized_start=1832
-  _globals['_WORKERINFOREQUEST']._serialized_end=1851
-  _globals['_WORKERINFO']._serialized_start=1854
-  _globals['_WORKERINFO']._serialized_end=2279
-  _globals['_SCHEDULERTOWORKER']._serialized_start=2282
-  _globals['_SCHEDULERTOWORKER']._serialized_end=2425
-  _globals['_WORKERTOSCHEDULER']._serialized_start=2428
-  _globals['_WORKERTOSCHEDULER']._serialized_end=2564
-  _globals['_STATSREQUEST']._serialized_start=2566
-  _globals['_STATSREQUEST']._serialized_end=2580
-  _globals['_SCHEDULERSTATS']._serialized_start=2583
-  _globals['_SCHEDULERSTATS']._serialized_end=2849
-  _globals['_SCHEDULERCONTROL']._serialized_start=2852
-  _globals['_SCHEDULERCONTROL']._serialized_end=3043
+  _globals['_SAMPLINGPARAMS']._serialized_start=64
+  _globals['_SAMPLINGPARAMS']._serialized_end=548
+  _globals['_TOPLOGPROB']._serialized_start=550
+  _globals['_TOPLOGPROB']._serialized_end=597
+  _globals['_TOKENLOGPROB']._serialized_start=599
+  _globals['_TOKENLOGPROB']._serialized_end=697
+  _globals['_TOKENIZEDREQUEST']._serialized_start=700
+  _globals['_TOKENIZEDREQUEST']._serialized_end=1027
+  _globals['_TOKENIZEDREQUEST_TRACECONTEXTENTRY']._serialized_start=976
+  _globals['_TOKENIZEDREQUEST_TRACECONTEXTENTRY']._serialized_end=1027
+  _globals['_ABORTREQUEST']._serialized_start=1029
+  _globals['_ABORTREQUEST']._serialized_end=1072
+  _globals['_FRONTENDTOSCHEDULER']._serialized_start=1075
+  _globals['_FRONTENDTOSCHEDULER']._serialized_end=1221
+  _globals['_TOKENDELTA']._serialized_start=1224
+  _globals['_TOKENDELTA']._serialized_end=1555
+  _globals['_SCHEDULERTOFRONTEND']._serialized_start=1557
+  _globals['_SCHEDULERTOFRONTEND']._serialized_end=1631
+  _globals['_FORWARDREQUEST']._serialized_start=1634
+  _globals['_FORWARDREQUEST']._serialized_end=1948
+  _globals['_FORWARDBATCH']._serialized_start=1951
+  _globals['_FORWARDBATCH']._serialized_end=2209
+  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_start=976
+  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_end=1027
+  _globals['_SAMPLEDTOKEN']._serialized_start=2211
+  _globals['_SAMPLEDTOKEN']._serialized_end=2298
+  _globals['_FORWARDRESULT']._serialized_start=2301
+  _globals['_FORWARDRESULT']._serialized_end=2470
+  _globals['_WORKERINFOREQUEST']._serialized_start=2472
+  _globals['_WORKERINFOREQUEST']._serialized_end=2491
+  _globals['_WORKERINFO']._serialized_start=2494
+  _globals['_WORKERINFO']._serialized_end=2919
+  _globals['_SCHEDULERTOWORKER']._serialized_start=2922
+  _globals['_SCHEDULERTOWORKER']._serialized_end=3065
+  _globals['_WORKERTOSCHEDULER']._serialized_start=3068
+  _globals['_WORKERTOSCHEDULER']._serialized_end=3204
+  _globals['_FLUSHREQUEST']._serialized_start=3206
+  _globals['_FLUSHREQUEST']._serialized_end=3220
+  _globals['_FLUSHREPLY']._serialized_start=3222
+  _globals['_FLUSHREPLY']._serialized_end=3268
+  _globals['_STATSREQUEST']._serialized_start=3270
+  _globals['_STATSREQUEST']._serialized_end=3284
+  _globals['_SCHEDULERSTATS']._serialized_start=3287
+  _globals['_SCHEDULERSTATS']._serialized_end=3553
+  _globals['_SCHEDULERCONTROL']._serialized_start=3556
+  _globals['_SCHEDULERCONTROL']._serialized_end=3752
 # @@protoc_insertion_point(module_scope)

@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from radixserve.internal.v1 import engine_pb2 as radixserve_dot_internal_dot_v1_dot_engine__pb2
-from radixserve.v1 import generation_pb2 as radixserve_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -39,8 +38,8 @@ class SchedulerControlStub:
         """
         self.FlushCache = channel.unary_unary(
                 '/radixserve.internal.v1.SchedulerControl/FlushCache',
-                request_serializer=radixserve_dot_v1_dot_generation__pb2.FlushCacheRequest.SerializeToString,
-                response_deserializer=radixserve_dot_v1_dot_generation__pb2.FlushCacheResponse.FromString,
+                request_serializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.FlushRequest.SerializeToString,
+                response_deserializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.FlushReply.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/radixserve.internal.v1.SchedulerControl/GetStats',
@@ -71,8 +70,8 @@ def add_SchedulerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'FlushCache': grpc.unary_unary_rpc_method_handler(
                     servicer.FlushCache,
-                    request_deserializer=radixserve_dot_v1_dot_generation__pb2.FlushCacheRequest.FromString,
-                    response_serializer=radixserve_dot_v1_dot_generation__pb2.FlushCacheResponse.SerializeToString,
+                    request_deserializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.FlushRequest.FromString,
+                    response_serializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.FlushReply.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -107,8 +106,8 @@ class SchedulerControl:
             request,
             target,
             '/radixserve.internal.v1.SchedulerControl/FlushCache',
-            radixserve_dot_v1_dot_generation__pb2.FlushCacheRequest.SerializeToString,
-            radixserve_dot_v1_dot_generation__pb2.FlushCacheResponse.FromString,
+            radixserve_dot_internal_dot_v1_dot_engine__pb2.FlushRequest.SerializeToString,
+            radixserve_dot_internal_dot_v1_dot_engine__pb2.FlushReply.FromString,
             options,
             channel_credentials,
             insecure,

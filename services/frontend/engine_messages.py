@@ -1,0 +1,52 @@
+"""Public API messages <-> the engine's own (radixserve.internal.v1), converted once here.
+
+The engine never imports the public proto, so a field added to the public API touches only
+the frontend. Stop strings stay behind: the engine sees token ids, never text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from radixserve.internal.v1 import engine_pb2
+from radixserve.v1 import generation_pb2 as pb
+
+# Fields with the same name and meaning on both sides (optional ones stay unset when unset).
+_SAMPLING_OPTIONAL = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "top_logprobs",
+)
+
+
+def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:
+    """The engine's copy of validated public sampling params (stop strings excluded)."""
+    out = engine_pb2.SamplingParams(
+        stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, logprobs=sp.logprobs
+    )
+    for name in _SAMPLING_OPTIONAL:
+        if sp.HasField(name):
+            setattr(out, name, getattr(sp, name))
+    return out
+
+
+def logprobs_to_public(lps: Iterable[engine_pb2.TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+        )
+        for lp in lps
+    ]
+
+
+def flush_to_public(reply: engine_pb2.FlushReply) -> pb.FlushCacheResponse:
+    return pb.FlushCacheResponse(flushed=reply.flushed, message=reply.message)
