@@ -101,7 +101,9 @@ class EngineClient:
     async def start(self) -> None:
         identity = f"frontend-{uuid.uuid4().hex[:12]}".encode()
         for addr in self._addrs:
-            self._socks.append(transport.dealer(self._ctx, addr, identity=identity))
+            sock = transport.dealer(self._ctx, addr, identity=identity)
+            assert isinstance(sock, zmq.asyncio.Socket)  # an asyncio context makes asyncio sockets
+            self._socks.append(sock)
         for addr in self._control_addrs:
             channel = grpc.aio.insecure_channel(addr)
             self._channels.append(channel)
@@ -121,7 +123,9 @@ class EngineClient:
 
     # ---- requests ----------------------------------------------------------------
 
-    def submit(self, req: engine_pb2.TokenizedRequest, input_ids: Sequence[int]) -> asyncio.Queue:
+    def submit(
+        self, req: engine_pb2.TokenizedRequest, input_ids: Sequence[int]
+    ) -> asyncio.Queue[engine_pb2.TokenDelta]:
         """Sends the request to its engine; returns the queue its TokenDeltas arrive on."""
         if req.rid in self._queues:
             raise DuplicateRequestError(req.rid)
@@ -206,13 +210,15 @@ class EngineClient:
             s.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        down = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+        stats = [r for r in results if not isinstance(r, BaseException)]
+        down = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
         if down:
-            log.debug("engines %s not answering: %s", down, _error_text(results[down[0]]))
-            for i in down:
-                self._fail_requests(i, f"engine {i} is not answering ({_error_text(results[i])})")
+            first = next(iter(down))
+            log.debug("engines %s not answering: %s", list(down), _error_text(down[first]))
+            for i, err in down.items():
+                self._fail_requests(i, f"engine {i} is not answering ({_error_text(err)})")
             return False
-        self.info = self._info_from(results)
+        self.info = self._info_from(stats)
         return True
 
     def _fail_requests(self, engine: int, message: str) -> None:

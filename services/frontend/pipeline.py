@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,7 +21,7 @@ from radixserve.internal.v1 import engine_pb2
 from radixserve.v1 import generation_pb2 as pb
 from services.common.transport import pack_i32
 from services.frontend.detokenizer import IncrementalDetokenizer
-from services.frontend.engine_client import DuplicateRequestError, EngineClient
+from services.frontend.engine_client import DuplicateRequestError, EngineClient, EngineInfo
 from services.frontend.engine_messages import (
     flush_to_public,
     logprobs_to_public,
@@ -39,6 +39,8 @@ from services.frontend.validation import (
 )
 
 log = logging.getLogger(__name__)
+
+_Deltas = asyncio.Queue[engine_pb2.TokenDelta]  # one request's deltas, from its engine
 
 # How long a stop-string finish waits for the scheduler's closing delta (counts, timings).
 FINAL_DELTA_WAIT_S = 0.5
@@ -76,6 +78,17 @@ class _Progress:
             self.last = delta
 
 
+@dataclass
+class _InFlight:
+    """A submitted request, as its response stream needs it."""
+
+    treq: engine_pb2.TokenizedRequest
+    stop: list[str]  # stop strings: the engine never sees text, so the frontend applies them
+    ids: list[int]  # the prompt
+    queue: _Deltas
+    arrival: float
+
+
 class Frontend:
     def __init__(
         self,
@@ -103,8 +116,7 @@ class Frontend:
         return self.engines.info.max_model_len if self.engines.info else 0
 
     def model_info(self) -> pb.GetModelInfoResponse:
-        self._require_ready()
-        info = self.engines.info
+        info = self._require_ready()
         return pb.GetModelInfoResponse(
             model_id=self.model_id,
             max_model_len=info.max_model_len,
@@ -117,7 +129,7 @@ class Frontend:
 
     def _encode(self, req: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
         kind = req.WhichOneof("input")
-        if kind == "input_ids":
+        if kind == "input_ids" and isinstance(req, pb.GenerateRequest):  # Tokenize has no ids
             return list(req.input_ids.ids)
         if kind == "text":
             return self.tokenizer.encode(req.text)
@@ -137,11 +149,14 @@ class Frontend:
     async def flush_cache(self) -> pb.FlushCacheResponse:
         return flush_to_public(await self.engines.flush_cache())
 
-    def _require_ready(self) -> None:
-        if not self.engines.ready:
+    def _require_ready(self) -> EngineInfo:
+        """What the engines said about themselves; refuses while they have not answered."""
+        info = self.engines.info
+        if not self.engines.ready or info is None:
             raise FrontendError(
                 grpc.StatusCode.UNAVAILABLE, "the engines are not ready yet; retry shortly"
             )
+        return info
 
     # ---- generate ----------------------------------------------------------------
 
@@ -168,7 +183,7 @@ class Frontend:
 
     def open(
         self, req: pb.GenerateRequest, caller_trace: Mapping[str, str] | None = None
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Validates and submits now (raising FrontendError); returns the response stream.
 
         The caller must iterate the stream (or ``aclose`` it): its end releases the request.
@@ -185,9 +200,9 @@ class Frontend:
             self.metrics.on_error(e.code.name)
             span.finish(req.request_id, None, e.code.name)
             raise
-        return self._run(treq, list(req.sampling.stop), ids, queue, arrival, span)
+        return self._run(_InFlight(treq, list(req.sampling.stop), ids, queue, arrival), span)
 
-    def _submit(self, treq: engine_pb2.TokenizedRequest, ids: list[int]) -> asyncio.Queue:
+    def _submit(self, treq: engine_pb2.TokenizedRequest, ids: list[int]) -> _Deltas:
         try:
             return self.engines.submit(treq, ids)
         except DuplicateRequestError as e:
@@ -203,17 +218,18 @@ class Frontend:
             yield resp
 
     async def _run(
-        self, treq, stop: list[str], ids, queue, arrival, span: RequestSpan
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        final, error, last_t = None, "CANCELLED", None
+        self, job: _InFlight, span: RequestSpan
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        final: pb.GenerateResponse | None = None
+        error = "CANCELLED"
+        last_t: float | None = None
         try:
             # One child span for the whole response: detokenizing and streaming every delta.
             with span.child("stream"):
-                async for resp in self._stream(treq, stop, ids, queue, arrival):
+                async for resp in self._stream(job):
                     now = time.time()
-                    self.metrics.on_tokens(
-                        len(resp.token_ids), now - arrival, None if last_t is None else now - last_t
-                    )
+                    since_last = None if last_t is None else now - last_t
+                    self.metrics.on_tokens(len(resp.token_ids), now - job.arrival, since_last)
                     last_t = now
                     if resp.finish_reason:
                         final, error = resp, ""
@@ -225,16 +241,15 @@ class Frontend:
             raise
         finally:
             if final is None:  # cancelled, disconnected or failed: free the engine's work now
-                self.engines.abort(treq.rid, "cancelled by the client")
-            self.engines.release(treq.rid)
-            span.finish(treq.rid, final, error)
+                self.engines.abort(job.treq.rid, "cancelled by the client")
+            self.engines.release(job.treq.rid)
+            span.finish(job.treq.rid, final, error)
 
-    async def _stream(
-        self, treq, stop: list[str], ids, queue, arrival
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _stream(self, job: _InFlight) -> AsyncIterator[pb.GenerateResponse]:
+        treq, ids, queue, arrival = job.treq, job.ids, job.queue, job.arrival
         sp = treq.sampling
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
-        stops = StopStringMatcher(stop)
+        stops = StopStringMatcher(job.stop)
         progress = _Progress()
         while True:
             delta: engine_pb2.TokenDelta = await queue.get()
@@ -284,7 +299,7 @@ class Frontend:
 
     @staticmethod
     def _finish(
-        resp,
+        resp: pb.GenerateResponse,
         reason: str,
         matched: str,
         prompt_len: int,
@@ -308,7 +323,7 @@ class Frontend:
         )
 
 
-async def _final_delta(queue: asyncio.Queue) -> engine_pb2.TokenDelta | None:
+async def _final_delta(queue: _Deltas) -> engine_pb2.TokenDelta | None:
     """The scheduler's closing delta after an abort, or None if it is slow to come."""
     try:
         async with asyncio.timeout(FINAL_DELTA_WAIT_S):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -10,6 +11,8 @@ from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
 from services.frontend.pipeline import Frontend, FrontendError
 from services.frontend.spans import carrier_from
+
+_T = TypeVar("_T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -31,23 +34,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        try:
-            return self._fe.tokenize(request)
-        except FrontendError as e:
-            await context.abort(e.code, e.message)
+        return await _unary(context, lambda: self._fe.tokenize(request))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
-        try:
-            return self._fe.model_info()
-        except FrontendError as e:
-            await context.abort(e.code, e.message)
+        return await _unary(context, self._fe.model_info)
 
     async def FlushCache(
         self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.FlushCacheResponse:
         return await self._fe.flush_cache()
+
+
+async def _unary(context: grpc.aio.ServicerContext, call: Callable[[], _T]) -> _T:
+    """The answer of ``call``, or its FrontendError as the call's gRPC status."""
+    try:
+        return call()
+    except FrontendError as e:
+        await context.abort(e.code, e.message)
+        raise  # not reached: abort raises, but its stub does not say so
 
 
 def add_generation_servicer(server: grpc.aio.Server, frontend: Frontend) -> None:

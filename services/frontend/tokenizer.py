@@ -52,14 +52,18 @@ class Tokenizer:
         if self.hf.chat_template is None:
             raise ValueError("the model has no chat template; send text or input_ids")
         conv = [{"role": role, "content": content} for role, content in messages]
-        return self.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert isinstance(text, str)  # tokenize=False: the rendered text, never ids
+        return text
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         # The template already writes BOS and friends: add nothing more.
         return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         return [t if t is not None else "" for t in self.hf.convert_ids_to_tokens(list(ids))]

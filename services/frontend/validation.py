@@ -90,7 +90,7 @@ def validate_input(req: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int
         raise ValidationError("input", "one of text, input_ids or messages is required")
     if kind == "text" and not req.text:
         raise ValidationError("text", "the prompt is empty")
-    if kind == "input_ids":
+    if kind == "input_ids" and isinstance(req, pb.GenerateRequest):  # Tokenize has no ids
         if not req.input_ids.ids:
             raise ValidationError("input_ids", "the prompt is empty")
         _check_token_ids("input_ids.ids", req.input_ids.ids, vocab_size)
@@ -121,10 +121,12 @@ def validate_length(prompt_len: int, sp: pb.SamplingParams, max_model_len: int) 
     if prompt_len >= max_model_len:
         raise ValidationError(
             "input",
-            f"the prompt has {prompt_len} tokens; the model's context is {max_model_len} (max_model_len)",
+            f"the prompt has {prompt_len} tokens; "
+            f"the model's context is {max_model_len} (max_model_len)",
         )
     if sp.HasField("max_tokens") and prompt_len + sp.max_tokens > max_model_len:
         raise ValidationError(
             "sampling.max_tokens",
-            f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) exceeds max_model_len {max_model_len}",
+            f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) "
+            f"exceeds max_model_len {max_model_len}",
         )

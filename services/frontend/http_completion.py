@@ -1,0 +1,114 @@
+"""The one path every generating HTTP route takes: submit, then stream or answer whole.
+
+A route turns its body into a public GenerateRequest and picks a Renderer, the shape of its
+answers; everything else is done here the same way for every route: the request is opened
+on the Frontend (the same pipeline as gRPC) under the caller's trace context, then either
+streamed as server-sent events (the Renderer's chunks, ``data: [DONE]`` last) or collected
+into one JSON answer. OpenAI's completions and chat use it; SGLang's native ``/generate``
+needs only its own Renderer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from radixserve.v1 import generation_pb2 as pb
+from services.frontend.openai_protocol import ApiError, api_error
+from services.frontend.pipeline import Frontend, FrontendError
+from services.frontend.spans import carrier_from
+
+Responses = AsyncGenerator[pb.GenerateResponse, None]
+
+
+class Renderer(Protocol):
+    """One API's shape of a generation, fresh for each request (it may keep state)."""
+
+    input_param: str  # the body field that an error about the prompt names
+
+    def opening(self) -> list[BaseModel]:
+        """Chunks a stream starts with, before any token."""
+        ...
+
+    def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
+        """Chunks for one streamed response (none if it carries nothing worth sending)."""
+        ...
+
+    def whole(
+        self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
+    ) -> BaseModel:
+        """The answer to a request that did not ask to stream."""
+        ...
+
+
+async def complete(
+    frontend: Frontend, req: pb.GenerateRequest, renderer: Renderer, http: Request, stream: bool
+) -> Response:
+    """Runs one generation for an HTTP caller: an SSE stream, or one JSON answer.
+
+    The request is submitted before this returns, so a bad one fails with its own status
+    (ApiError) even when it asked to stream; later failures end the stream with an error
+    event, as OpenAI's clients expect.
+    """
+    responses = _open(frontend, req, renderer.input_param, http)
+    if stream:
+        return StreamingResponse(_events(responses, renderer), media_type="text/event-stream")
+    text, lps, final = await _collect(responses, renderer.input_param)
+    return JSONResponse(_payload(renderer.whole(text, lps, final)))
+
+
+def _open(
+    frontend: Frontend, req: pb.GenerateRequest, input_param: str, http: Request
+) -> Responses:
+    """Submits under the caller's W3C trace headers, so the request's spans join its trace."""
+    try:
+        return frontend.open(req, carrier_from(http.headers.items()))
+    except FrontendError as e:
+        raise api_error(e, input_param) from e
+
+
+async def _collect(
+    responses: AsyncIterator[pb.GenerateResponse], input_param: str
+) -> tuple[str, list[pb.TokenLogprob], pb.GenerateResponse]:
+    """Runs a request to its end: its text, its token logprobs and its last response."""
+    text: list[str] = []
+    lps: list[pb.TokenLogprob] = []
+    final: pb.GenerateResponse | None = None
+    try:
+        async for final in responses:
+            text.append(final.text)
+            lps.extend(final.logprobs)
+    except FrontendError as e:
+        raise api_error(e, input_param) from e
+    if final is None:  # the pipeline always ends with a response or an error
+        raise ApiError(500, "the generation ended without a response", kind="server_error")
+    return "".join(text), lps, final
+
+
+async def _events(responses: Responses, renderer: Renderer) -> AsyncIterator[str]:
+    """Server-sent events: the renderer's chunks, an error as the last one, then [DONE]."""
+    try:
+        for chunk in renderer.opening():
+            yield _sse(_payload(chunk))
+        async for resp in responses:
+            for chunk in renderer.chunks(resp):
+                yield _sse(_payload(chunk))
+    except FrontendError as e:
+        yield _sse(api_error(e, renderer.input_param).body())
+    finally:
+        await responses.aclose()  # a client that went away aborts the request
+    yield "data: [DONE]\n\n"
+
+
+def _payload(answer: BaseModel) -> dict[str, Any]:
+    # Unset fields are absent rather than null (a chunk's usage, a later delta's role).
+    return answer.model_dump(exclude_unset=True)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,528 @@
+"""OpenAI's HTTP protocol: its request bodies, answers, stream chunks and errors, and the
+mapping between them and the public ``radixserve.v1`` messages.
+
+Everything OpenAI-shaped lives here, so the routes (http_api.py) and the shared completion
+path (http_completion.py) hold no OpenAI field names. A body becomes the same
+GenerateRequest a gRPC client sends, so validation, routing and the radix cache behave the
+same through either door; GenerateResponses become OpenAI's answers and chunks. Errors take
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixserve.v1 import generation_pb2 as pb
+from services.frontend.pipeline import FrontendError
+from services.frontend.tokenizer import Tokenizer
+
+# ---- errors -------------------------------------------------------------------------
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error, not_found_error or server_error
+    param: str | None  # the body field at fault, for clients that highlight it
+    code: str | None  # always null: the HTTP status says it
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: raised anywhere below a route, answered by the app."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict[str, Any]:
+        detail = ErrorDetail(message=self.message, type=self.kind, param=self.param, code=None)
+        return ErrorResponse(error=detail).model_dump()
+
+
+def _param_of(field: str | None, input_param: str) -> str | None:
+    """The OpenAI parameter behind a GenerateRequest field path (``sampling.top_p``)."""
+    if field is None:
+        return None
+    head = field.split(".", 1)[0].split("[", 1)[0]
+    if head in ("input", "text", "input_ids", "messages"):
+        return input_param
+    if head == "sampling":
+        return field.split(".", 1)[1].split("[", 1)[0]
+    return head
+
+
+def api_error(e: FrontendError, input_param: str) -> ApiError:
+    """A pipeline failure as OpenAI's error; ``input_param`` takes the blame for the prompt."""
+    status = _HTTP_STATUS.get(e.code, 500)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, e.message, _param_of(e.field, input_param), kind)
+
+
+def body_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """A body that does not parse: 400 naming the first bad field, not FastAPI's 422."""
+    err: Mapping[str, Any] = errors[0] if errors else {}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid body')}"
+    return ApiError(400, message, loc[0] if loc else None)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 for a model this server does not serve; an empty ``model`` means the served one."""
+    if requested and requested != served:
+        raise ApiError(
+            404,
+            f"The model {requested!r} does not exist; this server serves {served!r}",
+            "model",
+            "not_found_error",
+        )
+
+
+# ---- request bodies (unknown OpenAI fields are accepted and ignored) -----------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None
+    # Beyond OpenAI (as vLLM and SGLang accept them).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @property
+    def include_usage(self) -> bool:
+        """A stream ends with a usage chunk only when the client asks for it."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, description="top alternatives per token, [0, 20]")
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# ---- OpenAI body -> GenerateRequest --------------------------------------------------
+
+
+def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
+    """The public SamplingParams; only the limits the proto cannot state are checked here."""
+    if body.n != 1:
+        raise ApiError(400, f"n must be 1 (got {body.n}); send one request per completion", "n")
+    if body.seed is not None and not 0 <= body.seed < 2**64:
+        raise ApiError(400, f"seed must be in [0, 2^64), got {body.seed}", "seed")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    sp = pb.SamplingParams(
+        stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos
+    )
+    optional = {
+        "max_tokens": max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "seed": body.seed,
+        "repetition_penalty": body.repetition_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+    }
+    for name, value in optional.items():
+        if value is not None:  # unset stays unset: the engine applies its own default
+            setattr(sp, name, value)
+    return sp
+
+
+def _request(body: _SamplingBody, sp: pb.SamplingParams) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=body.request_id or "",
+        sampling=sp,
+        priority=body.priority,
+        cache_salt=body.cache_salt or "",
+    )
+
+
+def _one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
+    """OpenAI's four prompt forms cut down to one prompt: text or token ids.
+
+    The body's type already made a list all ints or all prompts, so splitting by kind tells
+    which it is.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    ids = [p for p in prompt if isinstance(p, int)]
+    if len(ids) == len(prompt):
+        return ids
+    batch = [p for p in prompt if not isinstance(p, int)]
+    if len(batch) != 1:
+        raise ApiError(
+            400, "batches of prompts are not supported; send one prompt per request", "prompt"
+        )
+    return batch[0]
+
+
+def completion_to_request(body: CompletionRequest) -> pb.GenerateRequest:
+    """A completions body as the public request; ``logprobs: k`` asks for k alternatives."""
+    if body.echo:
+        raise ApiError(400, "echo is not supported", "echo")
+    req = _request(body, _sampling(body, body.max_tokens))
+    if body.logprobs is not None:
+        req.sampling.logprobs = True
+        req.sampling.top_logprobs = body.logprobs
+    prompt = _one_prompt(body.prompt)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.input_ids.ids.extend(prompt)
+    return req
+
+
+def _content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's text; content parts are joined, and only text parts are served."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ApiError(
+                400, f"only text content parts are supported, got {part.get('type')!r}", "messages"
+            )
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def chat_to_request(body: ChatCompletionRequest) -> pb.GenerateRequest:
+    """A chat body as the public request: messages, which the frontend's chat template renders.
+
+    ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``.
+    """
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    req = _request(body, _sampling(body, max_tokens))
+    req.sampling.logprobs = body.logprobs
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        req.sampling.top_logprobs = body.top_logprobs
+    req.messages.SetInParent()  # an empty list stays "messages", which validation refuses
+    for m in body.messages:
+        req.messages.messages.add(role=m.role, content=_content_text(m.content))
+    return req
+
+
+# ---- answers and chunks --------------------------------------------------------------
+# The completion path sends answers and chunks with exclude_unset: a field left unset
+# (``usage`` before the last chunk, a delta's ``role`` after the first) is absent, as in
+# OpenAI's answers, not null. The model list is sent whole, defaults included.
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "radixserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, final: pb.GenerateResponse) -> Usage:
+        """From a request's last response, the only one that carries the counts."""
+        return cls(
+            prompt_tokens=final.prompt_tokens,
+            completion_tokens=final.completion_tokens,
+            total_tokens=final.prompt_tokens + final.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens),
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatLogprob):
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None  # on the first chunk only
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class AssistantMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class _Answer(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class Completion(_Answer):
+    """A whole completions answer, and each of its stream's chunks (OpenAI uses one shape)."""
+
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(_Answer):
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletion(_Answer):
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+# ---- GenerateResponse -> answers -----------------------------------------------------
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    # Special tokens too: a logprob belongs to the token the model chose, whatever it is.
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, lps: Sequence[pb.TokenLogprob]
+) -> CompletionLogprobs | None:
+    """Completions' logprobs: parallel lists, alternatives as {token: logprob}; None if none."""
+    if not lps:
+        return None
+    return CompletionLogprobs(
+        tokens=[_token_text(tokenizer, lp.token_id) for lp in lps],
+        token_logprobs=[lp.logprob for lp in lps],
+        top_logprobs=[
+            {_token_text(tokenizer, t.token_id): t.logprob for t in lp.top} for lp in lps
+        ],
+    )
+
+
+def _chat_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> ChatLogprob:
+    token = _token_text(tokenizer, token_id)
+    return ChatLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+def _chat_token(tokenizer: Tokenizer, lp: pb.TokenLogprob) -> ChatTokenLogprob:
+    token = _token_text(tokenizer, lp.token_id)
+    top = [_chat_logprob(tokenizer, t.token_id, t.logprob) for t in lp.top]
+    return ChatTokenLogprob(
+        token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top
+    )
+
+
+def chat_logprobs(tokenizer: Tokenizer, lps: Sequence[pb.TokenLogprob]) -> ChatLogprobs | None:
+    """Chat's logprobs: one entry per token, with its UTF-8 bytes, since a token may hold
+    only part of a character; None if none were asked for."""
+    if not lps:
+        return None
+    return ChatLogprobs(content=[_chat_token(tokenizer, lp) for lp in lps])
+
+
+class _OpenAIShape(ABC):
+    """One OpenAI answer in the making: the id and creation time all its chunks share.
+
+    It is a Renderer (http_completion.py): the shared completion path asks it for the
+    chunks of a stream or for the whole answer.
+    """
+
+    input_param: str  # the body field blamed for a bad prompt
+    id_prefix: str  # of the answer's id
+    chunk_object: str  # the ``object`` of the stream's chunks
+    chunk_model: type[BaseModel]
+
+    def __init__(self, tokenizer: Tokenizer, model: str, include_usage: bool) -> None:
+        self._tokenizer = tokenizer
+        self._include_usage = include_usage
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
+        """The chunk of one response if it carries anything, then usage after the last."""
+        out: list[BaseModel] = []
+        if resp.text or resp.finish_reason or resp.logprobs:
+            out.append(self._chunk(resp.text, resp.finish_reason or None, resp.logprobs))
+        if resp.finish_reason and self._include_usage:
+            usage = Usage.of(resp)
+            out.append(self.chunk_model(**self._meta(self.chunk_object), choices=[], usage=usage))
+        return out
+
+    def _meta(self, obj: str) -> dict[str, Any]:
+        """The fields every answer and chunk starts with."""
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    @abstractmethod
+    def _chunk(self, text: str, finish: str | None, lps: Sequence[pb.TokenLogprob]) -> BaseModel:
+        """One stream chunk: new text, its logprobs, and the finish reason on the last."""
+
+    @abstractmethod
+    def whole(
+        self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
+    ) -> BaseModel:
+        """The answer to a request that did not ask to stream."""
+
+
+class CompletionShape(_OpenAIShape):
+    """``/v1/completions``: text choices, logprobs as parallel lists."""
+
+    input_param, id_prefix = "prompt", "cmpl"
+    chunk_object, chunk_model = "text_completion", Completion
+
+    def _chunk(self, text: str, finish: str | None, lps: Sequence[pb.TokenLogprob]) -> Completion:
+        logprobs = completion_logprobs(self._tokenizer, lps)
+        choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)
+        return Completion(**self._meta(self.chunk_object), choices=[choice])
+
+    def whole(
+        self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
+    ) -> Completion:
+        answer = self._chunk(text, final.finish_reason, lps)
+        answer.usage = Usage.of(final)
+        return answer
+
+
+class ChatShape(_OpenAIShape):
+    """``/v1/chat/completions``: a stream opens with the role, then carries content deltas."""
+
+    input_param, id_prefix = "messages", "chatcmpl"
+    chunk_object, chunk_model = "chat.completion.chunk", ChatCompletionChunk
+
+    def opening(self) -> list[BaseModel]:
+        return [self._delta_chunk(ChatDelta(role="assistant", content=""), None, None)]
+
+    def _chunk(
+        self, text: str, finish: str | None, lps: Sequence[pb.TokenLogprob]
+    ) -> ChatCompletionChunk:
+        logprobs = chat_logprobs(self._tokenizer, lps)
+        return self._delta_chunk(ChatDelta(content=text), finish, logprobs)
+
+    def _delta_chunk(
+        self, delta: ChatDelta, finish: str | None, logprobs: ChatLogprobs | None
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return ChatCompletionChunk(**self._meta(self.chunk_object), choices=[choice])
+
+    def whole(
+        self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
+    ) -> ChatCompletion:
+        choice = ChatChoice(
+            index=0,
+            message=AssistantMessage(role="assistant", content=text),
+            logprobs=chat_logprobs(self._tokenizer, lps),
+            finish_reason=final.finish_reason,
+        )
+        meta = self._meta("chat.completion")
+        return ChatCompletion(**meta, choices=[choice], usage=Usage.of(final))
