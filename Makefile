@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(PY) -m pip install -q --disable-pip-version-check $(FIND_LINKS)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench bench-seeds protos clean
+.PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,19 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Unit and property tests only: no server processes, no Helm (a couple of minutes).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit tests/property $(PYTEST_ARGS)
+
+# What CI runs before the tests: lint, formatting and types (config in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: $(STAMP)
 	$(PY) bench/bench_radix_cache.py

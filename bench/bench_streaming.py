@@ -18,7 +18,8 @@ no run reuses another's prompt.
 One torch thread on both sides by default (--threads): on a small shared CPU, OpenMP's
 default of one thread per core stalls at every barrier when another process takes a core.
 
-    .venv/bin/python bench/bench_streaming.py [--random-30m] [--reps 5] [--threads 1] [--out docs/benchmarks.md]
+    .venv/bin/python bench/bench_streaming.py [--random-30m] [--reps 5] [--threads 1]
+        [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def sampling(n: int) -> pb.SamplingParams:
 
 
 def server_tpot(server: Server, prompt: list[int], n: int) -> tuple[float, float]:
-    """(client-side seconds per token after the first message, the server's decode_time / (n - 1))."""
+    """(client-side seconds per token after the first message,
+    the server's decode_time / (n - 1))."""
     server.stub.FlushCache(pb.FlushCacheRequest())
     stamps, counts, last = [], [], None
     req = pb.GenerateRequest(input_ids=pb.InputIds(ids=prompt), sampling=sampling(n))
@@ -269,10 +271,16 @@ def med(xs: list[float]) -> float:
 
 
 def table(results: list[ModelResult], args) -> str:
-    rows = [
-        "| model (parameters) | measure | in-process worker | server | server + tracing | server vs in-process | target |",
-        "|---|---|---|---|---|---|---|",
+    header = [
+        "model (parameters)",
+        "measure",
+        "in-process worker",
+        "server",
+        "server + tracing",
+        "server vs in-process",
+        "target",
     ]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         t = {k: 1e3 * med(v) for k, v in r.tpot.items()}
         q = {k: med(v) for k, v in r.tput.items()}
@@ -284,17 +292,24 @@ def table(results: list[ModelResult], args) -> str:
             """ms per decode step of all streams at this rate."""
             return 1e3 * args.streams / tokens_per_s
 
-        ok_t = "met" if t["server"] - t["in-process"] <= 1.0 else "missed"
-        ok_q = "met" if q["server"] / q["in-process"] >= 0.9 else "missed"
+        # in-process (p), server (s), server + tracing (t)
+        tp, ts, tt = t["in-process"], t["server"], t["server + tracing"]
+        qp, qs, qt = q["in-process"], q["server"], q["server + tracing"]
+        ok_t = "met" if ts - tp <= 1.0 else "missed"
+        ok_q = "met" if qs / qp >= 0.9 else "missed"
         rows += [
-            f"| {label} | batch 1: ms per output token ({args.tokens} tokens) | {t['in-process']:.2f} | {t['server']:.2f} | "
-            f"{t['server + tracing']:.2f} | +{t['server'] - t['in-process']:.2f} ms (tracing +{t['server + tracing'] - t['in-process']:.2f}) | <= +1 ms: {ok_t} |",
-            f"| {label} | batch 1: the server's own decode_time / token | - | {d['server']:.2f} | {d['server + tracing']:.2f} | | |",
-            f"| {label} | {args.streams} streams x {args.stream_tokens} tokens: tokens/s | {q['in-process']:.0f} | {q['server']:.0f} | "
-            f"{q['server + tracing']:.0f} | {q['server'] / q['in-process']:.2f}x (tracing {q['server + tracing'] / q['in-process']:.2f}x); "
-            f"+{step(q['server']) - step(q['in-process']):.1f} ms per step of {args.streams} | >= 0.9x: {ok_q} |",
-            f"| {label} | the same, over the longest request's total_time (frontend's clock) | - | {st['server']:.0f} | "
-            f"{st['server + tracing']:.0f} | {st['server'] / q['in-process']:.2f}x | |",
+            f"| {label} | batch 1: ms per output token ({args.tokens} tokens) "
+            f"| {tp:.2f} | {ts:.2f} | {tt:.2f} "
+            f"| +{ts - tp:.2f} ms (tracing +{tt - tp:.2f}) | <= +1 ms: {ok_t} |",
+            f"| {label} | batch 1: the server's own decode_time / token "
+            f"| - | {d['server']:.2f} | {d['server + tracing']:.2f} | | |",
+            f"| {label} | {args.streams} streams x {args.stream_tokens} tokens: tokens/s "
+            f"| {qp:.0f} | {qs:.0f} | {qt:.0f} "
+            f"| {qs / qp:.2f}x (tracing {qt / qp:.2f}x); "
+            f"+{step(qs) - step(qp):.1f} ms per step of {args.streams} | >= 0.9x: {ok_q} |",
+            f"| {label} | the same, over the longest request's total_time (frontend's clock) "
+            f"| - | {st['server']:.0f} | {st['server + tracing']:.0f} "
+            f"| {st['server'] / qp:.2f}x | |",
         ]
     spans = "; ".join(
         f"{r.name}: {r.spans} spans for {r.traced_requests} traced requests" for r in results
@@ -319,18 +334,20 @@ def section(results: list[ModelResult], args, cmd: str) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return (
         "## Streaming\n\n"
-        "Overhead of serving through the three processes (frontend, scheduler, worker; gRPC + ZeroMQ) "
-        "against the worker's ModelRunner called in-process (`services.worker.offline.generate`), same "
-        "model, greedy, ignore_eos. Batch 1: client-side time between the first and the last streamed "
-        "message over the tokens in between, against the time between the first (prefill) and the last "
-        "forward in-process over the decode steps in between. Throughput: output tokens per second of "
-        f"{args.streams} concurrent streams (one asyncio gRPC client) against one in-process batch of the "
-        "same prompts, prefill included. Tracing: a second server with `--otlp-traces-endpoint` at an "
-        "OTLP/gRPC sink in the benchmark process that only counts spans. All configurations interleaved in "
-        f"each of {args.reps} repetitions in one run; medians. CPU only (torch backend), "
-        f"{args.threads or 'default'} torch thread(s) in the worker processes and in-process, on a 2-core "
-        f"machine shared with other work at the time ({when}): figures are noisy, ratios more than "
-        "absolutes.\n\n"
+        "Overhead of serving through the three processes (frontend, scheduler, worker; "
+        "gRPC + ZeroMQ) against the worker's ModelRunner called in-process "
+        "(`services.worker.offline.generate`), same model, greedy, ignore_eos. Batch 1: "
+        "client-side time between the first and the last streamed message over the tokens in "
+        "between, against the time between the first (prefill) and the last forward in-process "
+        "over the decode steps in between. Throughput: output tokens per second of "
+        f"{args.streams} concurrent streams (one asyncio gRPC client) against one in-process "
+        "batch of the same prompts, prefill included. Tracing: a second server with "
+        "`--otlp-traces-endpoint` at an OTLP/gRPC sink in the benchmark process that only "
+        "counts spans. All configurations interleaved in each of "
+        f"{args.reps} repetitions in one run; medians. CPU only (torch backend), "
+        f"{args.threads or 'default'} torch thread(s) in the worker processes and in-process, "
+        "on a 2-core machine shared with other work at the time "
+        f"({when}): figures are noisy, ratios more than absolutes.\n\n"
         f"```\n{cmd}\n```\n\n" + table(results, args) + "\n"
     )
 
@@ -370,7 +387,10 @@ def main() -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch/OpenMP threads of the worker processes and of the in-process runner (0: torch's default)",
+        help=(
+            "torch/OpenMP threads of the worker processes and of the in-process runner "
+            "(0: torch's default)"
+        ),
     )
     args = ap.parse_args()
     if args.threads:

@@ -10,7 +10,8 @@ Experiment 5 needs a ~1,000-token prefix; when the default model's context is sh
 a random-weight Llama with a longer context and the default model's tokenizer is built
 in a temporary folder for it (said so in the document).
 
-    .venv/bin/python bench/seed_experiments.py [--quick] [--out docs/seed-experiments.md] [--threads 1]
+    .venv/bin/python bench/seed_experiments.py [--quick] [--out docs/seed-experiments.md]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -329,7 +330,8 @@ SETTLE_S = (
 def exp3_outlives(c: Client, wait_s: float) -> Section:
     s = Section(
         "3. The cache outlives the request",
-        f"One prompt sent twice, {wait_s:.0f} s apart, max_tokens 1; scheduler /metrics read before and after.",
+        f"One prompt sent twice, {wait_s:.0f} s apart, max_tokens 1; "
+        "scheduler /metrics read before and after.",
     )
     assert c.flush().flushed
     text = "The cache outlives the request: a prompt sent twice, five seconds apart, hits."
@@ -349,6 +351,7 @@ def exp3_outlives(c: Client, wait_s: float) -> Section:
         "radixserve:kv_evictable_tokens": prompt,
         "radixserve:kv_available_tokens": -prompt,
     }
+    cum_rate = d["radixserve:cached_tokens_total"] / max(1, d["radixserve:prompt_tokens_total"])
     s.table(
         [
             "quantity",
@@ -374,7 +377,7 @@ def exp3_outlives(c: Client, wait_s: float) -> Section:
             ],
             [
                 "cumulative hit rate (cached / prompt counters, this experiment)",
-                f"{d['radixserve:cached_tokens_total'] / max(1, d['radixserve:prompt_tokens_total']):.4f}",
+                f"{cum_rate:.4f}",
                 "",
                 f"{(prompt - 1) / (2 * prompt):.4f}",
             ],
@@ -399,10 +402,11 @@ def exp3_outlives(c: Client, wait_s: float) -> Section:
     )
     lag = [k for k in want if d0.get(k) != want[k]]
     if lag:
+        lagging = ", ".join(k.split(":")[1] for k in lag)
         s.notes.append(
-            f"Read at once after the response, {', '.join(k.split(':')[1] for k in lag)} still showed the "
-            "state during the second request's prefill: the pool gauges are refreshed at batches and "
-            "when the scheduler loop goes idle, which can come after the client has its last message."
+            f"Read at once after the response, {lagging} still showed the state during the "
+            "second request's prefill: the pool gauges are refreshed at batches and when the "
+            "scheduler loop goes idle, which can come after the client has its last message."
         )
     return s
 
@@ -520,7 +524,8 @@ def max_context(model: Path) -> int:
 
 
 def exp5_prompts(n: int, prefix_len: int, vocab: int, seed: int = 5) -> dict[str, list[list[int]]]:
-    """Shared: one prefix + n different 8-token questions; distinct: n different prefixes, same length."""
+    """Shared: one prefix + n different 8-token questions; distinct: n different prefixes of
+    the same length."""
     rng = random.Random(seed)
     lo = 3  # keep clear of the special tokens at the start of the vocabulary
 
@@ -588,9 +593,9 @@ def exp5_compute(
 ) -> Section:
     s = Section(
         "5. Hits save compute, not just bookkeeping",
-        f"{n} concurrent requests (one thread each), max_tokens 1, a {prefix_len}-token prefix plus "
-        f"an 8-token question each; shared = one prefix, distinct = {n} different prefixes of the "
-        f"same length. Page size 1, default flags, flushed before each group. {note}",
+        f"{n} concurrent requests (one thread each), max_tokens 1, a {prefix_len}-token prefix "
+        f"plus an 8-token question each; shared = one prefix, distinct = {n} different prefixes "
+        f"of the same length. Page size 1, default flags, flushed before each group. {note}",
     )
     cfg = json.loads((model / "config.json").read_text())
     prompts = exp5_prompts(n, prefix_len, cfg["vocab_size"])
@@ -698,7 +703,8 @@ def chat_turns_ids(c: Client, turns: int, answer_len: int) -> list[tuple[int, in
     """Token-level multi-turn chat: prompt(n+1) = prompt(n) + answer(n) + user(n+1).
     Returns (prompt, answer, cached) per turn."""
     prompt = c.ids(
-        f"System: a careful assistant, conversation on page {c.info.page_size}.\nUser: hello, question 1?\nAssistant:"
+        f"System: a careful assistant, conversation on page {c.info.page_size}.\n"
+        "User: hello, question 1?\nAssistant:"
     )
     rows = []
     for t in range(turns):
@@ -742,9 +748,9 @@ def chat_section(res: dict[int, dict], turns: int, answer_len: int) -> Section:
     s = Section(
         "Multi-turn chat",
         intro=f"Claim: turn n+1 hits at least all of turn n's prompt and answer. {turns} turns, "
-        f"answers of {answer_len} tokens (greedy). Token level: prompt(n+1) = prompt(n) + answer ids + "
-        "new user message ids. Template: the messages re-rendered by the chat template with the "
-        "answer as text (what a chat client sends).",
+        f"answers of {answer_len} tokens (greedy). Token level: prompt(n+1) = prompt(n) + "
+        "answer ids + new user message ids. Template: the messages re-rendered by the chat "
+        "template with the answer as text (what a chat client sends).",
     )
     rows, ok_ids, ok_tpl = [], {}, {}
     for page, r in res.items():
@@ -788,12 +794,14 @@ def chat_section(res: dict[int, dict], turns: int, answer_len: int) -> Section:
     )
     for page in res:
         s.check(
-            f"page {page}, token level: cached(n+1) == {page} x floor((prompt(n) + answer(n) - 1) / {page})",
+            f"page {page}, token level: "
+            f"cached(n+1) == {page} x floor((prompt(n) + answer(n) - 1) / {page})",
             "all turns" if ok_ids[page] else "no",
             ok_ids[page],
         )
         s.check(
-            f"page {page}, template: cached(n+1) == {page} x floor(min(common, prompt(n)+answer(n)-1) / {page})",
+            f"page {page}, template: "
+            f"cached(n+1) == {page} x floor(min(common, prompt(n)+answer(n)-1) / {page})",
             "all turns" if ok_tpl[page] else "no",
             ok_tpl[page],
         )
@@ -848,8 +856,8 @@ def cs_section(res: dict[int, dict], n: int) -> Section:
     s = Section(
         "Customer-service workload",
         claims=True,
-        intro=f"Claim: 96 % hit rate against 23 % for a block-hashing cache. {n} conversations of 128 "
-        "tokens whose first 64 are one shared opening (random token ids), 8 at a time. "
+        intro=f"Claim: 96 % hit rate against 23 % for a block-hashing cache. {n} conversations "
+        "of 128 tokens whose first 64 are one shared opening (random token ids), 8 at a time. "
         "single: each conversation sent once as a 128-token prompt (max_tokens 1); turns: each "
         "conversation sent 4 times, growing by 8 user tokens + the model's 8-token answer, up to "
         "128 tokens. Here PASS/FAIL says whether the measurement confirms the claim.",
@@ -953,8 +961,9 @@ def exp5_model(args, tmp: Path, prefix: int) -> tuple[Path, str]:
         f"max_position_embeddings) cannot hold a {prefix}-token prefix, so this experiment runs "
         f"on a random-weight Llama built for it with transformers ({count_parameters(folder):,} "
         f"parameters: hidden {EXP5_MODEL['hidden_size']}, {EXP5_MODEL['num_hidden_layers']} "
-        f"layers, intermediate {EXP5_MODEL['intermediate_size']}, {EXP5_MODEL['num_attention_heads']} "
-        f"heads / {EXP5_MODEL['num_key_value_heads']} KV heads, max_position_embeddings "
+        f"layers, intermediate {EXP5_MODEL['intermediate_size']}, "
+        f"{EXP5_MODEL['num_attention_heads']} heads / "
+        f"{EXP5_MODEL['num_key_value_heads']} KV heads, max_position_embeddings "
         f"{EXP5_MODEL['max_position_embeddings']}) with the default model's tokenizer files."
     )
 
@@ -1038,12 +1047,14 @@ def main() -> int:
 def doc_header(args, started: str, max_len: int) -> str:
     cmd = "make bench-seeds" if not args.quick else "python bench/seed_experiments.py --quick"
     return (
-        f"# Seed experiments\n\nThe experiments of `shared/SEED-EXPERIMENTS.md`, run through radixserve's "
-        f"public gRPC API and its scheduler's Prometheus metrics by `bench/seed_experiments.py` "
-        f"(`{cmd}`{', QUICK sizes' if args.quick else ''}), started {started}. Servers: `radixserve serve` "
-        f"on `{args.model.name}` (max_model_len {max_len}), page size 1 (metrics on) and "
-        f"`--page-size 16`; CPU only, OMP_NUM_THREADS={args.threads or 'default'} for the servers, on a 2-core "
-        f"machine shared with other work (load average well above 2), so wall times are noisy. "
+        "# Seed experiments\n\n"
+        "The experiments of `shared/SEED-EXPERIMENTS.md`, run through radixserve's "
+        "public gRPC API and its scheduler's Prometheus metrics by `bench/seed_experiments.py` "
+        f"(`{cmd}`{', QUICK sizes' if args.quick else ''}), started {started}. "
+        f"Servers: `radixserve serve` on `{args.model.name}` (max_model_len {max_len}), "
+        "page size 1 (metrics on) and `--page-size 16`; CPU only, "
+        f"OMP_NUM_THREADS={args.threads or 'default'} for the servers, on a 2-core "
+        "machine shared with other work (load average well above 2), so wall times are noisy. "
         f"Published figures: SGLang on one L40S with Qwen2.5-7B-Instruct-AWQ, page size 1.\n\n"
     )
 

@@ -284,7 +284,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out-dir", type=Path, default=here / "services" / "common" / "default_model" / "radixserve-zen")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=here / "services" / "common" / "default_model" / "radixserve-zen",
+    )
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)

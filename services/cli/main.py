@@ -1,9 +1,12 @@
-"""`radixserve`: serve (all three services, supervised), one service, or generate from a server."""
+"""`radixserve`: serve (all three services, supervised), one service, generate from a
+server, or benchmark any OpenAI-compatible server."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from services.common.config import (
     FrontendConfig,
@@ -13,7 +16,11 @@ from services.common.config import (
     from_args,
 )
 
-SERVICES = {"frontend": FrontendConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig}
+SERVICES: dict[str, type] = {
+    "frontend": FrontendConfig,
+    "scheduler": SchedulerConfig,
+    "worker": WorkerConfig,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     seen: set[str] = set()
-    for cls in (FrontendConfig, SchedulerConfig, WorkerConfig):
-        add_dataclass_args(serve, cls, seen)
+    for config_cls in (FrontendConfig, SchedulerConfig, WorkerConfig):
+        add_dataclass_args(serve, config_cls, seen)
     serve.add_argument(
         "--startup-timeout",
         type=float,
@@ -40,10 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
         add_dataclass_args(p, cls)
+    from services.bench.serving import add_bench_args
     from services.frontend.client import add_generate_args
 
     add_generate_args(sub.add_parser("generate", help="stream a completion from a running server"))
+    add_bench_args(
+        sub.add_parser(
+            "bench",
+            help="benchmark an OpenAI-compatible server (this one, vLLM, SGLang, ...)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     return parser
+
+
+def _service_main(name: str) -> Callable[[Any], None]:
+    """The service's entry point, imported only when asked for (the worker's pulls torch)."""
+    if name == "frontend":
+        from services.frontend.main import main as frontend_main
+
+        return frontend_main
+    if name == "scheduler":
+        from services.scheduler.main import main as scheduler_main
+
+        return scheduler_main
+    from services.worker.main import main as worker_main
+
+    return worker_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,14 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         from services.frontend.client import run_generate
 
         return run_generate(ns)
-    cfg = from_args(SERVICES[ns.command], ns)
-    if ns.command == "frontend":
-        from services.frontend.main import main as run
-    elif ns.command == "scheduler":
-        from services.scheduler.main import main as run
-    else:
-        from services.worker.main import main as run
-    run(cfg)
+    if ns.command == "bench":
+        from services.bench.serving import run_bench
+
+        return run_bench(ns)
+    _service_main(ns.command)(from_args(SERVICES[ns.command], ns))
     return 0
 
 

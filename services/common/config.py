@@ -157,7 +157,8 @@ def _env_default(name: str, default, tp: type):
 
 
 def resolve_choices(spec):
-    """A list, or "module:function" naming the registry that lists the names (one place to add one)."""
+    """A list, or "module:function" naming the registry that lists the names (one place to
+    add one)."""
     if isinstance(spec, str):
         module, fn = spec.split(":")
         return getattr(importlib.import_module(module), fn)()
@@ -175,7 +176,12 @@ def add_dataclass_args(
             continue
         seen.add(f.name)
         tp = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} has no default")
         default = _env_default(f.name, default, tp)
         flag = "--" + f.name.replace("_", "-")
         kw = {"help": f.metadata.get("help", ""), "default": default}

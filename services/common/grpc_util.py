@@ -11,11 +11,13 @@ threading conditions, which would stall an asyncio event loop.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-HealthServicer = health.HealthServicer | health.aio.HealthServicer
+HealthServicer: TypeAlias = health.HealthServicer | health.aio.HealthServicer
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

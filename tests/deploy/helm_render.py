@@ -21,7 +21,8 @@ try:
     from helm_python import chart as helm_chart
 except ImportError as exc:  # fail loudly: a missing tool must not look like a passing chart
     raise ImportError(
-        "the Helm chart tests need Helm's library: .venv/bin/pip install 'helm-python-sdk>=0.2.2,<0.3'"
+        "the Helm chart tests need Helm's library: "
+        ".venv/bin/pip install 'helm-python-sdk>=0.2.2,<0.3'"
     ) from exc
 
 __all__ = ["HelmError", "HelmValuesError", "render", "manifests", "lint", "validate_values"]

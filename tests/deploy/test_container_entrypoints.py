@@ -173,8 +173,11 @@ def _probe_ok(addr: str) -> bool:
 
 
 def _probe_addrs(stack: Stack) -> dict[str, str]:
+    def probe_port(kind: str, name: str) -> int:
+        return hr.container(stack.docs, kind, name)["startupProbe"]["grpc"]["port"]
+
     return {
-        name: f"127.0.0.1:{stack.port(hr.container(stack.docs, kind, name)['startupProbe']['grpc']['port'])}"
+        name: f"127.0.0.1:{stack.port(probe_port(kind, name))}"
         for name, (kind, _) in CONTAINERS.items()
     }
 
