@@ -47,8 +47,10 @@ def serve_one(
     cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
 ) -> int:
     """One request's KV bookkeeping, as the scheduler does it; returns the cached length."""
-    m = cache.match_prompt(prompt)
-    cache.lock_handle(m.node)
+    # intern: the prompt then holds the tree's ints, so the insert of prompt + output below
+    # compares pointers where the match found the prompt cached.
+    m = cache.match_prompt(prompt, intern=True)
+    cache.lock(m.node)
     cached = len(m.slots)
     n_new = len(prompt) - cached + len(output)  # uncached prompt + every output token
     short = alloc.slots_needed(n_new, cached) - alloc.num_free
@@ -63,7 +65,7 @@ def serve_one(
     kept = len(seq) - len(seq) % cache.page_size
     # Duplicates the request computed itself, plus what the tree did not take.
     alloc.free(slots[cached : res.prefix_len] + slots[kept:])
-    cache.lock_handle(m.node, unlock=True)
+    cache.unlock(m.node)
     return cached
 
 
@@ -80,9 +82,10 @@ def bench_trace(args: argparse.Namespace) -> None:
     wall, cpu, hit, total = [], [], 0, 0
     for request_ids, output in trace:
         # The request owns its token ints (created by deserialisation, destroyed at its
-        # teardown, both outside the cache). The walk re-points the list it is given at the
-        # tree's ints; without this copy the timed match would also pay for destroying the
-        # request's own ints, which the request pays anyway (--count-token-frees).
+        # teardown, both outside the cache). match_prompt(intern=True) re-points the list it
+        # is given at the tree's ints; without this copy the timed match would also pay for
+        # destroying the request's own ints, which the request pays anyway
+        # (--count-token-frees).
         prompt = request_ids if args.count_token_frees else list(request_ids)
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         hit += serve_one(cache, alloc, prompt, output)

@@ -19,7 +19,7 @@ a pool of 2M slots at page_size 1; a page size of 16 needs 16x less.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 class SlotError(ValueError):
@@ -124,7 +124,7 @@ class KVSlotAllocator:
         if free | self._used != set(range(1, self._num_pages + 1)):
             raise RuntimeError("allocator: free + used pages are not exactly the usable pages")
 
-    def _undo_bad_free(self, slots: Sequence[int], pages: Sequence[int]) -> SlotError:
+    def _undo_bad_free(self, slots: Sequence[int], pages: Collection[int]) -> SlotError:
         """Puts back the pages a bad free() took out of use; returns the error naming why.
         O(pool), but only on the error path."""
         free_now = set(self._free_pages)

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 class SlotLeakError(RuntimeError):
-    """free + evictable + protected + held-by-requests != total: a slot leaked or is counted twice."""
+    """free + evictable + protected + held-by-requests != total: a slot leaked or is
+    counted twice."""
 
 
 class CacheIntegrityError(RuntimeError):

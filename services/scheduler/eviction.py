@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 CLOCK_SPAN = 1 << 64  # the logical clock stays below this; it packs (major, clock) into one int
 _SEQ_SPAN = 1 << 48  # heap entries pack (score, sequence number) the same way
@@ -30,6 +30,9 @@ class ScoredNode(Protocol):
     hit_count: int  # matches that reached the node
     priority: int  # max priority of the requests that inserted or matched it
     heap_seq: int  # sequence number of the node's live heap entry (-1: none)
+
+
+N = TypeVar("N", bound=ScoredNode)
 
 
 class EvictionPolicy(ABC):
@@ -118,8 +121,8 @@ def make_policy(name: str, slru_protected_hits: int = 2) -> EvictionPolicy:
     return cls.create(slru_protected_hits)
 
 
-class LeafHeap:
-    """Candidate leaves ordered by score, invalidated lazily.
+class LeafHeap(Generic[N]):
+    """Candidate leaves (of node type N) ordered by score, invalidated lazily.
 
     Entries are ints ``score * _SEQ_SPAN + seq``; ``seq`` finds the node in a dict. A node
     has at most one live entry (its ``heap_seq``); re-pushing it orphans the older one,
@@ -129,16 +132,16 @@ class LeafHeap:
     def __init__(self, score: Callable[[ScoredNode], int]):
         self._score = score
         self._heap: list[int] = []
-        self._nodes: dict[int, ScoredNode] = {}
+        self._nodes: dict[int, N] = {}
         self._seq = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
 
-    def __contains__(self, node: ScoredNode) -> bool:
+    def __contains__(self, node: N) -> bool:
         return self._nodes.get(node.heap_seq) is node
 
-    def push(self, node: ScoredNode) -> None:
+    def push(self, node: N) -> None:
         self._nodes.pop(node.heap_seq, None)
         self._seq += 1
         node.heap_seq = self._seq
@@ -148,11 +151,11 @@ class LeafHeap:
             self._heap = [k for k in self._heap if k % _SEQ_SPAN in self._nodes]
             heapq.heapify(self._heap)
 
-    def discard(self, node: ScoredNode) -> None:
+    def discard(self, node: N) -> None:
         self._nodes.pop(node.heap_seq, None)
         node.heap_seq = -1
 
-    def pop(self, is_candidate: Callable[[ScoredNode], bool]) -> ScoredNode | None:
+    def pop(self, is_candidate: Callable[[N], bool]) -> N | None:
         """The lowest-scored node that is still a candidate, or None when there is none."""
         heap, nodes = self._heap, self._nodes
         while heap:

@@ -7,8 +7,13 @@ keep. Every slot stays in exactly one place (allocator, tree, or one request).
 
 from __future__ import annotations
 
+from services.common.config import SchedulerConfig
 from services.scheduler.allocator import KVSlotAllocator
-from services.scheduler.radix_cache import BasePrefixCache, check_slot_integrity
+from services.scheduler.radix_cache import (
+    BasePrefixCache,
+    check_slot_integrity,
+    create_prefix_cache,
+)
 from services.scheduler.request import Req
 
 
@@ -19,6 +24,19 @@ class KVManager:
         self.page_size = allocator.page_size
         self._held: dict[str, int] = {}  # rid -> own slots (whole pages) held outside the tree
 
+    @classmethod
+    def for_pool(cls, pool_slots: int, cfg: SchedulerConfig) -> KVManager:
+        """The allocator and cache for a worker whose KV pool has pool_slots slots."""
+        allocator = KVSlotAllocator(usable_slots(pool_slots, cfg.page_size), cfg.page_size)
+        cache = create_prefix_cache(
+            allocator,
+            cfg.page_size,
+            cfg.disable_radix_cache,
+            cfg.radix_eviction_policy,
+            cfg.slru_protected_hits,
+        )
+        return cls(allocator, cache)
+
     # -- sizes ------------------------------------------------------------------------
     @property
     def total(self) -> int:
@@ -28,6 +46,16 @@ class KVManager:
     def available(self) -> int:
         """Slots a new allocation can get: free now, or freed by evicting unlocked cache."""
         return self.allocator.num_free + self.cache.size_info().evictable
+
+    @property
+    def used(self) -> int:
+        """Slots neither free nor evictable: held by requests or locked in the tree."""
+        return self.total - self.allocator.num_free - self.cache.size_info().evictable
+
+    @property
+    def usage(self) -> float:
+        """The share of the pool in use (the per-batch log's "token usage")."""
+        return self.used / max(1, self.total)
 
     def held_by_requests(self) -> int:
         return sum(self._held.values())
@@ -47,10 +75,10 @@ class KVManager:
 
     # -- request lifecycle ------------------------------------------------------------
     def match(self, req: Req) -> int:
-        """Locks the longest cached prefix of the request (never its last token); returns its length."""
-        ids = req.fill_ids
-        m = self.cache.match_prompt(ids, req.namespace, req.priority)
-        self.cache.lock_handle(m.node)
+        """Locks the longest cached prefix of the request (never its last token); returns
+        its length."""
+        m = self.cache.match_prompt(req.fill_ids, req.namespace, req.priority)
+        self.cache.lock(m.node)
         req.node = m.node
         req.kv_slots = list(m.slots)
         req.locked_len = len(m.slots)
@@ -59,7 +87,7 @@ class KVManager:
 
     def unmatch(self, req: Req) -> None:
         """Undoes match() for a request that could not be scheduled after all."""
-        self.cache.lock_handle(req.node, unlock=True)
+        self.cache.unlock(req.node)
         req.node, req.kv_slots, req.locked_len = None, [], 0
 
     def slots_needed(self, req: Req, n: int) -> int:
@@ -99,14 +127,17 @@ class KVManager:
         """
         n = req.kv_len if n is None else n
         key = req.fill_ids[:n]
-        res = self.cache.insert_prefix(key, req.kv_slots[:n], req.namespace, req.priority)
+        # intern: key then holds the tree's ints, so the match below compares pointers.
+        res = self.cache.insert_prefix(
+            key, req.kv_slots[:n], req.namespace, req.priority, intern=True
+        )
         dup = req.kv_slots[req.locked_len : res.prefix_len]
         if dup:
             self.allocator.free(dup)
         # peek: re-finding what was just inserted is not a hit.
         m = self.cache.match_prefix(key, req.namespace, req.priority, peek=True)
-        self.cache.lock_handle(m.node)
-        self.cache.lock_handle(req.node, unlock=True)
+        self.cache.lock(m.node)
+        self.cache.unlock(req.node)
         changed = bool(dup)
         req.kv_slots[: len(m.slots)] = m.slots
         req.node, req.locked_len = m.node, len(m.slots)
@@ -116,7 +147,8 @@ class KVManager:
         return changed
 
     def release(self, req: Req, cache_it: bool = True) -> None:
-        """The request leaves the running set: its KV goes to the tree (or back to the allocator)."""
+        """The request leaves the running set: its KV goes to the tree (or back to the
+        allocator)."""
         if req.node is None:
             return
         if cache_it and req.kv_len > req.locked_len:
@@ -124,15 +156,27 @@ class KVManager:
         own = req.kv_slots[req.locked_len :]
         if own:
             self.allocator.free(own)
-        self.cache.lock_handle(req.node, unlock=True)
+        self.cache.unlock(req.node)
         req.node, req.kv_slots, req.locked_len = None, [], 0
         req.table_dirty = True
         self._held.pop(req.rid, None)
 
     def check(self) -> None:
-        """Slot invariant (raises SlotLeakError naming the four counts) plus the tree's own check."""
+        """Slot invariant (raises SlotLeakError naming the four counts) plus the tree's own
+        check."""
         self.cache.check_integrity()
         check_slot_integrity(self.allocator, self.cache, self.held_by_requests())
 
     def flush(self) -> None:
         self.cache.reset()
+
+
+def usable_slots(pool_slots: int, page_size: int) -> int:
+    """Slots the allocator may hand out so that none exceeds the worker's pool (1..pool_slots).
+
+    With pages, page 0 (which holds padding slot 0) is reserved and only whole pages that
+    end at or before slot pool_slots count.
+    """
+    if page_size == 1:
+        return pool_slots
+    return max(0, (pool_slots + 1) // page_size - 1) * page_size

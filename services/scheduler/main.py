@@ -1,4 +1,5 @@
-"""The scheduler process: connects to its worker, serves frontends over ZeroMQ and control over gRPC."""
+"""The scheduler process: connects to its worker, serves frontends over ZeroMQ and control
+over gRPC."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def main(cfg: SchedulerConfig) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         while not stop.is_set():
-            drain_frontends(sched, frontends, 0 if sched.running or sched.waiting else IDLE_POLL_MS)
+            drain_frontends(sched, frontends, 0 if sched.has_requests() else IDLE_POLL_MS)
             sched.run_commands()
             worked = sched.step()
             sched.flush_outbox(frontends)

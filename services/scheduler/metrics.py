@@ -15,8 +15,8 @@ from radixserve.internal.v1 import engine_pb2
 from services.scheduler.flops import batch_cost
 
 if TYPE_CHECKING:
+    from services.scheduler.batch import Item
     from services.scheduler.request import Req
-    from services.scheduler.scheduler import Item, Scheduler
 
 TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -120,7 +120,7 @@ class SchedulerMetrics:
             self.generation_tokens.inc(len(req.output_ids))
             self.num_requests.labels(**self.labels, finish_reason=req.finish_reason).inc()
 
-    def on_prefill_batch(self, new_tokens: int, cached: int, sched: Scheduler) -> None:
+    def on_prefill_batch(self, new_tokens: int, cached: int) -> None:
         if self.enabled:
             self.hit_rate.set(cached / max(1, cached + new_tokens))
 

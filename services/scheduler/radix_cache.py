@@ -45,11 +45,12 @@ __all__ = [
     "SlotLeakError",
     "TreeNode",
     "check_slot_integrity",
+    "common_prefix_len",
     "create_prefix_cache",
 ]
 
 
-_INTERN_MIN = 32  # shorter runs are not worth re-pointing (see _walk)
+_INTERN_MIN = 32  # shorter runs are not worth re-pointing (see match_prefix's ``intern``)
 
 
 class CacheLockError(RuntimeError):
@@ -107,30 +108,78 @@ class BasePrefixCache(ABC):
     page_size: int
     root: TreeNode
 
-    @abstractmethod
     def match_prefix(
-        self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+        self,
+        tokens: Sequence[int],
+        namespace: str = "",
+        priority: int = 0,
+        *,
+        peek: bool = False,
+        intern: bool = False,
     ) -> MatchResult:
         """Longest cached prefix (whole pages only); counts a hit for the eviction policy
-        unless ``peek`` (e.g. ordering the waiting queue is not a use of the cache)."""
+        unless ``peek`` (e.g. ordering the waiting queue is not a use of the cache).
+
+        ``intern``: when ``tokens`` is a plain list, its matched tokens are replaced *in
+        place* by the tree's int objects of equal value (runs of 32 tokens or more). Why: a
+        later walk of the same list (or of a list built from its items, such as prompt +
+        output) then finds ``x is y`` before comparing values, which halves its cost. Only
+        the caller's list changes, never its values; a tuple or array is copied first, so
+        interning it has no effect the caller can see."""
+        tokens = _as_list(tokens)
+        return self._match(tokens, len(tokens), namespace, priority, peek, intern)
 
     def match_prompt(
-        self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+        self,
+        prompt: Sequence[int],
+        namespace: str = "",
+        priority: int = 0,
+        *,
+        peek: bool = False,
+        intern: bool = False,
     ) -> MatchResult:
-        """match_prefix(prompt[:-1]): the last prompt token is always computed (its logits)."""
-        return self.match_prefix(prompt[:-1], namespace, priority, peek=peek)
+        """match_prefix(prompt[:-1]): the last prompt token is always computed (its logits).
+        ``intern`` re-points the matched part of ``prompt`` itself (see match_prefix)."""
+        prompt = _as_list(prompt)  # no prompt[:-1] copy: the walk stops one token short
+        return self._match(prompt, max(0, len(prompt) - 1), namespace, priority, peek, intern)
 
-    @abstractmethod
     def insert_prefix(
-        self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "", priority: int = 0
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        namespace: str = "",
+        priority: int = 0,
+        *,
+        intern: bool = False,
     ) -> InsertResult:
         """Caches tokens -> slots (whole pages only). Slots at positions [0, prefix_len) were
-        already cached: the caller frees those it owns, and any tail beyond the whole pages."""
+        already cached: the caller frees those it owns, and any tail beyond the whole pages.
+        ``intern``: as in match_prefix, for the part of ``tokens`` already in the tree."""
+        tokens, slots = _as_list(tokens), _as_list(slots)
+        if len(tokens) != len(slots):
+            raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
+        return self._insert(tokens, slots, namespace, priority, intern)
 
     @abstractmethod
-    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None:
-        """Locks (or unlocks) the path from node up to the root against eviction; counted,
-        so each lock needs one unlock. The root (a match of nothing) is a no-op."""
+    def _match(
+        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool, intern: bool
+    ) -> MatchResult:
+        """match_prefix of tokens[:end], without copying that slice."""
+
+    @abstractmethod
+    def _insert(
+        self, tokens: list[int], slots: list[int], namespace: str, priority: int, intern: bool
+    ) -> InsertResult:
+        """insert_prefix once its arguments are checked lists of equal length."""
+
+    @abstractmethod
+    def lock(self, node: TreeNode) -> None:
+        """Locks the path from node up to the root against eviction; counted, so each lock
+        needs one unlock. The root (a match of nothing) is a no-op."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode) -> None:
+        """Undoes one lock(node); raises CacheLockError if node is not locked."""
 
     @abstractmethod
     def evict(self, n: int) -> int:
@@ -166,31 +215,17 @@ class RadixCache(BasePrefixCache):
         self._evictable = 0
         self._protected = 0
         self._clock = 0
-        self._leaves = LeafHeap(self.policy.score)  # unlocked leaves: eviction candidates
+        # Unlocked leaves: the eviction candidates.
+        self._leaves: LeafHeap[TreeNode] = LeafHeap(self.policy.score)
 
     # -- match ------------------------------------------------------------------------
-    def match_prefix(
-        self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
-    ) -> MatchResult:
-        """See BasePrefixCache. A plain list argument gets the tree's int objects for the
-        tokens it matched (equal values): a later insert of the same tokens (or of a list
-        built from them) then compares pointers instead of ints, which halves its cost."""
-        tokens = _as_list(tokens)
-        return self._match(tokens, len(tokens), namespace, priority, peek)
-
-    def match_prompt(
-        self, prompt: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
-    ) -> MatchResult:
-        prompt = _as_list(prompt)  # no prompt[:-1] copy: the walk stops one token short
-        return self._match(prompt, max(0, len(prompt) - 1), namespace, priority, peek)
-
     def _match(
-        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool
+        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool, intern: bool
     ) -> MatchResult:
         anchor = self.root.children.get(namespace)
         if anchor is None:
             return MatchResult([], self.root)
-        node, pos, path = self._walk(anchor, tokens, end - end % self.page_size)
+        node, _, path = self._walk(anchor, tokens, end - end % self.page_size, intern)
         slots: list[int] = []
         for n in path:
             slots += n.value
@@ -205,10 +240,11 @@ class RadixCache(BasePrefixCache):
         return MatchResult(slots, node)
 
     def _walk(
-        self, node: TreeNode, tokens: list[int], end: int
+        self, node: TreeNode, tokens: list[int], end: int, intern: bool
     ) -> tuple[TreeNode, int, list[TreeNode]]:
         """Follows tokens[:end] down from node, splitting where the match ends inside a node.
-        Returns the last matched node, the matched length and the matched path."""
+        Returns the last matched node, the matched length and the matched path. With
+        ``intern``, re-points the matched runs of ``tokens`` at the tree's ints (in place)."""
         ps = self.page_size
         pos = 0
         path: list[TreeNode] = []
@@ -216,12 +252,13 @@ class RadixCache(BasePrefixCache):
             child = node.children.get(tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
-            n = _common_len(child.key, tokens, pos, end)
+            n = common_prefix_len(child.key, tokens, pos, end)
             if ps > 1:
                 n -= n % ps
-            if n >= _INTERN_MIN and tokens[pos + n - 1] is not child.key[n - 1]:
+            if intern and n >= _INTERN_MIN and tokens[pos + n - 1] is not child.key[n - 1]:
                 # Equal values, the tree's int objects: the same tokens' next walk (the
-                # insert after a match) then compares pointers instead of int values.
+                # insert after a match, the match after an insert) then compares pointers
+                # instead of int values.
                 tokens[pos : pos + n] = child.key if n == len(child.key) else child.key[:n]
             if n < len(child.key):  # the match ends inside child: cut it there and stop
                 child = self._split(child, n)
@@ -253,18 +290,15 @@ class RadixCache(BasePrefixCache):
         return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
 
     # -- insert -----------------------------------------------------------------------
-    def insert_prefix(
-        self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "", priority: int = 0
+    def _insert(
+        self, tokens: list[int], slots: list[int], namespace: str, priority: int, intern: bool
     ) -> InsertResult:
-        tokens, slots = _as_list(tokens), _as_list(slots)
-        if len(tokens) != len(slots):
-            raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
         end = len(tokens) - len(tokens) % self.page_size
         anchor = self._anchor(namespace) if end else self.root.children.get(namespace, self.root)
         if not end:
             return InsertResult(0, anchor)
         self._clock += 1
-        node, pos, path = self._walk(anchor, tokens, end)
+        node, pos, path = self._walk(anchor, tokens, end, intern)
         clock = self._clock
         for n in path:
             n.last_access = clock
@@ -297,37 +331,39 @@ class RadixCache(BasePrefixCache):
         return leaf
 
     # -- locking ----------------------------------------------------------------------
-    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None:
+    def lock(self, node: TreeNode) -> None:
+        n = self._lockable(node)
+        while n is not None and not n.anchor:
+            if n.lock_ref == 0:
+                k = len(n.key)
+                self._evictable -= k
+                self._protected += k
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        n = self._lockable(node)
+        if n is not None and n.lock_ref <= 0:
+            raise CacheLockError(f"unlock of {node!r}, which is not locked")
+        while n is not None and not n.anchor:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                k = len(n.key)
+                self._protected -= k
+                self._evictable += k
+                if not n.children:
+                    self._leaves.push(n)
+            n = n.parent
+
+    @staticmethod
+    def _lockable(node: TreeNode) -> TreeNode | None:
+        """node, or None for an anchor: the root or a namespace root holds nothing, so a
+        lock of "no match" needs no special case. Raises if node left the tree."""
         if node.anchor:
-            return  # the root or a namespace root: holds nothing, so "no match" needs no case
+            return None
         if node.parent is None:
             raise CacheLockError(f"{node!r} is no longer in the tree (evicted or flushed)")
-        if unlock:
-            self._unlock(node)
-        else:
-            self._lock(node)
-
-    def _lock(self, node: TreeNode) -> None:
-        while not node.anchor:
-            if node.lock_ref == 0:
-                n = len(node.key)
-                self._evictable -= n
-                self._protected += n
-            node.lock_ref += 1
-            node = node.parent
-
-    def _unlock(self, node: TreeNode) -> None:
-        if node.lock_ref <= 0:
-            raise CacheLockError(f"unlock of {node!r}, which is not locked")
-        while not node.anchor:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                n = len(node.key)
-                self._protected -= n
-                self._evictable += n
-                if not node.children:
-                    self._leaves.push(node)
-            node = node.parent
+        return node
 
     # -- eviction ---------------------------------------------------------------------
     def evict(self, n: int) -> int:
@@ -351,6 +387,7 @@ class RadixCache(BasePrefixCache):
 
     def _remove_leaf(self, node: TreeNode) -> None:
         parent = node.parent
+        assert parent is not None  # a leaf in the heap is in the tree
         del parent.children[self._child_key(node.key)]
         node.parent = None
         self._leaves.discard(node)
@@ -413,19 +450,23 @@ class DisabledCache(BasePrefixCache):
         self.page_size = page_size
         self.root = TreeNode([], [], None, anchor=True)
 
-    def match_prefix(
-        self, tokens: Sequence[int], namespace: str = "", priority: int = 0, *, peek: bool = False
+    def _match(
+        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool, intern: bool
     ) -> MatchResult:
         return MatchResult([], self.root)
 
-    def insert_prefix(
-        self, tokens: Sequence[int], slots: Sequence[int], namespace: str = "", priority: int = 0
+    def _insert(
+        self, tokens: list[int], slots: list[int], namespace: str, priority: int, intern: bool
     ) -> InsertResult:
-        if len(tokens) != len(slots):
-            raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
         return InsertResult(0, self.root)
 
-    def lock_handle(self, node: TreeNode, unlock: bool = False) -> None:
+    def lock(self, node: TreeNode) -> None:
+        self._check_root(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self._check_root(node)
+
+    def _check_root(self, node: TreeNode) -> None:
         if node is not self.root:
             raise CacheLockError("the disabled cache only hands out its root")
 
@@ -462,13 +503,17 @@ def _as_list(seq: Sequence[int]) -> list[int]:
     return tolist() if tolist is not None else list(seq)
 
 
-def _common_len(key: list[int], tokens: list[int], start: int, end: int) -> int:
+def common_prefix_len(
+    key: list[int], tokens: list[int], start: int = 0, end: int | None = None
+) -> int:
     """Length of the common prefix of key and tokens[start:end].
 
-    Whole-slice comparisons run in C; a per-token Python loop would dominate the cost of a
-    request. When the slices differ, bisect with slice comparisons (O(len) C work in all).
+    The one helper for this in the scheduler and its tests. Both must be lists: a tuple
+    never equals a list slice. Whole-slice comparisons run in C; a per-token Python loop
+    would dominate the cost of a request. When the slices differ, bisect with slice
+    comparisons (O(len) C work in all).
     """
-    n = min(len(key), end - start)
+    n = min(len(key), (len(tokens) if end is None else end) - start)
     if (key if n == len(key) else key[:n]) == tokens[start : start + n]:
         return n
     lo, hi = 0, n  # key[:lo] matches; the first mismatch lies in [lo, hi)

@@ -10,7 +10,7 @@ of them when possible, and exactly as many as the allocator got back.
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -24,7 +24,12 @@ from hypothesis.stateful import (
 
 from services.scheduler.allocator import KVSlotAllocator
 from services.scheduler.eviction import policy_names
-from services.scheduler.radix_cache import CacheLockError, RadixCache, check_slot_integrity
+from services.scheduler.radix_cache import (
+    CacheLockError,
+    RadixCache,
+    check_slot_integrity,
+    common_prefix_len,
+)
 
 NAMESPACES = ["", "salt"]
 
@@ -40,13 +45,20 @@ def token_lists(ps: int) -> st.SearchStrategy[list[int]]:
     return st.builds(lambda b, t: b + t, body, tail)
 
 
-def common(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+@given(
+    a=st.lists(st.integers(0, 2), max_size=80),
+    b=st.lists(st.integers(0, 2), max_size=80),
+    start=st.integers(0, 80),
+)
+def test_common_prefix_len_is_the_definition(a, b, start):
+    """The helper the model below relies on, against its definition (its bisection must
+    find the first mismatch anywhere, and an end inside tokens)."""
+    start = min(start, len(b))
+    for end in (None, len(b), (start + len(b)) // 2):
+        tail = b[start:end]
+        pairs = enumerate(zip(a, tail, strict=False))
+        want = next((i for i, (x, y) in pairs if x != y), min(len(a), len(tail)))
+        assert common_prefix_len(a, b, start, end) == want
 
 
 class Request:
@@ -74,7 +86,7 @@ class CacheMachine(RuleBasedStateMachine):
         return tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
 
     def expected_match(self, tokens, ns) -> int:
-        best = max((common(s, tokens) for s in self.model[ns]), default=0)
+        best = max((common_prefix_len(list(s), tokens) for s in self.model[ns]), default=0)
         return best - best % self.page_size
 
     def model_size(self) -> int:
@@ -119,7 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.cache.match_prompt(tokens, ns)
         want = self.expected_match(tokens[:-1], ns)
         assert len(m.slots) == want
-        self.cache.lock_handle(m.node)
+        self.cache.lock(m.node)
         n_own = len(tokens) - want
         need = self.alloc.slots_needed(n_own, want)
         if need > self.alloc.num_free:
@@ -127,7 +139,7 @@ class CacheMachine(RuleBasedStateMachine):
         own = self.alloc.alloc(n_own, want, m.slots[-1] if want else 0)
         if own is None:  # everything else is locked: give up, as the scheduler would
             assert self.alloc.num_free + self.cache.size_info().evictable < need
-            self.cache.lock_handle(m.node, unlock=True)
+            self.cache.unlock(m.node)
             return None
         r = Request(tokens, ns, m.node, m.slots, own, need)
         self.held += need
@@ -145,7 +157,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert res.prefix_len == want
         kept = len(self.aligned(r.tokens))
         self.alloc.free(slots[len(r.matched_slots) : res.prefix_len] + slots[kept:])
-        self.cache.lock_handle(r.node, unlock=True)
+        self.cache.unlock(r.node)
         self.held -= r.held
         self.in_flight.remove(r)
         if kept:
@@ -157,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
         if r is None:
             return
         self.alloc.free(r.own)
-        self.cache.lock_handle(r.node, unlock=True)
+        self.cache.unlock(r.node)
         self.held -= r.held
         self.in_flight.remove(r)
 
@@ -190,10 +202,10 @@ class CacheMachine(RuleBasedStateMachine):
         r = data.draw(st.sampled_from(self.in_flight))
         if r.node.anchor or r.node.lock_ref != 1:
             return  # shared with another request (or nothing locked): not a double unlock
-        self.cache.lock_handle(r.node, unlock=True)
+        self.cache.unlock(r.node)
         with pytest.raises(CacheLockError):
-            self.cache.lock_handle(r.node, unlock=True)
-        self.cache.lock_handle(r.node)
+            self.cache.unlock(r.node)
+        self.cache.lock(r.node)
 
     # -- invariants ---------------------------------------------------------------------
     @invariant()

@@ -61,10 +61,10 @@ def test_empty_cache_matches_nothing_and_root_lock_is_a_no_op(ps):
     cache, alloc = make(ps)
     m = cache.match_prefix(seq(ps, 1, 2))
     assert m.slots == []
-    cache.lock_handle(m.node)
-    cache.lock_handle(m.node, unlock=True)
-    cache.lock_handle(cache.root)
-    cache.lock_handle(cache.root, unlock=True)
+    cache.lock(m.node)
+    cache.unlock(m.node)
+    cache.lock(cache.root)
+    cache.unlock(cache.root)
     assert cache.size_info() == (0, 0)
     check(cache, alloc)
 
@@ -107,9 +107,9 @@ def test_insert_node_ends_at_the_last_inserted_token(ps):
     cache, alloc = make(ps)
     put(cache, alloc, seq(ps, 1, 2, 3))
     res, _ = put(cache, alloc, seq(ps, 1, 2))  # ends inside [1,2,3]: split, node = [1,2]
-    cache.lock_handle(res.node)
+    cache.lock(res.node)
     assert cache.size_info() == (ps, 2 * ps)
-    cache.lock_handle(res.node, unlock=True)
+    cache.unlock(res.node)
     check(cache, alloc)
 
 
@@ -156,12 +156,12 @@ def test_lock_protects_the_path_and_counts_stay_right(ps):
     put(cache, alloc, seq(ps, 1, 2, 3))
     put(cache, alloc, seq(ps, 1, 2, 4))
     m = cache.match_prefix(seq(ps, 1, 2, 3))
-    cache.lock_handle(m.node)
+    cache.lock(m.node)
     assert cache.size_info() == (ps, 3 * ps)  # [4] evictable; [1,2] and [3] protected
     assert cache.evict(100 * ps) == ps  # only [4] can go
     assert cache.match_prefix(seq(ps, 1, 2, 3)).slots == m.slots
     check(cache, alloc)
-    cache.lock_handle(m.node, unlock=True)
+    cache.unlock(m.node)
     assert cache.size_info() == (3 * ps, 0)
     check(cache, alloc)
 
@@ -170,11 +170,11 @@ def test_match_inside_a_node_locks_only_the_matched_part(ps):
     cache, alloc = make(ps)
     put(cache, alloc, seq(ps, 1, 2, 3))
     m = cache.match_prefix(seq(ps, 1, 2, 9))
-    cache.lock_handle(m.node)
+    cache.lock(m.node)
     assert cache.size_info() == (ps, 2 * ps)
     assert cache.evict(ps) == ps
     assert cache.size_info() == (0, 2 * ps)
-    cache.lock_handle(m.node, unlock=True)
+    cache.unlock(m.node)
     check(cache, alloc)
 
 
@@ -182,11 +182,11 @@ def test_split_of_a_locked_node_keeps_locks(ps):
     cache, alloc = make(ps)
     put(cache, alloc, seq(ps, 1, 2, 3))
     m = cache.match_prefix(seq(ps, 1, 2, 3))
-    cache.lock_handle(m.node)
+    cache.lock(m.node)
     put(cache, alloc, seq(ps, 1, 5))  # splits the locked [1,2,3] after [1]
     assert cache.size_info() == (ps, 3 * ps)
     check(cache, alloc)
-    cache.lock_handle(m.node, unlock=True)
+    cache.unlock(m.node)
     assert cache.size_info() == (4 * ps, 0)
     check(cache, alloc)
 
@@ -196,11 +196,11 @@ def test_two_requests_lock_the_same_node(ps):
     put(cache, alloc, seq(ps, 1, 2))
     a = cache.match_prefix(seq(ps, 1, 2))
     b = cache.match_prefix(seq(ps, 1, 2))
-    cache.lock_handle(a.node)
-    cache.lock_handle(b.node)
-    cache.lock_handle(a.node, unlock=True)
+    cache.lock(a.node)
+    cache.lock(b.node)
+    cache.unlock(a.node)
     assert cache.size_info() == (0, 2 * ps)
-    cache.lock_handle(b.node, unlock=True)
+    cache.unlock(b.node)
     assert cache.size_info() == (2 * ps, 0)
 
 
@@ -208,7 +208,7 @@ def test_unlock_of_an_unlocked_node_raises(ps):
     cache, alloc = make(ps)
     res, _ = put(cache, alloc, seq(ps, 1, 2))
     with pytest.raises(CacheLockError, match="not locked"):
-        cache.lock_handle(res.node, unlock=True)
+        cache.unlock(res.node)
     check(cache, alloc)
 
 
@@ -217,7 +217,7 @@ def test_locking_an_evicted_node_raises(ps):
     res, _ = put(cache, alloc, seq(ps, 1, 2))
     cache.evict(2 * ps)
     with pytest.raises(CacheLockError, match="no longer in the tree"):
-        cache.lock_handle(res.node)
+        cache.lock(res.node)
 
 
 # -- eviction -----------------------------------------------------------------------------
@@ -323,10 +323,10 @@ def test_no_policy_can_pin_only_locks_do(ps, policy):
         for _ in range(first):
             cache.match_prefix(seq(ps, first, 8), priority=first)
     keep = cache.match_prefix(seq(ps, 2, 8))
-    cache.lock_handle(keep.node)
+    cache.lock(keep.node)
     assert cache.evict(10**6) == 6 * ps  # everything but the locked path
     assert cache.size_info() == (0, 2 * ps)
-    cache.lock_handle(keep.node, unlock=True)
+    cache.unlock(keep.node)
     check(cache, alloc)
 
 
@@ -372,12 +372,12 @@ def test_reset_refuses_while_locked_and_changes_nothing(ps):
     cache, alloc = make(ps)
     put(cache, alloc, seq(ps, 1, 2))
     m = cache.match_prefix(seq(ps, 1, 2))
-    cache.lock_handle(m.node)
+    cache.lock(m.node)
     with pytest.raises(CacheLockError, match="locked"):
         cache.reset()
     assert cache.match_prefix(seq(ps, 1, 2)).slots == m.slots
     assert cache.size_info() == (0, 2 * ps)
-    cache.lock_handle(m.node, unlock=True)
+    cache.unlock(m.node)
     check(cache, alloc)
 
 
@@ -386,7 +386,7 @@ def test_stale_handle_after_reset_cannot_be_locked(ps):
     res, _ = put(cache, alloc, seq(ps, 1, 2))
     cache.reset()
     with pytest.raises(CacheLockError):
-        cache.lock_handle(res.node)
+        cache.lock(res.node)
 
 
 # -- bad calls and integrity --------------------------------------------------------------
@@ -443,7 +443,7 @@ def test_slot_integrity_names_all_four_numbers(ps):
     put(cache, alloc, seq(ps, 1, 2))
     held = alloc.alloc(3 * ps)
     m = cache.match_prefix(seq(ps, 1))
-    cache.lock_handle(m.node)
+    cache.lock(m.node)
     check_slot_integrity(alloc, cache, held_by_requests=len(held))
     with pytest.raises(SlotLeakError) as err:
         check_slot_integrity(alloc, cache, held_by_requests=0)
@@ -468,8 +468,8 @@ def test_disabled_cache_keeps_nothing(ps):
     res = cache.insert_prefix(seq(ps, 1, 2), slots)
     assert res.prefix_len == 0
     assert cache.match_prompt(seq(ps, 1, 2, 3)).slots == []
-    cache.lock_handle(res.node)
-    cache.lock_handle(res.node, unlock=True)
+    cache.lock(res.node)
+    cache.unlock(res.node)
     assert cache.evict(10) == 0
     assert cache.size_info() == (0, 0)
     check_slot_integrity(alloc, cache, held_by_requests=2 * ps)  # the caller still owns them

@@ -165,7 +165,7 @@ def test_eos_stops_unless_ignored():
 
 def test_a_restarted_worker_stops_the_scheduler():
     """A new worker process has an empty KV pool: the tree's slots would read garbage."""
-    from services.scheduler.scheduler import WorkerError
+    from services.scheduler.worker_link import WorkerError
 
     worker = FakeWorker(1000)
     worker.info.instance_id = "first"

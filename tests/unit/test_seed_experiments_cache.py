@@ -11,24 +11,15 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.allocator import KVSlotAllocator
-from services.scheduler.radix_cache import RadixCache, check_slot_integrity
+from services.scheduler.radix_cache import RadixCache, check_slot_integrity, common_prefix_len
 
 OUTPUT_TOKENS = 1  # max_tokens 1 is enough for these experiments
-
-
-def common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def serve(cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int]) -> int:
     """One request's KV bookkeeping; returns cached(prompt)."""
     m = cache.match_prompt(prompt)
-    cache.lock_handle(m.node)
+    cache.lock(m.node)
     cached = len(m.slots)
     own = alloc.alloc(len(prompt) - cached + OUTPUT_TOKENS, cached, m.slots[-1] if cached else 0)
     assert own is not None
@@ -39,7 +30,7 @@ def serve(cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int]) -> int:
     res = cache.insert_prefix(seq, slots[: len(seq)])
     kept = len(seq) - len(seq) % cache.page_size
     alloc.free(slots[cached : res.prefix_len] + slots[kept:])
-    cache.lock_handle(m.node, unlock=True)
+    cache.unlock(m.node)
     cache.check_integrity()
     check_slot_integrity(alloc, cache, held_by_requests=0)
     return cached
@@ -67,8 +58,8 @@ def test_experiment_1_tree_grows_branches(page_size):
     got = {name: serve(cache, alloc, prompt) for name, prompt in (("A", A), ("B", B), ("C", C))}
     print(f"\nexperiment 1, page size {page_size}: A {len(A)} tokens, hits {got}")
     assert got["A"] == 0
-    assert got["B"] == paged(common(A, B), page_size)
-    assert got["C"] == paged(common(A, C), page_size)
+    assert got["B"] == paged(common_prefix_len(A, B), page_size)
+    assert got["C"] == paged(common_prefix_len(A, C), page_size)
     if page_size == 1:  # the published run: B hit 21 (= P), C hit 30 (= all of A)
         assert (got["B"], got["C"]) == (len(P), len(A))
         assert got["C"] > got["B"]
@@ -87,7 +78,7 @@ def test_experiment_2_any_shared_length_is_reused():
     caches = {ps: fresh(ps) for ps in (1, 16)}
     for idx, n in enumerate([0, 2, 7, 20]):
         first, second = pair(n, marker=10_000 * (idx + 1))
-        shared = common(first, second)
+        shared = common_prefix_len(first, second)
         hits = {}
         for ps, (cache, alloc) in caches.items():
             assert serve(cache, alloc, first) == 0

@@ -1,0 +1,159 @@
+"""Prefill batches: the next chunk of each running prefill, then newly admitted requests.
+
+A batch is bounded by ``--max-prefill-tokens`` (the budget) and each request's share by
+``--chunked-prefill-size``; a long prompt runs as several chunks, one per batch, and stays
+in the running set in between. Admission also keeps room for the tokens the running
+requests are still expected to produce (the new-token ratio below).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.common.config import SchedulerConfig
+from services.scheduler import request_spans, schedule_policy
+from services.scheduler.batch import Item
+from services.scheduler.batch_log import BatchLog
+from services.scheduler.kv_manager import KVManager
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.radix_cache import common_prefix_len
+from services.scheduler.req_queues import ReqQueues
+from services.scheduler.request import Req
+
+# Admission reserves this share of each request's remaining max_tokens (SGLang's
+# new-token ratio): optimistic, since most requests stop early; retraction covers the rest.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.15
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+# A waiting request sharing this many uncached tokens with one already in the batch waits
+# one step: after that batch its prefix is in the tree, and it is a hit instead of a copy.
+IN_BATCH_SHARE_THRESHOLD = 32
+NO_CHUNKING = 1 << 30
+
+
+class NewTokenRatio:
+    """The share of remaining max_tokens that admission reserves: raised by a retraction
+    (admission was too optimistic), lowered a little by every decode step."""
+
+    def __init__(self) -> None:
+        self.value = INIT_NEW_TOKEN_RATIO
+
+    def reserve(self, reqs: Iterable[Req]) -> float:
+        return sum(r.remaining_new_tokens for r in reqs) * self.value
+
+    def raise_after_retract(self) -> None:
+        self.value = min(1.0, self.value + 0.1)
+
+    def decay(self) -> None:
+        self.value = max(MIN_NEW_TOKEN_RATIO, self.value - NEW_TOKEN_RATIO_DECAY)
+
+
+@dataclass(eq=False)
+class PrefillBuilder:
+    cfg: SchedulerConfig
+    queues: ReqQueues
+    ratio: NewTokenRatio
+    max_running: int
+    metrics: SchedulerMetrics
+    batch_log: BatchLog
+
+    @property
+    def kv(self) -> KVManager:
+        return self.queues.kv
+
+    @property
+    def chunk(self) -> int:
+        """The most tokens of one request in one batch (--chunked-prefill-size)."""
+        size = self.cfg.chunked_prefill_size
+        return size if size > 0 else NO_CHUNKING
+
+    def build(self) -> list[Item]:
+        """The next prefill batch: [] when no chunk is due and no waiting request fits."""
+        budget = self.cfg.max_prefill_tokens
+        items = self._next_chunks(budget)
+        budget -= sum(it.n for it in items)
+        if not self.queues.waiting or budget <= 0:
+            return items
+        admitted = self._admit(budget, items)
+        self.queues.start(admitted)
+        if admitted or items:
+            self._log(items, admitted)
+        return items
+
+    def _next_chunks(self, budget: int) -> list[Item]:
+        """The next chunk of every running request whose prompt is not all computed."""
+        items: list[Item] = []
+        for req in self.queues.running:
+            if req.in_prefill and budget > 0:
+                n = min(req.seq_len - req.kv_len, self.chunk, budget)
+                if self.kv.grow(req, n) is None:
+                    continue
+                items.append(Item.prefill(req, n))
+                budget -= n
+        return items
+
+    def _admit(self, budget: int, items: list[Item]) -> list[Req]:
+        """Admits waiting requests in policy order while they fit; appends their items."""
+        reserved = self.ratio.reserve(self.queues.running)
+        admitted: list[Req] = []
+        for req in self._ordered_waiting():
+            if len(self.queues.running) + len(admitted) >= self.max_running or budget <= 0:
+                break
+            if self._shares_with(req, admitted):
+                continue
+            item = self._admit_one(req, budget, reserved)
+            if item is None:
+                break  # the head of the order does not fit: nothing behind it jumps ahead
+            admitted.append(req)
+            items.append(item)
+            budget -= item.n
+            reserved += req.remaining_new_tokens * self.ratio.value
+        return admitted
+
+    def _admit_one(self, req: Req, budget: int, reserved: float) -> Item | None:
+        """Matches, locks and grows the request's first chunk; None (all undone) if the
+        pool cannot hold it beside what the running requests are expected to need."""
+        matched = self.kv.match(req)
+        todo = req.seq_len - matched
+        need = todo + req.remaining_new_tokens * self.ratio.value
+        n = min(todo, self.chunk, budget)
+        if need > self.kv.available - reserved or self.kv.grow(req, n) is None:
+            self.kv.unmatch(req)
+            return None
+        self.queues.assign_row(req)
+        if req.cached_tokens < 0:  # its first admission (not a retracted one coming back)
+            req.cached_tokens = matched
+            req.first_scheduled = time.time()
+            self.metrics.on_scheduled(req)
+            request_spans.on_scheduled(req)
+        return Item.prefill(req, n)
+
+    def _ordered_waiting(self) -> list[Req]:
+        waiting = list(self.queues.waiting)
+        return schedule_policy.order(self.cfg.schedule_policy, waiting, self.kv.cache)
+
+    def _shares_with(self, req: Req, admitted: list[Req]) -> bool:
+        """Whether req shares a long uncached run with a request admitted to this batch."""
+        if self.cfg.disable_radix_cache or not admitted:
+            return False
+        ids = req.fill_ids
+        for other in admitted:
+            n = common_prefix_len(ids, other.fill_ids)
+            if n - other.locked_len >= IN_BATCH_SHARE_THRESHOLD:
+                return True
+        return False
+
+    def _log(self, items: list[Item], admitted: list[Req]) -> None:
+        new_tokens = sum(it.n for it in items)
+        cached = sum(max(r.cached_tokens, 0) for r in admitted)
+        self.metrics.on_prefill_batch(new_tokens, cached)
+        self.batch_log.prefill(
+            len(admitted),
+            new_tokens,
+            cached,
+            self.kv.usage,
+            len(self.queues.running) - len(admitted),
+            len(self.queues.waiting),
+        )

@@ -1,0 +1,113 @@
+"""The scheduler's end of the ZeroMQ link to its worker: batches out, results back.
+
+The worker runs batches in the order they arrive and answers each in that order, so the
+link keeps the batches it sent and has not read the result of in a FIFO. With the overlap
+schedule it holds two: the one the worker runs and the lookahead step queued behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from radixserve.internal.v1 import engine_pb2
+from services.common import transport
+from services.common.transport import pack_i32
+from services.scheduler import request_spans
+from services.scheduler.batch import Item, is_decode
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.request import Req
+
+WORKER_TIMEOUT_S = 600.0
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SentBatch:
+    """A batch the worker has (or will have) run, its result not read yet."""
+
+    batch_id: int
+    items: list[Item]
+
+
+class WorkerLink:
+    def __init__(self, sock: zmq.Socket, info: engine_pb2.WorkerInfo, metrics: SchedulerMetrics):
+        self.sock = sock
+        self.info = info
+        self.metrics = metrics
+        self.in_flight: deque[SentBatch] = deque()  # oldest first, as the results come
+        self._last_id = 0
+
+    @property
+    def next_batch_id(self) -> int:
+        """The id the next send() gives its batch."""
+        return self._last_id + 1
+
+    def send(self, items: list[Item]) -> None:
+        self._last_id += 1
+        batch = engine_pb2.ForwardBatch(batch_id=self._last_id, is_decode=is_decode(items))
+        batch.reqs.extend(forward_request(it) for it in items)
+        parent, links = request_spans.batch_context([it.req for it in items])
+        batch.trace_context.update(parent)
+        batch.trace_links.extend(links)
+        self.metrics.on_batch(self.info, items)
+        transport.send(self.sock, engine_pb2.SchedulerToWorker(forward=batch))
+        self.in_flight.append(SentBatch(self._last_id, items))
+
+    def recv(self) -> engine_pb2.ForwardResult:
+        """Waits for the result of the oldest batch in flight (in_flight[0], removed)."""
+        sent = self.in_flight.popleft()
+        reply = self._recv_reply()
+        if not reply.HasField("result") or reply.result.batch_id != sent.batch_id:
+            raise WorkerError(f"the worker answered batch {sent.batch_id} with something else")
+        if reply.result.worker_instance != self.info.instance_id:
+            # Its KV pool is new and empty: every slot the tree names is garbage now.
+            raise WorkerError(
+                f"the worker restarted (instance {self.info.instance_id or '?'} -> "
+                f"{reply.result.worker_instance or '?'}); its KV pool is gone, so the "
+                "scheduler stops to start over with an empty tree"
+            )
+        return reply.result
+
+    def _recv_reply(self) -> engine_pb2.WorkerToScheduler:
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        while not self.sock.poll(1000):
+            if time.monotonic() > deadline:
+                raise WorkerError(f"the worker did not answer within {WORKER_TIMEOUT_S:.0f} s")
+        return transport.recv(self.sock, engine_pb2.WorkerToScheduler)
+
+
+def forward_request(it: Item) -> engine_pb2.ForwardRequest:
+    """The item on the wire: its new tokens (or "the token you sampled last") and slots."""
+    req = it.req
+    end = it.start + it.n
+    fr = engine_pb2.ForwardRequest(
+        req_slot=req.req_slot,
+        rid=req.rid,
+        prefix_len=it.start,
+        sample=it.sample,
+        out_slots=pack_i32(req.kv_slots[it.start : end]),
+    )
+    if it.from_last:
+        fr.use_last_sampled = True
+    else:
+        fr.input_ids = pack_i32(req.fill_ids[it.start : end])
+    if req.table_dirty:
+        _rewrite_row(fr, req, it.start)
+    return fr
+
+
+def _rewrite_row(fr: engine_pb2.ForwardRequest, req: Req, prefix_len: int) -> None:
+    """The worker's table row is new or stale: send all it needs to (re)build it."""
+    fr.is_new = True
+    fr.prefix_slots = pack_i32(req.kv_slots[:prefix_len])
+    fr.sampling.CopyFrom(req.sampling)
+    fr.output_ids = pack_i32(req.output_ids)
+    fr.eos_token_ids.extend(sorted(req.eos_token_ids))
+    req.table_dirty = False
