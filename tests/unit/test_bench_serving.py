@@ -15,7 +15,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,7 +25,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.bench import workloads
-from services.bench.serving import add_bench_args, benchmark, run_bench
+from services.bench.serving import (
+    Result,
+    ServerError,
+    StreamReader,
+    add_bench_args,
+    benchmark,
+    run_bench,
+)
 from services.common.config import DEFAULT_MODEL_PATH
 
 FIRST_S, STEP_S = 0.15, 0.02
@@ -140,8 +147,8 @@ def args(base_url: str, *extra: str) -> argparse.Namespace:
 
 def run(
     extra: list[str],
-    http_fail: set[int] = frozenset(),
-    stream_fail: set[int] = frozenset(),
+    http_fail: Iterable[int] = (),
+    stream_fail: Iterable[int] = (),
     usage: bool = True,
 ) -> tuple[dict, Seen]:
     seen = Seen()
@@ -320,3 +327,28 @@ def test_seed_changes_every_text_and_tokenizer_lengths_are_exact():
     assert not {s.turns[0].message for s in a} & {s.turns[0].message for s in b}
     lens = [len(tok.encode(s.turns[0].message, add_special_tokens=False)) for s in a + b]
     assert all(abs(n - 100) <= 1 for n in lens) and lens.count(100) >= 6
+
+
+def test_stream_reader_counts_text_arrivals_and_refuses_unfinished_streams():
+    def data(text: str | None, finish: str | None = None, usage: dict | None = None) -> str:
+        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish}]
+        return "data: " + json.dumps({"choices": choices, "usage": usage})
+
+    res = Result()
+    reader = StreamReader(res, start=0.0)
+    usage = {
+        "prompt_tokens": 7,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    for t, line in [(1.0, data("")), (2.0, data("a")), (3.0, data("")), (5.0, data("b", "length")),
+                    (5.1, data(None, usage=usage)), (5.2, "data: [DONE]")]:  # fmt: skip
+        reader.line(line, t)
+    reader.close()
+    assert res.ok and res.ttft == 2.0 and res.itl == [3.0] and res.text == "ab"
+    assert (res.prompt_tokens, res.completion_tokens, res.cached_tokens) == (7, 4, 3)
+
+    cut = StreamReader(Result(), start=0.0)
+    cut.line(data("a"), 1.0)
+    with pytest.raises(ServerError, match="ended before"):
+        cut.close()
