@@ -26,9 +26,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.internal.v1 import engine_pb2  # noqa: E402
-from radixserve.v1 import generation_pb2  # noqa: E402
 from services.common.config import WorkerConfig  # noqa: E402
 from services.common.transport import pack_i32  # noqa: E402
+from services.worker import wire  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.offline import generate  # noqa: E402
 
@@ -101,7 +101,8 @@ class _StepClock(transformers.StoppingCriteria):
 
 
 class _TimedRunner:
-    """A ModelRunner that stamps the time after every forward (what offline.generate calls)."""
+    """A ModelRunner that stamps the time after every forward (what offline.generate calls,
+    through wire.forward: a Batch in, a ForwardOutput out)."""
 
     def __init__(self, runner):
         self.runner, self.stamps = runner, []
@@ -150,9 +151,9 @@ def decode_batches(runner, prompts: list[list[int]], steps: int) -> list[engine_
             out_slots=pack_i32(range(1 + i * span, 1 + i * span + len(p))),
             is_new=True,
             sample=True,
-            sampling=generation_pb2.SamplingParams(temperature=0.0),
+            sampling=engine_pb2.SamplingParams(temperature=0.0),
         )
-    runner.forward(prefill)
+    wire.forward(runner, prefill)
     batches = []
     for step in range(steps):
         batch = engine_pb2.ForwardBatch(batch_id=step, is_decode=True)
@@ -175,11 +176,11 @@ def outside_matmul_share(runner, prompts, steps: int) -> tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
 
     batches = decode_batches(runner, prompts, steps)
-    runner.forward(batches[0])  # warm-up (the same positions are simply rewritten)
+    wire.forward(runner, batches[0])  # warm-up (the same positions are simply rewritten)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for batch in batches:
-            runner.forward(batch)
+            wire.forward(runner, batch)
         total_us = (time.perf_counter() - start) * 1e6
     ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     linear = ops.get("aten::mm", 0) + ops.get("aten::addmm", 0)
@@ -232,7 +233,8 @@ def main() -> None:
         prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(64)] for _ in range(64)]
         share_lin, share_all = outside_matmul_share(runner, prompts, new_tokens)
     print(
-        f"model: Llama-shaped, {n_params / 1e6:.1f}M parameters, float32, CPU threads {torch.get_num_threads()}"
+        f"model: Llama-shaped, {n_params / 1e6:.1f}M parameters, float32, "
+        f"CPU threads {torch.get_num_threads()}"
     )
     print(f"{new_tokens} new tokens per request, median of {repeats}\n")
     print("| workload | radixserve tok/s | transformers tok/s | ratio |")
@@ -240,8 +242,8 @@ def main() -> None:
     for name, rs, ref in rows:
         print(f"| {name} | {rs:,.0f} | {ref:,.0f} | {rs / ref:.2f}x |")
     print(
-        f"\ndecode batch 64 (prompts of 64 tokens): {share_lin:.0%} of a step's wall time outside the "
-        f"linear layers' GEMMs, {share_all:.0%} outside them and the attention kernel"
+        f"\ndecode batch 64 (prompts of 64 tokens): {share_lin:.0%} of a step's wall time "
+        f"outside the linear layers' GEMMs, {share_all:.0%} outside them and the attention kernel"
     )
 
 

@@ -298,8 +298,8 @@ def bench_extend(table: Table, sizes: Sizes) -> None:
     ratio = ms_sdpa / ms_ours
     table.add(
         f"extend attention vs SDPA ({b} x {length} causal, {hq}q/{hkv}kv, D={d}, {dtype}; {how})",
-        f"ours {ms_ours * 1e3:.0f} us ({flops / ms_ours / 1e9:.0f} TFLOP/s), SDPA {ms_sdpa * 1e3:.0f} us "
-        f"({flops / ms_sdpa / 1e9:.0f} TFLOP/s): {ratio:.2f}x",
+        f"ours {ms_ours * 1e3:.0f} us ({flops / ms_ours / 1e9:.0f} TFLOP/s), "
+        f"SDPA {ms_sdpa * 1e3:.0f} us ({flops / ms_sdpa / 1e9:.0f} TFLOP/s): {ratio:.2f}x",
         ">= 0.6x",
         verdict(ratio >= 0.6),
     )
@@ -379,8 +379,9 @@ def bench_model(table: Table, sizes: Sizes, budget: Budget) -> None:
                 empty_cache()  # the runner (KV pool, graphs) is gone: give its memory back
                 speeds[graphs] = tps
                 note = "" if captured == graphs else f" (runner holds graphs: {captured})"
+                mode = "on" if graphs else "off"
                 table.add(
-                    f"model decode tokens/s, batch {batch}, CUDA graphs {'on' if graphs else 'off'}",
+                    f"model decode tokens/s, batch {batch}, CUDA graphs {mode}",
                     f"{tps:,.0f} tok/s{note}",
                     "info",
                     "",

@@ -35,6 +35,7 @@ import logging
 import torch
 
 from services.worker.attention.base import AttentionMeta
+from services.worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ def capture_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     """Captured decode graphs of ``model`` (forward + compute_logits), one per batch size."""
 
-    def __init__(self, model, max_bs: int, max_context: int, device: torch.device):
+    def __init__(
+        self, model: LlamaForCausalLM, max_bs: int, max_context: int, device: torch.device
+    ):
         if max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {max_bs}")
         self.model = model

@@ -1,8 +1,8 @@
 """Building blocks of the decoder models: RMSNorm, rotary embedding, gated MLP, attention.
 
-The attention layer never keeps a KV cache of its own: it hands q/k/v to the attention
-backend together with this layer's slice of the paged KV pool, and the backend stores the
-new K/V by slot and attends over the slots of each request's context.
+The attention layer never keeps a KV cache of its own: it hands q/k/v to the forward
+context (services/worker/forward_context.py), whose backend stores the new K/V in this
+layer's slice of the paged pool by slot and attends over the slots of each context.
 
 Projections that read the same input are fused (q/k/v into ``qkv_proj``, gate/up into
 ``gate_up_proj``): one matrix product instead of three (two) is what makes small-batch
@@ -13,12 +13,13 @@ tensor goes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.attention.base import AttentionBackend, AttentionMeta
+from services.worker.forward_context import ForwardContext
 
 
 class RMSNorm(nn.Module):
@@ -114,7 +115,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---- MLP and attention -------------------------------------------------------------
 
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -132,7 +133,7 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # each [T, I]
         return self.down_proj(self.act(gate) * up)
 
 
@@ -162,31 +163,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMeta,
-        backend: AttentionBackend,
-        k_pool: torch.Tensor,  # [slots + 1, kv_heads, head_dim]
-        v_pool: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # qkv: [T, (H + 2 KVH) * D]
         qk_size = self.q_size + self.kv_size
-        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # v: [T, KVH, D]
+        q, k = self._rotated_qk(qkv[:, :qk_size], ctx)
+        out = ctx.attention(self.layer_id, q, k, v)  # out: [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))  # [T, H * D] -> [T, hidden]
+
+    def _rotated_qk(
+        self, qk: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk: [T, (H + KVH) * D] -> q: [T, H, D], k: [T, KVH, D], normed (Qwen3) and rotated."""
+        t, heads = qk.shape[0], self.num_heads + self.num_kv_heads
+        if self.q_norm is None or self.k_norm is None:
             # q and k side by side are heads too: one rotary pass for both.
-            qk = apply_rotary(
-                qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-                cos,
-                sin,
-            )
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # q: [T, H, D], k: [T, KVH, D]
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(q, k, v, k_pool, v_pool, meta)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+            both = apply_rotary(qk.view(t, heads, self.head_dim), ctx.cos, ctx.sin)
+            return both[:, : self.num_heads], both[:, self.num_heads :]
+        q = self.q_norm(qk[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(qk[:, self.q_size :].view(t, self.num_kv_heads, self.head_dim))
+        return apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)

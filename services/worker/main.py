@@ -1,4 +1,8 @@
-"""The worker process: loads the model, then serves forward batches to its scheduler over ZeroMQ."""
+"""The worker process: loads the model, then serves forward batches to its scheduler over ZeroMQ.
+
+Wire <-> runner happens here, through services/worker/wire.py: the ModelRunner takes and
+returns plain dataclasses, so a malformed message fails in wire.py with the culprit named.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +18,15 @@ from concurrent import futures
 import grpc
 import torch
 import zmq
+from opentelemetry import trace
 
 from radixserve.internal.v1 import engine_pb2
 from services.common import tracing, transport
 from services.common.config import WorkerConfig
 from services.common.grpc_util import add_health_and_reflection
 from services.common.logs import setup_logging
+from services.worker import wire
+from services.worker.batch import RunnerInfo
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 
@@ -46,7 +53,7 @@ def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
     return server, bound
 
 
-def forward_span(batch: engine_pb2.ForwardBatch):
+def forward_span(batch: engine_pb2.ForwardBatch) -> trace.Span | None:
     """One span per batch: child of its first request's phase span, linked to all of them."""
     if not tracing.enabled() or not batch.trace_context:
         return None
@@ -68,17 +75,16 @@ def handle(
     runner: ModelRunner, msg: engine_pb2.SchedulerToWorker, instance: str
 ) -> engine_pb2.WorkerToScheduler:
     if msg.HasField("info"):
-        info = runner.info()
-        info.instance_id = instance
-        return engine_pb2.WorkerToScheduler(info=info)
+        return engine_pb2.WorkerToScheduler(info=wire.encode_info(runner.info(), instance))
     batch = msg.forward
     t0 = time.perf_counter()
     span = forward_span(batch)
     try:
-        result = runner.forward(batch)
+        result = wire.forward(runner, batch)
     except Exception as e:  # a bad batch fails its requests, not the worker
         log.error("forward batch %d failed: %s\n%s", batch.batch_id, e, traceback.format_exc())
-        result = engine_pb2.ForwardResult(batch_id=batch.batch_id, error=f"{type(e).__name__}: {e}")
+        error = f"{type(e).__name__}: {e}"
+        result = engine_pb2.ForwardResult(batch_id=batch.batch_id, error=error)
     if not result.forward_time:
         result.forward_time = time.perf_counter() - t0
     result.worker_instance = instance
@@ -95,41 +101,48 @@ def main(cfg: WorkerConfig) -> None:
         raise SystemExit("worker: --worker-addr is required")
     set_cpu_threads(cfg.cpu_threads)
     runner = ModelRunner(cfg)
-    info = runner.info()
-    instance = uuid.uuid4().hex  # the scheduler notices a restarted worker (an empty KV pool) by it
     ctx = zmq.Context()
     sock = transport.router(ctx, cfg.worker_addr)
     server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
-    metrics = WorkerMetrics(info.model_id) if cfg.enable_metrics else None
-    extra = (
-        f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}" if metrics else ""
-    )
-    log.info(
-        "worker: ZeroMQ on %s, gRPC health on %s:%d%s; %s (%s, %s, %s attention), pool %d tokens",
-        cfg.worker_addr,
-        cfg.host,
-        port,
-        extra,
-        info.model_id,
-        info.device,
-        info.dtype,
-        info.attention_backend,
-        info.max_total_num_tokens,
-    )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    metrics = WorkerMetrics(runner.info().model_id) if cfg.enable_metrics else None
+    where = f"gRPC health on {cfg.host}:{port}"
+    if metrics:
+        where += f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}"
+    _log_ready(cfg, runner.info(), where)
     try:
-        while not stop.is_set():
-            if not sock.poll(POLL_MS):
-                continue
-            identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
-            reply = handle(runner, msg, instance)
-            if metrics and reply.HasField("result"):
-                metrics.observe(msg.forward, reply.result)
-            transport.send(sock, reply, identity)
+        serve(sock, runner, metrics)
     except KeyboardInterrupt:
         pass
     finally:
         server.stop(grace=None)
         ctx.destroy(linger=0)
         tracing.shutdown()
+
+
+def serve(sock: zmq.Socket, runner: ModelRunner, metrics: WorkerMetrics | None) -> None:
+    """Answers the scheduler's messages until SIGTERM."""
+    # The scheduler notices a restarted worker (an empty KV pool) by its instance id.
+    instance = uuid.uuid4().hex
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set():
+        if not sock.poll(POLL_MS):
+            continue
+        identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
+        reply = handle(runner, msg, instance)
+        if metrics and reply.HasField("result"):
+            metrics.observe(msg.forward, reply.result)
+        transport.send(sock, reply, identity)
+
+
+def _log_ready(cfg: WorkerConfig, info: RunnerInfo, where: str) -> None:
+    log.info(
+        "worker: ZeroMQ on %s, %s; %s (%s, %s, %s attention), pool %d tokens",
+        cfg.worker_addr,
+        where,
+        info.model_id,
+        info.device,
+        info.dtype,
+        info.attention_backend,
+        info.max_total_num_tokens,
+    )

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from services.worker.models import get_model_class
+from services.worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def load_model(
     device: torch.device,
     config: PretrainedConfig | None = None,
     progress: bool = True,
-) -> tuple[torch.nn.Module, PretrainedConfig]:
+) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Builds the model class named in config.json and fills it from the safetensors.
 
     Raises ValueError naming an unknown architecture, a missing tensor or a shape mismatch."""

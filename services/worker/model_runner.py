@@ -1,8 +1,9 @@
-"""The worker's engine: a ForwardBatch in, one sampled token per request out.
+"""The worker's engine: a Batch in, one sampled token per request out.
 
 It owns the model (with its attention backend and KV pool), the request-slot table and
 the sampler. No scheduling happens here: every KV slot and table row it touches is the
-one the scheduler named in the batch.
+one the scheduler named in the batch. It never sees protobuf: services/worker/wire.py
+decodes and checks the batch (batch.py's dataclasses) and encodes what comes back.
 """
 
 from __future__ import annotations
@@ -10,16 +11,17 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import PretrainedConfig
 
-from radixserve.internal.v1 import engine_pb2
 from services.common.config import WorkerConfig
-from services.common.transport import unpack_i32
 from services.worker.attention.base import AttentionBackend, AttentionMeta, get_backend
+from services.worker.batch import Batch, ForwardOutput, RunnerInfo
+from services.worker.cuda_graph import CudaGraphRunner
 from services.worker.kv_pool import KVPool, KVShape, pool_size_tokens
 from services.worker.model_loader import (
     architecture_of,
@@ -31,7 +33,7 @@ from services.worker.model_loader import (
 )
 from services.worker.models.llama import head_dim_of
 from services.worker.req_table import ReqToTokenTable, segment_arange
-from services.worker.sampling import SampleOutput, Sampler
+from services.worker.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -55,29 +57,24 @@ def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
     return get_backend(name)
 
 
-def _context_length(cfg: WorkerConfig, c) -> int:
+def _context_length(cfg: WorkerConfig, c: PretrainedConfig) -> int:
     """--context-length or the model's, capped at a sliding window when the model uses one:
     the attention here is full, which is exact only while the context fits the window."""
     length = cfg.context_length or c.max_position_embeddings
     window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
     if window and length > window:
         log.warning(
-            "context length capped at the sliding window (%d tokens; full attention beyond is not implemented)",
+            "context length capped at the sliding window (%d tokens; "
+            "full attention beyond is not implemented)",
             window,
         )
         return int(window)
     return int(length)
 
 
-@dataclass
-class _Req:
-    """One ForwardRequest, decoded and checked."""
-
-    req_slot: int
-    input_ids: np.ndarray
-    out_slots: np.ndarray
-    prefix_len: int
-    prefix_slots: np.ndarray | None  # only when is_new
+def _host(values: Sequence[int] | np.ndarray) -> torch.Tensor:
+    """int64 host tensor: index arithmetic stays on the CPU, sizes known without a sync."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
 class ModelRunner:
@@ -85,26 +82,16 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.model_path = cfg.model_path
-        self.hf_config = load_config(cfg.model_path)
-        self.dtype = resolve_dtype(cfg.dtype, self.hf_config, self.device)
-        self.model, _ = load_model(cfg.model_path, self.dtype, self.device, config=self.hf_config)
-        c = self.hf_config
+        self.hf_config = c = load_config(cfg.model_path)
+        self.dtype = resolve_dtype(cfg.dtype, c, self.device)
+        self.model, _ = load_model(cfg.model_path, self.dtype, self.device, config=c)
         self.vocab_size = c.vocab_size
         self.max_context = _context_length(cfg, c)
         self.num_kv_heads = c.num_key_value_heads or c.num_attention_heads
         self.head_dim = head_dim_of(c)
         self.num_parameters = num_parameters(self.model)
-        shape = KVShape(c.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        weight_bytes = sum(p.nbytes for p in self.model.parameters())
-        self.num_slots = pool_size_tokens(
-            shape,
-            self.device,
-            cfg.max_total_tokens,
-            cfg.mem_fraction_static,
-            weight_bytes,
-            cap_tokens=cfg.max_running_requests * self.max_context,
-        )
-        self.kv_pool = KVPool(shape, self.num_slots, self.device)
+        self.kv_pool = self._make_pool()
+        self.num_slots = self.kv_pool.num_slots
         cls = backend_class(cfg.attention_backend, self.device)
         self.backend_name = cls.name
         backend = cls(c.num_attention_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -117,6 +104,7 @@ class ModelRunner:
         self.graphs = self._capture_graphs(cfg)
         # The last token sampled per request slot: the input of an overlap-scheduled decode.
         self.last_sampled = np.full(cfg.max_running_requests, -1, dtype=np.int64)
+        self._info = self._make_info()
         log.info(
             "worker ready: %d KV slots (%.1f MiB), backend %s, %s on %s",
             self.num_slots,
@@ -126,21 +114,37 @@ class ModelRunner:
             self.device,
         )
 
-    def _capture_graphs(self, cfg: WorkerConfig):
+    def _make_pool(self) -> KVPool:
+        """As many KV slots as the memory share allows (kv_pool.py), after the weights."""
+        c, cfg = self.hf_config, self.cfg
+        shape = KVShape(c.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        num_slots = pool_size_tokens(
+            shape,
+            self.device,
+            cfg.max_total_tokens,
+            cfg.mem_fraction_static,
+            weight_bytes,
+            cap_tokens=cfg.max_running_requests * self.max_context,
+        )
+        return KVPool(shape, num_slots, self.device)
+
+    def _capture_graphs(self, cfg: WorkerConfig) -> CudaGraphRunner | None:
         """Decode CUDA graphs (services/worker/cuda_graph.py) when on CUDA with a backend
         that reads every per-step size from device buffers (triton)."""
         if self.device.type != "cuda" or cfg.disable_cuda_graph or self.backend_name != "triton":
             return None
-        from services.worker.cuda_graph import CudaGraphRunner
-
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         return CudaGraphRunner(self.model, max_bs, self.max_context, self.device)
 
     # ---- info -----------------------------------------------------------------------
 
-    def info(self) -> engine_pb2.WorkerInfo:
+    def info(self) -> RunnerInfo:
+        return self._info
+
+    def _make_info(self) -> RunnerInfo:
         c = self.hf_config
-        return engine_pb2.WorkerInfo(
+        return RunnerInfo(
             model_id=self.cfg.served_model_name or Path(self.model_path).name,
             architecture=architecture_of(c),
             vocab_size=self.vocab_size,
@@ -157,136 +161,81 @@ class ModelRunner:
             num_key_value_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             intermediate_size=c.intermediate_size,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=list(self.eos_token_ids),
         )
 
     # ---- forward --------------------------------------------------------------------
 
-    def forward(self, batch: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
-        """Runs one batch. Raises ValueError (nothing written) when the batch is malformed."""
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """Runs one batch (checked by wire.py). Raises ValueError, nothing written, when it
+        names a slot whose state this worker lacks."""
         start = time.perf_counter()
-        result = engine_pb2.ForwardResult(batch_id=batch.batch_id)
         if not batch.reqs:
-            return result
-        reqs, input_ids, positions, meta = self._begin(batch)
-        sampled = [i for i, msg in enumerate(batch.reqs) if msg.sample]
-        if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(reqs)):
-            logits = self.graphs.replay(input_ids, positions, meta)[sampled]  # [n, vocab]
-            result.cuda_graph = True
-        else:
-            hidden = self.model.forward(input_ids, positions, meta)
-            last_rows = meta.qo_indptr[1:].long()[sampled] - 1
-            logits = self.model.compute_logits(hidden[last_rows])  # [n, vocab]
-        tokens = [engine_pb2.SampledToken(token_id=-1) for _ in reqs]
-        if sampled:
-            out = self.sampler.sample(
-                logits,
-                [reqs[i].req_slot for i in sampled],
-                [batch.reqs[i].allowed_token_mask for i in sampled],
-            )
-            for j, i in enumerate(sampled):
-                tokens[i] = _sampled_token(out, j)
-                self.last_sampled[reqs[i].req_slot] = out.token_ids[j]
-        result.tokens.extend(tokens)
-        result.forward_time = time.perf_counter() - start
-        return result
+            return ForwardOutput([], [], [])
+        input_ids, positions, meta = self._begin(batch)
+        sampled = [i for i, r in enumerate(batch.reqs) if r.sample]
+        logits, graphed = self._sampled_logits(batch, sampled, input_ids, positions, meta)
+        out = self._sample(batch, sampled, logits)
+        out.cuda_graph = graphed
+        out.forward_time = time.perf_counter() - start
+        return out
 
-    def logits(self, batch: engine_pb2.ForwardBatch) -> torch.Tensor:
+    def logits(self, batch: Batch) -> torch.Tensor:
         """Like forward (KV written, table updated, eager) but returns the logits of every
         new token, [T, vocab] float32, and samples nothing. For tests and debugging."""
-        _, input_ids, positions, meta = self._begin(batch)
+        input_ids, positions, meta = self._begin(batch)
         return self.model.compute_logits(self.model.forward(input_ids, positions, meta))
 
-    def _begin(
-        self, batch: engine_pb2.ForwardBatch
-    ) -> tuple[list[_Req], torch.Tensor, torch.Tensor, AttentionMeta]:
-        """Checks the whole batch, then updates sampling state and the table; the model inputs."""
-        reqs = [self._parse(r, batch.is_decode) for r in batch.reqs]
-        self._check_batch(reqs)
-        for r, msg in zip(reqs, batch.reqs, strict=True):
-            if msg.is_new:
-                params = msg.sampling if msg.HasField("sampling") else None
-                self.sampler.reset_slot(r.req_slot, params, unpack_i32(msg.output_ids))
-                if not msg.use_last_sampled:  # a new owner of the slot: forget the old token
-                    self.last_sampled[r.req_slot] = -1
-        return (reqs, *self._prepare(reqs, batch.is_decode))
+    def _begin(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
+        """Checks the batch against this worker's state, then updates sampling state and the
+        table; the model inputs."""
+        ids = self._input_ids(batch)
+        self._start_slots(batch)
+        return self._prepare(batch, ids)
 
-    def _parse(self, msg: engine_pb2.ForwardRequest, is_decode: bool) -> _Req:
-        where = f"request {msg.rid or '?'} (req_slot {msg.req_slot})"
-        if not 0 <= msg.req_slot < self.cfg.max_running_requests:
-            raise ValueError(f"{where}: req_slot out of range [0, {self.cfg.max_running_requests})")
-        ids, out_slots = unpack_i32(msg.input_ids), unpack_i32(msg.out_slots)
-        if msg.use_last_sampled:
-            last = int(self.last_sampled[msg.req_slot])
-            if last < 0 or len(ids):
+    def _input_ids(self, batch: Batch) -> list[np.ndarray]:
+        """Each request's new tokens (the slot's last sampled one under use_last_sampled)."""
+        ids = []
+        for r in batch.reqs:
+            if r.start is None and not self.sampler.has_state(r.req_slot):
+                raise ValueError(f"{r.where}: req_slot was never started (is_new not set)")
+            if not r.use_last_sampled:
+                ids.append(r.input_ids)
+                continue
+            last = int(self.last_sampled[r.req_slot])
+            if last < 0:
                 raise ValueError(
-                    f"{where}: use_last_sampled needs empty input_ids and a token sampled before"
+                    f"{r.where}: use_last_sampled needs empty input_ids and a token sampled before"
                 )
-            ids = np.array([last], dtype=np.int32)
-        if len(ids) == 0:
-            raise ValueError(f"{where}: no input_ids")
-        if len(out_slots) != len(ids):
-            raise ValueError(f"{where}: {len(out_slots)} out_slots for {len(ids)} input_ids")
-        if is_decode and len(ids) != 1:
-            raise ValueError(f"{where}: a decode batch carries 1 token per request, got {len(ids)}")
-        if msg.prefix_len < 0 or msg.prefix_len + len(ids) > self.max_context:
-            raise ValueError(
-                f"{where}: prefix_len {msg.prefix_len} + {len(ids)} new tokens exceeds the context length {self.max_context}"
-            )
-        prefix_slots = None
-        if msg.is_new:
-            prefix_slots = unpack_i32(msg.prefix_slots)
-            if len(prefix_slots) != msg.prefix_len:
-                raise ValueError(
-                    f"{where}: {len(prefix_slots)} prefix_slots for prefix_len {msg.prefix_len}"
-                )
-        elif not self.sampler.has_state(msg.req_slot):
-            raise ValueError(f"{where}: req_slot was never started (is_new not set)")
-        return _Req(msg.req_slot, ids, out_slots, msg.prefix_len, prefix_slots)
+            ids.append(np.array([last], dtype=np.int32))
+        return ids
 
-    def _check_batch(self, reqs: list[_Req]) -> None:
-        slots = [r.req_slot for r in reqs]
-        if len(set(slots)) != len(slots):
-            raise ValueError("a req_slot appears twice in one batch")
-        ids = np.concatenate([r.input_ids for r in reqs])
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"input_ids out of the vocabulary [0, {self.vocab_size})")
-        kv = np.concatenate(
-            [r.out_slots for r in reqs]
-            + [r.prefix_slots for r in reqs if r.prefix_slots is not None]
-        )
-        if kv.min() < 1 or kv.max() > self.num_slots:
-            raise ValueError(f"KV slot out of range [1, {self.num_slots}] (slot 0 is padding)")
+    def _start_slots(self, batch: Batch) -> None:
+        """Sampling state of the requests that take their slot in this batch."""
+        for r in batch.reqs:
+            if r.start is None:
+                continue
+            self.sampler.reset_slot(r.req_slot, r.start.sampling, r.start.output_ids)
+            if not r.start.keep_last_sampled:  # a new owner of the slot: forget the old token
+                self.last_sampled[r.req_slot] = -1
 
     def _prepare(
-        self, reqs: list[_Req], is_decode: bool
+        self, batch: Batch, ids: list[np.ndarray]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
         """Writes the table rows and builds the batch's tensors (vectorised over tokens).
 
         Index arithmetic runs on the host (no device sync for sizes); only the results move."""
         dev = self.device
-
-        def host(values) -> torch.Tensor:
-            return torch.from_numpy(np.asarray(values, dtype=np.int64))
-
-        req_slots = host([r.req_slot for r in reqs])
-        prefix_lens = host([r.prefix_len for r in reqs])
-        extend_lens = host([len(r.input_ids) for r in reqs])
-        seq_lens = prefix_lens + extend_lens
-        new = [i for i, r in enumerate(reqs) if r.prefix_slots is not None and r.prefix_len > 0]
-        if new:
-            prefix_slots = host(np.concatenate([reqs[i].prefix_slots for i in new]))
-            self.table.write(
-                req_slots[new],
-                torch.zeros(len(new), dtype=torch.int64),
-                prefix_lens[new],
-                prefix_slots.to(dev),
-            )
-        out_slots = host(np.concatenate([r.out_slots for r in reqs])).to(dev)
+        req_slots = _host([r.req_slot for r in batch.reqs])  # [B]
+        prefix_lens = _host([r.prefix_len for r in batch.reqs])  # [B]
+        extend_lens = _host([len(i) for i in ids])  # [B]
+        seq_lens = prefix_lens + extend_lens  # [B]
+        self._write_prefixes(batch, req_slots, prefix_lens)
+        out_slots = _host(np.concatenate([r.out_slots for r in batch.reqs])).to(dev)  # [T]
         self.table.write(req_slots, prefix_lens, extend_lens, out_slots)
         zero = torch.zeros(1, dtype=torch.int64)
         meta = AttentionMeta(
-            is_decode=is_decode,
+            is_decode=batch.is_decode,
             out_slots=out_slots,
             qo_indptr=torch.cat([zero, torch.cumsum(extend_lens, 0)]).int().to(dev),
             kv_indptr=torch.cat([zero, torch.cumsum(seq_lens, 0)]).int().to(dev),
@@ -297,16 +246,56 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             max_extend_len=int(extend_lens.max()),
         )
-        input_ids = host(np.concatenate([r.input_ids for r in reqs])).to(dev)
-        positions = segment_arange(extend_lens, prefix_lens).to(dev)
+        input_ids = _host(np.concatenate(ids)).to(dev)  # [T]
+        positions = segment_arange(extend_lens, prefix_lens).to(dev)  # [T]
         return input_ids, positions, meta
 
+    def _write_prefixes(
+        self, batch: Batch, req_slots: torch.Tensor, prefix_lens: torch.Tensor
+    ) -> None:
+        """Table rows [0, prefix_len) of the requests taking their slot on a cached prefix."""
+        new = [
+            (i, r.start.prefix_slots)
+            for i, r in enumerate(batch.reqs)
+            if r.start is not None and r.prefix_len > 0
+        ]
+        if not new:
+            return
+        rows = [i for i, _ in new]
+        self.table.write(
+            req_slots[rows],
+            torch.zeros(len(rows), dtype=torch.int64),
+            prefix_lens[rows],
+            _host(np.concatenate([slots for _, slots in new])).to(self.device),
+        )
 
-def _sampled_token(out: SampleOutput, j: int) -> engine_pb2.SampledToken:
-    token = engine_pb2.SampledToken(token_id=out.token_ids[j])
-    if out.logprobs[j] is not None:
-        token.logprob.token_id = out.token_ids[j]
-        token.logprob.logprob = out.logprobs[j]
-        for tid, lp in out.top_logprobs[j] or []:
-            token.logprob.top.append(engine_pb2.TopLogprob(token_id=tid, logprob=lp))
-    return token
+    def _sampled_logits(
+        self,
+        batch: Batch,
+        sampled: list[int],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMeta,
+    ) -> tuple[torch.Tensor, bool]:
+        """Logits [n, vocab] of the last new token of each sampled request; whether a
+        captured CUDA graph computed them."""
+        if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(batch.reqs)):
+            return self.graphs.replay(input_ids, positions, meta)[sampled], True
+        hidden = self.model.forward(input_ids, positions, meta)  # [T, hidden]
+        last_rows = meta.qo_indptr[1:].long()[sampled] - 1  # [n]
+        return self.model.compute_logits(hidden[last_rows]), False
+
+    def _sample(self, batch: Batch, sampled: list[int], logits: torch.Tensor) -> ForwardOutput:
+        """One token per sampled request; -1 (and no logprobs) for the others."""
+        n = len(batch.reqs)
+        out = ForwardOutput([-1] * n, [None] * n, [None] * n)
+        if not sampled:
+            return out
+        slots = [batch.reqs[i].req_slot for i in sampled]
+        got = self.sampler.sample(logits, slots)
+        for j, i in enumerate(sampled):
+            out.token_ids[i] = got.token_ids[j]
+            out.logprobs[i] = got.logprobs[j]
+            out.top_logprobs[i] = got.top_logprobs[j]
+        self.last_sampled[slots] = got.token_ids
+        return out

@@ -6,17 +6,23 @@ prefill batch, then decode batches until every request has max_new_tokens (or hi
 Request i of a wave owns the contiguous KV slots
 
     base_i + 1 .. base_i + len(prompt_i) + max_new_tokens    (base_i = sum of earlier spans)
+
+Batches are built as protobuf and go through wire.forward, exactly as the worker process
+serves them, so a reference that agrees with the server proves the wire path too.
 """
 
 from __future__ import annotations
 
+import itertools
+
 from radixserve.internal.v1 import engine_pb2
 from services.common.transport import pack_i32
-from services.worker.model_runner import ModelRunner
+from services.worker import wire
+from services.worker.batch import RunnerInfo
 
 
 def generate(
-    runner: ModelRunner,
+    runner: wire.Runner,
     prompts: list[list[int]],
     max_new_tokens: int,
     sampling: engine_pb2.SamplingParams | None = None,
@@ -38,8 +44,30 @@ def generate(
     return outputs
 
 
-def _generate_wave(runner, prompts, max_new_tokens, sampling, eos) -> list[list[int]]:
-    info = runner.info()
+def _generate_wave(
+    runner: wire.Runner,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: engine_pb2.SamplingParams,
+    eos: set[int],
+) -> list[list[int]]:
+    bases = _slot_bases(runner.info(), prompts, max_new_tokens)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    prefill = _prefill_batch(prompts, bases, sampling)
+    _append(outputs, wire.forward(runner, prefill), list(range(len(prompts))))
+    for step in itertools.count(1):
+        active = [
+            i for i, out in enumerate(outputs) if len(out) < max_new_tokens and out[-1] not in eos
+        ]
+        if not active:
+            break
+        batch = _decode_batch(step, [(i, prompts[i], outputs[i], bases[i]) for i in active])
+        _append(outputs, wire.forward(runner, batch), active)
+    return outputs
+
+
+def _slot_bases(info: RunnerInfo, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
+    """The first KV slot of each request's contiguous span (see the module docstring)."""
     spans = [len(p) + max_new_tokens for p in prompts]
     if sum(spans) > info.max_total_num_tokens:
         raise ValueError(f"{sum(spans)} KV slots needed, the pool has {info.max_total_num_tokens}")
@@ -47,11 +75,16 @@ def _generate_wave(runner, prompts, max_new_tokens, sampling, eos) -> list[list[
         raise ValueError(
             f"prompt + max_new_tokens {max(spans)} exceeds max_model_len {info.max_model_len}"
         )
-    bases = [1 + sum(spans[:i]) for i in range(len(prompts))]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    prefill = engine_pb2.ForwardBatch(batch_id=0, is_decode=False)
+    return [1 + sum(spans[:i]) for i in range(len(prompts))]
+
+
+def _prefill_batch(
+    prompts: list[list[int]], bases: list[int], sampling: engine_pb2.SamplingParams
+) -> engine_pb2.ForwardBatch:
+    """Request i takes req_slot i and computes its whole prompt."""
+    batch = engine_pb2.ForwardBatch(batch_id=0, is_decode=False)
     for i, prompt in enumerate(prompts):
-        req = prefill.reqs.add(
+        req = batch.reqs.add(
             req_slot=i,
             input_ids=pack_i32(prompt),
             prefix_len=0,
@@ -61,26 +94,24 @@ def _generate_wave(runner, prompts, max_new_tokens, sampling, eos) -> list[list[
             rid=f"offline-{i}",
         )
         req.sampling.CopyFrom(sampling)
-    _append(outputs, runner.forward(prefill), list(range(len(prompts))))
-    step = 1
-    while True:
-        active = [
-            i for i, out in enumerate(outputs) if len(out) < max_new_tokens and out[-1] not in eos
-        ]
-        if not active:
-            return outputs
-        batch = engine_pb2.ForwardBatch(batch_id=step, is_decode=True)
-        for i in active:
-            pos = len(prompts[i]) + len(outputs[i]) - 1  # the last sampled token's position
-            batch.reqs.add(
-                req_slot=i,
-                input_ids=pack_i32([outputs[i][-1]]),
-                prefix_len=pos,
-                out_slots=pack_i32([bases[i] + pos]),
-                sample=True,
-            )
-        _append(outputs, runner.forward(batch), active)
-        step += 1
+    return batch
+
+
+def _decode_batch(
+    step: int, rows: list[tuple[int, list[int], list[int], int]]
+) -> engine_pb2.ForwardBatch:
+    """One new token per (req_slot, prompt, output so far, first KV slot): the last sampled."""
+    batch = engine_pb2.ForwardBatch(batch_id=step, is_decode=True)
+    for req_slot, prompt, output, base in rows:
+        pos = len(prompt) + len(output) - 1  # the last sampled token's position
+        batch.reqs.add(
+            req_slot=req_slot,
+            input_ids=pack_i32([output[-1]]),
+            prefix_len=pos,
+            out_slots=pack_i32([base + pos]),
+            sample=True,
+        )
+    return batch
 
 
 def _append(outputs: list[list[int]], result: engine_pb2.ForwardResult, rows: list[int]) -> None:

@@ -40,7 +40,8 @@ class ReqToTokenTable:
     def write(
         self, req_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        """Row req_slots[b], positions starts[b] .. starts[b]+lens[b]-1 <- the next lens[b] of slots.
+        """Row req_slots[b], positions starts[b] .. starts[b]+lens[b]-1 <- the next lens[b]
+        of slots.
 
         req_slots, starts, lens: [B] int64; slots: [sum(lens)]."""
         if slots.numel() == 0:
@@ -51,7 +52,9 @@ class ReqToTokenTable:
         self.table[rows.to(dev), cols.to(dev)] = slots.to(device=dev, dtype=self.table.dtype)
 
     def gather(self, req_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Each request's slots of positions [0, seq_lens[b]), concatenated: [sum(seq_lens)] int64."""
+        """Each request's slots of positions [0, seq_lens[b]), concatenated.
+
+        -> [sum(seq_lens)] int64."""
         rows = torch.repeat_interleave(req_slots, seq_lens, output_size=int(seq_lens.sum()))
         cols = segment_arange(seq_lens)
         dev = self.table.device

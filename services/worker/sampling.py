@@ -2,7 +2,7 @@
 
 Order applied to each row's float32 logits:
 
-    allowed-token bitmask -> penalties -> (greedy: argmax)
+    allowed-token mask -> penalties -> (greedy: argmax)
                           -> temperature -> top-k -> top-p -> min-p -> draw
 
 Choices (documented because clients see them):
@@ -26,8 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixserve.internal.v1 import engine_pb2
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -45,27 +43,6 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
-
-    @classmethod
-    def from_proto(cls, p: engine_pb2.SamplingParams | None) -> SamplingSpec:
-        if p is None:
-            return cls()
-
-        def get(name: str, default):
-            return getattr(p, name) if p.HasField(name) else default
-
-        return cls(
-            temperature=get("temperature", 1.0),
-            top_p=get("top_p", 1.0),
-            top_k=get("top_k", 0),
-            min_p=get("min_p", 0.0),
-            seed=get("seed", None),
-            repetition_penalty=get("repetition_penalty", 1.0),
-            frequency_penalty=get("frequency_penalty", 0.0),
-            presence_penalty=get("presence_penalty", 0.0),
-            logprobs=p.logprobs or get("top_logprobs", 0) > 0,
-            top_logprobs=get("top_logprobs", 0),
-        )
 
     @property
     def greedy(self) -> bool:
@@ -86,14 +63,6 @@ def step_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def unpack_mask(packed: bytes, vocab: int) -> np.ndarray:
-    """Packed bits (bit i = token i allowed, little bit order) -> [vocab] bool; missing bits deny."""
-    bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")[:vocab]
-    if bits.shape[0] < vocab:
-        bits = np.concatenate([bits, np.zeros(vocab - bits.shape[0], dtype=np.uint8)])
-    return bits.astype(bool)
 
 
 @dataclass
@@ -120,11 +89,9 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(random_seed)
 
-    def reset_slot(
-        self, slot: int, params: engine_pb2.SamplingParams | None, output_ids: np.ndarray
-    ) -> None:
+    def reset_slot(self, slot: int, spec: SamplingSpec, output_ids: np.ndarray) -> None:
         """A request (new, or back after a retraction) takes ``slot``."""
-        self.specs[slot] = SamplingSpec.from_proto(params)
+        self.specs[slot] = spec
         self.num_generated[slot] = int(len(output_ids))
         self.counts[slot].zero_()
         if len(output_ids):
@@ -134,34 +101,35 @@ class Sampler:
     def has_state(self, slot: int) -> bool:
         return self.specs[slot] is not None
 
+    def spec(self, slot: int) -> SamplingSpec:
+        """The slot's sampling spec; the runner refuses a batch naming a slot never started."""
+        spec = self.specs[slot]
+        assert spec is not None, f"req_slot {slot} has no sampling state"
+        return spec
+
     # ---- the step --------------------------------------------------------------------
 
-    def sample(self, logits: torch.Tensor, slots: list[int], masks: list[bytes]) -> SampleOutput:
-        """logits [N, V] float32, one row per slot; masks[i] b'' when none."""
-        specs = [self.specs[s] for s in slots]
+    def sample(
+        self, logits: torch.Tensor, slots: list[int], allowed: torch.Tensor | None = None
+    ) -> SampleOutput:
+        """logits [N, V] float32, one row per slot; allowed [N, V] bool or None (all).
+
+        ``allowed`` is the hook for constrained decoding: the worker's own grammar state
+        (not a wire field) will say which tokens each row may take."""
+        specs = [self.spec(s) for s in slots]
         raw_logprobs = None
         if any(sp.logprobs for sp in specs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.apply_masks(logits, masks)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))  # a copy: input untouched
         logits = self.apply_penalties(logits, slots)
         token_ids = self._choose(logits, specs, [self.num_generated[s] for s in slots])
         self._record(slots, token_ids)
         return self._output(token_ids, specs, raw_logprobs)
 
-    def apply_masks(self, logits: torch.Tensor, masks: list[bytes]) -> torch.Tensor:
-        """Disallowed tokens (bit 0 in a row's packed mask) get -inf; b'' leaves a row alone."""
-        rows = [i for i, m in enumerate(masks) if m]
-        if not rows:
-            return logits
-        allowed = np.stack([unpack_mask(masks[i], logits.shape[1]) for i in rows])
-        allowed_t = torch.as_tensor(allowed, device=logits.device)
-        logits = logits.clone()
-        logits[rows] = logits[rows].masked_fill(~allowed_t, float("-inf"))
-        return logits
-
     def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Repetition / frequency / presence penalties from each slot's generated tokens."""
-        specs = [self.specs[s] for s in slots]
+        specs = [self.spec(s) for s in slots]
         rows = [i for i, sp in enumerate(specs) if sp.has_penalty]
         if not rows:
             return logits
@@ -235,7 +203,7 @@ class Sampler:
     def _record(self, slots: list[int], token_ids: torch.Tensor) -> None:
         for s in slots:
             self.num_generated[s] += 1
-        pen = [i for i, s in enumerate(slots) if self.specs[s].has_penalty]
+        pen = [i for i, s in enumerate(slots) if self.spec(s).has_penalty]
         if pen:
             idx = torch.tensor([slots[i] for i in pen], device=self.counts.device)
             self.counts.index_put_(
@@ -250,17 +218,17 @@ class Sampler:
         ids = token_ids.tolist()
         logprobs: list[float | None] = [None] * len(ids)
         tops: list[list[tuple[int, float]] | None] = [None] * len(ids)
-        if raw is not None:
-            chosen = raw.gather(1, token_ids[:, None])[:, 0].tolist()
-            n_top = max(sp.top_logprobs for sp in specs)
-            top_vals, top_ids = raw.topk(n_top, dim=-1) if n_top > 0 else (None, None)
-            for i, sp in enumerate(specs):
-                if not sp.logprobs:
-                    continue
-                logprobs[i] = chosen[i]
-                if sp.top_logprobs > 0:
-                    k = sp.top_logprobs
-                    tops[i] = list(
-                        zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True)
-                    )
+        if raw is None:
+            return SampleOutput(ids, logprobs, tops)
+        chosen = raw.gather(1, token_ids[:, None])[:, 0].tolist()
+        n_top = max(sp.top_logprobs for sp in specs)
+        best = raw.topk(n_top, dim=-1) if n_top > 0 else None  # values, indices: [N, n_top]
+        for i, sp in enumerate(specs):
+            if not sp.logprobs:
+                continue
+            logprobs[i] = chosen[i]
+            if best is not None and sp.top_logprobs > 0:
+                k = sp.top_logprobs
+                ids_k, vals_k = best.indices[i, :k].tolist(), best.values[i, :k].tolist()
+                tops[i] = list(zip(ids_k, vals_k, strict=True))
         return SampleOutput(ids, logprobs, tops)

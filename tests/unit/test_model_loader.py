@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from radixserve.internal.v1 import engine_pb2
 from services.common.config import WorkerConfig
 from services.common.transport import pack_i32
+from services.worker import wire
 from services.worker.model_loader import load_model
 from services.worker.model_runner import ModelRunner
 
@@ -147,19 +148,19 @@ def _req(**kw) -> engine_pb2.ForwardRequest:
 )
 def test_malformed_batch_is_rejected(runner, req, message):
     with pytest.raises(ValueError, match=message):
-        runner.forward(engine_pb2.ForwardBatch(reqs=[req]))
+        wire.forward(runner, engine_pb2.ForwardBatch(reqs=[req]))
 
 
 def test_decode_batch_needs_one_token_each(runner):
-    runner.forward(engine_pb2.ForwardBatch(reqs=[_req()]))
+    wire.forward(runner, engine_pb2.ForwardBatch(reqs=[_req()]))
     bad = _req(is_new=False, prefix_len=2, out_slots=pack_i32([3, 4]))
     with pytest.raises(ValueError, match="1 token per request"):
-        runner.forward(engine_pb2.ForwardBatch(is_decode=True, reqs=[bad]))
+        wire.forward(runner, engine_pb2.ForwardBatch(is_decode=True, reqs=[bad]))
 
 
 def test_unsampled_chunk_returns_minus_one(runner):
-    result = runner.forward(
-        engine_pb2.ForwardBatch(batch_id=7, reqs=[_req(req_slot=1, sample=False)])
+    result = wire.forward(
+        runner, engine_pb2.ForwardBatch(batch_id=7, reqs=[_req(req_slot=1, sample=False)])
     )
     assert result.batch_id == 7 and [t.token_id for t in result.tokens] == [-1]
     assert result.forward_time > 0

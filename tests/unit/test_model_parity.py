@@ -15,6 +15,7 @@ from conftest import load_hf_model, make_tiny_model
 from radixserve.internal.v1 import engine_pb2
 from services.common.config import WorkerConfig
 from services.common.transport import pack_i32
+from services.worker import wire
 from services.worker.model_runner import ModelRunner
 from services.worker.offline import generate
 
@@ -49,6 +50,11 @@ def hf_greedy(hf, prompt: list[int], max_new: int = MAX_NEW) -> list[int]:
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
+
+
+def logits_of(runner: ModelRunner, batch: engine_pb2.ForwardBatch) -> torch.Tensor:
+    """The logits of every new token of a wire batch, decoded as the worker process does."""
+    return runner.logits(wire.decode_batch(batch, wire.Limits.of(runner.info())))
 
 
 def prefill_batch(prompts, req_slots, slot_starts) -> engine_pb2.ForwardBatch:
@@ -128,7 +134,7 @@ def drive(runner: ModelRunner, jobs: list[Job], chunk: int = 1 << 30) -> list[li
         batch.is_decode = all(
             j.started and j.done_prompt >= len(j.prompt) and j.output for j in active
         )
-        result = runner.forward(batch)
+        result = wire.forward(runner, batch)
         for j, req, tok in zip(active, reqs, result.tokens, strict=True):
             if req.sample:
                 j.output.append(tok.token_id)
@@ -157,9 +163,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, request):
     hf, runner = load_hf_model(folder), make_runner(folder)
     prompts = make_prompts(3, hf.config.vocab_size, seed=1)
     starts = [1, 200, 400]
-    logits = runner.logits(
-        prefill_batch(prompts, [0, 1, 2], starts)
-    )  # [T, V], rows in prompt order
+    logits = logits_of(runner, prefill_batch(prompts, [0, 1, 2], starts))  # [T, V], prompt order
     rows = torch.split(logits, [len(p) for p in prompts])
     for p, got in zip(prompts, rows, strict=True):
         assert (got - hf_logits(hf, p)).abs().max().item() <= 1e-4
@@ -177,7 +181,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, request):
                 sample=True,
             )
             seq.append(tok)
-        got = runner.logits(batch)
+        got = logits_of(runner, batch)
         for r, seq in enumerate(seqs):
             assert (got[r] - hf_logits(hf, seq)[-1]).abs().max().item() <= 1e-4
 
@@ -194,7 +198,7 @@ def test_llama3_rope_scaling_logits_match(tmp_path):
     folder = make_tiny_model(tmp_path / "llama3", "llama", rope_parameters=rope)
     hf, runner = load_hf_model(folder), make_runner(folder)
     prompt = make_prompts(5, hf.config.vocab_size, seed=2)[4]  # 40 tokens, past the ramp
-    logits = runner.logits(prefill_batch([prompt], [0], [1]))
+    logits = logits_of(runner, prefill_batch([prompt], [0], [1]))
     assert (logits - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
 
 

@@ -1,4 +1,5 @@
-"""The sampler: greedy, seeds, truncation (top-k/top-p/min-p), penalties, bitmask, logprobs."""
+"""The sampler: greedy, seeds, truncation (top-k/top-p/min-p), penalties, allowed mask,
+logprobs; and the wire's SamplingParams -> SamplingSpec defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from radixserve.internal.v1 import engine_pb2
-from services.worker.sampling import Sampler, SamplingSpec, step_seed, unpack_mask
+from services.worker.sampling import Sampler, step_seed
+from services.worker.wire import sampling_spec
 
 VOCAB = 50
 ROWS = 64
@@ -18,7 +20,7 @@ def sampler_with(
 ) -> Sampler:
     s = Sampler(rows, VOCAB, torch.device("cpu"), random_seed=seed)
     for r in range(rows):
-        s.reset_slot(r, params, np.asarray(output_ids, dtype=np.int32))
+        s.reset_slot(r, sampling_spec(params), np.asarray(output_ids, dtype=np.int32))
     return s
 
 
@@ -26,13 +28,12 @@ def logits_rows(rows: int = ROWS, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
-def draw(s: Sampler, logits: torch.Tensor, masks=None) -> list[int]:
-    rows = logits.shape[0]
-    return s.sample(logits, list(range(rows)), masks or [b""] * rows).token_ids
+def draw(s: Sampler, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> list[int]:
+    return s.sample(logits, list(range(logits.shape[0])), allowed).token_ids
 
 
 def test_defaults_of_unset_fields():
-    spec = SamplingSpec.from_proto(engine_pb2.SamplingParams())
+    spec = sampling_spec(engine_pb2.SamplingParams())
     assert (spec.temperature, spec.top_p, spec.top_k, spec.min_p) == (1.0, 1.0, 0, 0.0)
     assert (spec.repetition_penalty, spec.frequency_penalty, spec.presence_penalty) == (
         1.0,
@@ -107,33 +108,33 @@ def test_penalty_counts_follow_generated_tokens():
     assert draw(s, logits) == [6]  # 5 now penalised below 6
 
 
-def test_bitmask_is_respected():
-    bits = np.zeros(VOCAB, dtype=np.uint8)
-    bits[[3, 17]] = 1
-    packed = np.packbits(bits, bitorder="little").tobytes()
-    assert unpack_mask(packed, VOCAB).nonzero()[0].tolist() == [3, 17]
+def test_allowed_mask_is_respected():
+    allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
+    allowed[0, [3, 17]] = True
+    allowed[1] = True  # an unconstrained row
     logits = logits_rows(2)
     logits[:, 3], logits[:, 17] = -5.0, -6.0  # allowed, but far from the max
+    before = logits.clone()
     s = sampler_with(engine_pb2.SamplingParams(temperature=0.0), rows=2)
-    assert draw(s, logits, [packed, b""]) == [3, int(logits[1].argmax())]
+    assert draw(s, logits, allowed) == [3, int(logits[1].argmax())]
+    assert torch.equal(logits, before)  # the caller's logits are not modified
     sampled = sampler_with(engine_pb2.SamplingParams(temperature=1.0))
-    seen = {t for _ in range(3) for t in draw(sampled, logits_rows(), [packed] * ROWS)}
+    only = allowed[:1].expand(ROWS, VOCAB)
+    seen = {t for _ in range(3) for t in draw(sampled, logits_rows(), only)}
     assert seen <= {3, 17}
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
     params = engine_pb2.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5)
     logits = logits_rows(3)
-    out = sampler_with(params, rows=3).sample(logits, [0, 1, 2], [b""] * 3)
+    out = sampler_with(params, rows=3).sample(logits, [0, 1, 2])
     ref = torch.log_softmax(logits, -1)
     for i in range(3):
         assert out.logprobs[i] == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-6)
         vals, ids = ref[i].topk(5)
         assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
         assert [v for _, v in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-6)
-    plain = sampler_with(engine_pb2.SamplingParams(temperature=0.0), rows=1).sample(
-        logits[:1], [0], [b""]
-    )
+    plain = sampler_with(engine_pb2.SamplingParams(temperature=0.0), rows=1).sample(logits[:1], [0])
     assert plain.logprobs == [None] and plain.top_logprobs == [None]
 
 

@@ -7,6 +7,7 @@ import pytest
 from radixserve.internal.v1 import engine_pb2
 from services.common.config import WorkerConfig
 from services.common.transport import pack_i32
+from services.worker import wire
 from services.worker.model_runner import ModelRunner
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
@@ -30,7 +31,7 @@ def _prefill(runner: ModelRunner) -> int:
         sample=True,
         sampling=engine_pb2.SamplingParams(temperature=0),
     )
-    return runner.forward(engine_pb2.ForwardBatch(batch_id=1, reqs=[req])).tokens[0].token_id
+    return wire.forward(runner, engine_pb2.ForwardBatch(batch_id=1, reqs=[req])).tokens[0].token_id
 
 
 def _decode(runner: ModelRunner, batch_id: int, position: int, token: int | None) -> int:
@@ -42,7 +43,7 @@ def _decode(runner: ModelRunner, batch_id: int, position: int, token: int | None
     else:
         req.input_ids = pack_i32([token])
     return (
-        runner.forward(engine_pb2.ForwardBatch(batch_id=batch_id, is_decode=True, reqs=[req]))
+        wire.forward(runner, engine_pb2.ForwardBatch(batch_id=batch_id, is_decode=True, reqs=[req]))
         .tokens[0]
         .token_id
     )
@@ -70,4 +71,4 @@ def test_use_last_sampled_before_any_sample_is_refused(tiny_llama_dir):
         use_last_sampled=True,
     )
     with pytest.raises(ValueError, match="use_last_sampled"):
-        runner.forward(engine_pb2.ForwardBatch(batch_id=1, is_decode=True, reqs=[req]))
+        wire.forward(runner, engine_pb2.ForwardBatch(batch_id=1, is_decode=True, reqs=[req]))

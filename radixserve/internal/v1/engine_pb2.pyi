@@ -134,7 +134,7 @@ class SchedulerToFrontend(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("req_slot", "input_ids", "prefix_len", "out_slots", "is_new", "prefix_slots", "sample", "sampling", "output_ids", "eos_token_ids", "allowed_token_mask", "rid", "use_last_sampled")
+    __slots__ = ("req_slot", "input_ids", "prefix_len", "out_slots", "is_new", "prefix_slots", "sample", "sampling", "output_ids", "eos_token_ids", "rid", "use_last_sampled")
     REQ_SLOT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -145,7 +145,6 @@ class ForwardRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    ALLOWED_TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
     RID_FIELD_NUMBER: _ClassVar[int]
     USE_LAST_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     req_slot: int
@@ -158,10 +157,9 @@ class ForwardRequest(_message.Message):
     sampling: SamplingParams
     output_ids: bytes
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    allowed_token_mask: bytes
     rid: str
     use_last_sampled: bool
-    def __init__(self, req_slot: _Optional[int] = ..., input_ids: _Optional[bytes] = ..., prefix_len: _Optional[int] = ..., out_slots: _Optional[bytes] = ..., is_new: _Optional[bool] = ..., prefix_slots: _Optional[bytes] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_ids: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_mask: _Optional[bytes] = ..., rid: _Optional[str] = ..., use_last_sampled: _Optional[bool] = ...) -> None: ...
+    def __init__(self, req_slot: _Optional[int] = ..., input_ids: _Optional[bytes] = ..., prefix_len: _Optional[int] = ..., out_slots: _Optional[bytes] = ..., is_new: _Optional[bool] = ..., prefix_slots: _Optional[bytes] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_ids: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rid: _Optional[str] = ..., use_last_sampled: _Optional[bool] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
     __slots__ = ("batch_id", "is_decode", "reqs", "trace_context", "trace_links")

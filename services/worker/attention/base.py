@@ -4,8 +4,9 @@ A batch holds B requests. Request b computes ``extend_lens[b]`` new tokens whose
 are ``prefix_lens[b] .. seq_lens[b] - 1``; its first ``prefix_lens[b]`` tokens are already
 in the KV pool. The new tokens of all requests are concatenated into T rows:
 
-    rows of request b:      qo_indptr[b] .. qo_indptr[b+1]          (T = qo_indptr[B])
-    its whole context:      kv_slots[kv_indptr[b] .. kv_indptr[b+1]] (seq_lens[b] slots, position order)
+    rows of request b:      qo_indptr[b] .. qo_indptr[b+1]             (T = qo_indptr[B])
+    its whole context:      kv_slots[kv_indptr[b] .. kv_indptr[b+1]]
+                            (seq_lens[b] slots, in position order)
     slots of its new rows:  out_slots[qo_indptr[b] .. qo_indptr[b+1]]
                             == the last extend_lens[b] entries of its kv_slots
 

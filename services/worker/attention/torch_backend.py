@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from services.worker.attention.base import AttentionBackend, AttentionMeta, register_backend
 
+_KV = tuple[torch.Tensor, torch.Tensor]  # (K, V)
+
 
 @dataclass
 class _ExtendItem:
@@ -77,18 +79,28 @@ class TorchBackend(AttentionBackend):
 
     # ---- per layer ------------------------------------------------------------------
 
-    def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMeta) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttentionMeta,
+    ) -> torch.Tensor:
         k_pool.index_copy_(0, meta.out_slots, k)
         v_pool.index_copy_(0, meta.out_slots, v)
         if meta.is_decode:
-            if self._decode_mask.dtype != q.dtype:
-                self._decode_mask = self._decode_mask.to(q.dtype)
             return self._decode(q, k_pool, v_pool)
-        return self._extend_attention(q, k, v, k_pool, v_pool)
+        return self._extend_attention(q, (k, v), (k_pool, v_pool))
 
-    def _decode(self, q, k_pool, v_pool) -> torch.Tensor:
-        b, lmax = self._decode_slots.shape
-        flat = self._decode_slots.view(-1)
+    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        slots, mask = self._decode_slots, self._decode_mask
+        assert slots is not None and mask is not None, "prepare() a decode batch first"
+        if mask.dtype != q.dtype:  # once per batch: later layers find it cast
+            mask = self._decode_mask = mask.to(q.dtype)
+        b, lmax = slots.shape
+        flat = slots.view(-1)
         # index_select copies whole rows (memcpy); advanced indexing is ~10x slower on CPU.
         keys = k_pool.index_select(0, flat).view(b, lmax, self.num_kv_heads, self.head_dim)
         values = v_pool.index_select(0, flat).view(b, lmax, self.num_kv_heads, self.head_dim)
@@ -96,27 +108,20 @@ class TorchBackend(AttentionBackend):
             q.view(b, self.num_heads, 1, self.head_dim),  # [B, H, 1, D]
             keys.transpose(1, 2),  # [B, KVH, Lmax, D] (a view)
             values.transpose(1, 2),
-            attn_mask=self._decode_mask,  # [B, 1, 1, Lmax] 0 / -inf
+            attn_mask=mask,  # [B, 1, 1, Lmax] 0 / -inf
             scale=self.sm_scale,
             enable_gqa=self.group > 1,
         )
         return out.view(b, self.num_heads, self.head_dim)
 
-    def _extend_attention(self, q, k, v, k_pool, v_pool) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def _extend_attention(self, q: torch.Tensor, new: _KV, pools: _KV) -> torch.Tensor:
+        """Per request: its new rows over its whole context, the causal mask shifted."""
+        out = torch.empty_like(q)  # [T, H, D]
         for item in self._extend:
             s, e = item.q_start, item.q_end
-            qh = q[s:e].transpose(0, 1)[None]  # qh: [1, H, E, D]
-            if item.kv_slots is None:
-                kh, vh = k[s:e], v[s:e]
-            else:
-                kh, vh = (
-                    k_pool.index_select(0, item.kv_slots),
-                    v_pool.index_select(0, item.kv_slots),
-                )  # [S, KVH, D]
-            kh, vh = kh.transpose(0, 1)[None], vh.transpose(0, 1)[None]  # [1, KVH, S, D]
+            kh, vh = self._context_kv(item, new, pools)  # each [1, KVH, S, D]
             o = F.scaled_dot_product_attention(
-                qh,
+                q[s:e].transpose(0, 1)[None],  # [1, H, E, D]
                 kh,
                 vh,
                 attn_mask=item.mask,
@@ -124,5 +129,15 @@ class TorchBackend(AttentionBackend):
                 scale=self.sm_scale,
                 enable_gqa=self.group > 1,
             )
-            out[s:e] = o[0].transpose(0, 1)
+            out[s:e] = o[0].transpose(0, 1)  # [1, H, E, D] -> [E, H, D]
         return out
+
+    @staticmethod
+    def _context_kv(item: _ExtendItem, new: _KV, pools: _KV) -> _KV:
+        """K and V of the item's context: its new rows when it has no prefix, else gathered
+        from the pool by slot (the new rows are already stored there)."""
+        if item.kv_slots is None:
+            k, v = new[0][item.q_start : item.q_end], new[1][item.q_start : item.q_end]
+        else:
+            k, v = pools[0].index_select(0, item.kv_slots), pools[1].index_select(0, item.kv_slots)
+        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [S, KVH, D] -> [1, KVH, S, D]

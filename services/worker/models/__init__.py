@@ -1,8 +1,9 @@
-"""Architecture registry: the ``architectures[0]`` of a config.json -> our model class."""
+"""Architecture registry: the ``architectures[0]`` of a config.json -> our model class.
+
+Every class is a LlamaForCausalLM flavour (models/llama.py), so that is the type the
+runner relies on."""
 
 from __future__ import annotations
-
-from torch import nn
 
 from services.worker.models.llama import (
     LlamaForCausalLM,
@@ -11,7 +12,7 @@ from services.worker.models.llama import (
     Qwen3ForCausalLM,
 )
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -23,9 +24,9 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in MODEL_REGISTRY:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {supported_architectures()}"
-        )
-    return MODEL_REGISTRY[architecture]
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    cls = MODEL_REGISTRY.get(architecture)
+    if cls is None:
+        supported = supported_architectures()
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {supported}")
+    return cls

@@ -6,8 +6,9 @@ all four. The interface the runner (and the CUDA-graph code) relies on:
     model.forward(input_ids [T], positions [T], meta) -> hidden [T, hidden_size]
     model.compute_logits(hidden [N, hidden_size])     -> logits [N, vocab] float32
 
-The model holds its attention backend and the KV pool (``attach``); each layer reads and
-writes its own slice of the pool through the backend.
+The model holds its attention backend and the KV pool (``attach``). Once per batch it
+builds a ForwardContext (positions, rotary tables, attention metadata, backend, pool) and
+every layer takes ``(hidden, ctx)``, reaching its own slice of the pool by layer id.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from services.worker.attention.base import AttentionBackend, AttentionMeta
+from services.worker.forward_context import ForwardContext
 from services.worker.kv_pool import KVPool
 from services.worker.layers import Attention, FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -60,8 +62,8 @@ class DecoderLayer(nn.Module):
             bias=bool(getattr(config, "mlp_bias", False)),
         )
 
-    def forward(self, x, cos, sin, meta, backend, k_pool, v_pool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend, k_pool, v_pool)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)  # x: [T, hidden]
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -110,15 +112,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta
     ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # x: [T, hidden]
+        ctx = self.context(positions, meta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def context(
+        self, positions: torch.Tensor, meta: AttentionMeta, dtype: torch.dtype
+    ) -> ForwardContext:
+        """The batch's forward context; the backend's per-batch preparation runs here."""
         assert self.backend is not None and self.kv_pool is not None, (
             "attach() a backend and a KV pool first"
         )
-        x = self.model.embed_tokens(input_ids)  # x: [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, dtype)
         self.backend.prepare(meta)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, self.backend, self.kv_pool.k[i], self.kv_pool.v[i])
-        return self.model.norm(x)
+        return ForwardContext(positions, cos, sin, meta, self.backend, self.kv_pool)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # extra tensors (e.g. another head) are harmless
             if tuple(tensor.shape) != tuple(expected[name]):
                 raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name])}"
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(expected[name])}"
                 )
             target = self._target(name, params)
             target.copy_(tensor)
@@ -177,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
             if marker in name:
                 fused_name = name.replace(marker, "." + fused + ".")
                 module = self.get_submodule(fused_name.rpartition(".")[0])
+                assert isinstance(module, FusedLinear)
                 start = sum(module.shard_sizes[:shard])
                 return params[fused_name].data[start : start + module.shard_sizes[shard]]
         return params[name].data

@@ -1,0 +1,88 @@
+"""The plain data the model runner takes and returns: no protobuf past this line.
+
+``services/worker/wire.py`` turns a ForwardBatch off the socket into a ``Batch`` (checked
+against the runner's limits) and a ``ForwardOutput`` back into a ForwardResult; the
+runner, the sampler and the model only ever see these dataclasses and tensors. Keeping
+the wire at the edge means a test (or another transport) can drive the runner directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.worker.sampling import SamplingSpec
+
+
+@dataclass(frozen=True)
+class SlotStart:
+    """A request taking its request slot (new, or back after a retraction)."""
+
+    prefix_slots: np.ndarray  # [prefix_len] int32: KV slots of positions [0, prefix_len)
+    sampling: SamplingSpec
+    output_ids: np.ndarray  # int32: tokens generated so far (penalties, seeded draws)
+    keep_last_sampled: bool  # overlap schedule: its input is the slot's last sampled token
+
+
+@dataclass(frozen=True)
+class ReqInput:
+    """One request's part of a batch.
+
+    Positions of the new tokens: prefix_len .. prefix_len + len(out_slots) - 1."""
+
+    req_slot: int  # row of the request-slot table
+    input_ids: np.ndarray  # [n] int32; empty when use_last_sampled
+    out_slots: np.ndarray  # [n] int32: KV slot of each new token
+    prefix_len: int  # tokens of this request already in the pool
+    sample: bool  # false for a prefill chunk that is not the last
+    use_last_sampled: bool  # the one input token is the slot's last sampled token
+    start: SlotStart | None = None  # set the first time the request uses req_slot
+    rid: str = ""  # for error messages and logs
+
+    @property
+    def where(self) -> str:
+        """How an error message names this request."""
+        return f"request {self.rid or '?'} (req_slot {self.req_slot})"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One forward step: every request's new tokens, concatenated in request order."""
+
+    is_decode: bool  # every request has exactly one new token
+    reqs: list[ReqInput] = field(default_factory=list)
+
+
+@dataclass
+class ForwardOutput:
+    """What a forward step produced, one entry per request of the batch (same order)."""
+
+    token_ids: list[int]  # -1 where the request was not sampled
+    logprobs: list[float | None]  # raw logprob of the chosen token; None where not asked
+    top_logprobs: list[list[tuple[int, float]] | None]  # (token, logprob), best first
+    cuda_graph: bool = False  # decode replayed a captured CUDA graph
+    forward_time: float = 0.0  # seconds in the model forward + sampling
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the runner serves (field names as WorkerInfo's, which wire.py fills from it)."""
+
+    model_id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int  # context length: prefix_len + new tokens never exceed it
+    max_total_num_tokens: int  # KV slots in the pool (slot 0, padding, excluded)
+    max_running_requests: int  # rows of the request-slot table
+    device: str
+    dtype: str
+    attention_backend: str
+    num_parameters: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    eos_token_ids: list[int]

@@ -1,0 +1,194 @@
+"""The worker's wire format, in one place: protobuf in, plain dataclasses out, and back.
+
+    ForwardBatch  --decode_batch-->  Batch          (checked against the runner's limits)
+    ForwardOutput --encode_result--> ForwardResult
+    RunnerInfo    --encode_info-->   WorkerInfo
+
+Every check that needs only the message and the runner's fixed limits happens here, with
+an error naming the request and the limit it broke, before anything is written. The
+checks that need the runner's state (was the slot started, was a token sampled) stay in
+the runner. The worker process (main.py) and the in-process reference (offline.py) both
+go through ``forward`` below, so the tests exercise the path the server takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from radixserve.internal.v1 import engine_pb2
+from services.common.transport import unpack_i32
+from services.worker.batch import Batch, ForwardOutput, ReqInput, RunnerInfo, SlotStart
+from services.worker.sampling import SamplingSpec
+
+_T = TypeVar("_T")
+
+
+class Runner(Protocol):
+    """What the wire drives: ModelRunner, or a wrapper of it (benchmarks time forward)."""
+
+    def info(self) -> RunnerInfo: ...
+
+    def forward(self, batch: Batch) -> ForwardOutput: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The runner's fixed sizes a batch is checked against."""
+
+    max_running_requests: int
+    max_context: int
+    vocab_size: int
+    num_slots: int  # KV slots 1 .. num_slots are valid; 0 is padding
+
+    @classmethod
+    def of(cls, info: RunnerInfo) -> Limits:
+        return cls(
+            info.max_running_requests,
+            info.max_model_len,
+            info.vocab_size,
+            info.max_total_num_tokens,
+        )
+
+
+def forward(runner: Runner, msg: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
+    """One batch through ``runner``. Raises ValueError (nothing written) when malformed."""
+    if not msg.reqs:
+        return engine_pb2.ForwardResult(batch_id=msg.batch_id)
+    batch = decode_batch(msg, Limits.of(runner.info()))
+    return encode_result(msg.batch_id, runner.forward(batch))
+
+
+# ---- ForwardBatch -> Batch ------------------------------------------------------------
+
+
+def decode_batch(msg: engine_pb2.ForwardBatch, limits: Limits) -> Batch:
+    """The batch as the runner takes it; ValueError naming the culprit when malformed."""
+    batch = Batch(msg.is_decode, [decode_request(r, msg.is_decode, limits) for r in msg.reqs])
+    check_batch(batch, limits)
+    return batch
+
+
+def decode_request(msg: engine_pb2.ForwardRequest, is_decode: bool, limits: Limits) -> ReqInput:
+    """One ForwardRequest, its sizes checked (the slot numbers are checked batch-wide)."""
+    req = ReqInput(
+        req_slot=msg.req_slot,
+        input_ids=unpack_i32(msg.input_ids),
+        out_slots=unpack_i32(msg.out_slots),
+        prefix_len=msg.prefix_len,
+        sample=msg.sample,
+        use_last_sampled=msg.use_last_sampled,
+        start=_slot_start(msg) if msg.is_new else None,
+        rid=msg.rid,
+    )
+    _check_request(req, is_decode, limits)
+    return req
+
+
+def _slot_start(msg: engine_pb2.ForwardRequest) -> SlotStart:
+    return SlotStart(
+        prefix_slots=unpack_i32(msg.prefix_slots),
+        sampling=sampling_spec(msg.sampling if msg.HasField("sampling") else None),
+        output_ids=unpack_i32(msg.output_ids),
+        keep_last_sampled=msg.use_last_sampled,
+    )
+
+
+def _check_request(req: ReqInput, is_decode: bool, limits: Limits) -> None:
+    where, n_new = req.where, len(req.input_ids)
+    if not 0 <= req.req_slot < limits.max_running_requests:
+        raise ValueError(f"{where}: req_slot out of range [0, {limits.max_running_requests})")
+    if req.use_last_sampled:
+        if n_new:
+            raise ValueError(
+                f"{where}: use_last_sampled needs empty input_ids and a token sampled before"
+            )
+        n_new = 1  # the runner supplies the token
+    if n_new == 0:
+        raise ValueError(f"{where}: no input_ids")
+    if len(req.out_slots) != n_new:
+        raise ValueError(f"{where}: {len(req.out_slots)} out_slots for {n_new} input_ids")
+    if is_decode and n_new != 1:
+        raise ValueError(f"{where}: a decode batch carries 1 token per request, got {n_new}")
+    if req.prefix_len < 0 or req.prefix_len + n_new > limits.max_context:
+        raise ValueError(
+            f"{where}: prefix_len {req.prefix_len} + {n_new} new tokens exceeds the context "
+            f"length {limits.max_context}"
+        )
+    if req.start is not None and len(req.start.prefix_slots) != req.prefix_len:
+        raise ValueError(
+            f"{where}: {len(req.start.prefix_slots)} prefix_slots for prefix_len {req.prefix_len}"
+        )
+
+
+def check_batch(batch: Batch, limits: Limits) -> None:
+    """Batch-wide: each request slot once, token ids in the vocabulary, KV slots in the pool."""
+    slots = [r.req_slot for r in batch.reqs]
+    if len(set(slots)) != len(slots):
+        raise ValueError("a req_slot appears twice in one batch")
+    ids = np.concatenate([r.input_ids for r in batch.reqs])
+    if len(ids) and (ids.min() < 0 or ids.max() >= limits.vocab_size):
+        raise ValueError(f"input_ids out of the vocabulary [0, {limits.vocab_size})")
+    kv = np.concatenate(
+        [r.out_slots for r in batch.reqs]
+        + [r.start.prefix_slots for r in batch.reqs if r.start is not None]
+    )
+    if kv.min() < 1 or kv.max() > limits.num_slots:
+        raise ValueError(f"KV slot out of range [1, {limits.num_slots}] (slot 0 is padding)")
+
+
+def sampling_spec(p: engine_pb2.SamplingParams | None) -> SamplingSpec:
+    """SamplingParams with the engine's defaults applied to every unset optional."""
+    if p is None:
+        return SamplingSpec()
+
+    def get(name: str, default: _T) -> _T:
+        return getattr(p, name) if p.HasField(name) else default
+
+    top_logprobs = get("top_logprobs", 0)
+    return SamplingSpec(
+        temperature=get("temperature", 1.0),
+        top_p=get("top_p", 1.0),
+        top_k=get("top_k", 0),
+        min_p=get("min_p", 0.0),
+        seed=get("seed", None),
+        repetition_penalty=get("repetition_penalty", 1.0),
+        frequency_penalty=get("frequency_penalty", 0.0),
+        presence_penalty=get("presence_penalty", 0.0),
+        logprobs=p.logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+    )
+
+
+# ---- ForwardOutput -> ForwardResult, RunnerInfo -> WorkerInfo ---------------------------
+
+
+def encode_result(batch_id: int, out: ForwardOutput) -> engine_pb2.ForwardResult:
+    tokens = [
+        sampled_token(tid, lp, top)
+        for tid, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
+    ]
+    return engine_pb2.ForwardResult(
+        batch_id=batch_id,
+        tokens=tokens,
+        forward_time=out.forward_time,
+        cuda_graph=out.cuda_graph,
+    )
+
+
+def sampled_token(
+    token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+) -> engine_pb2.SampledToken:
+    token = engine_pb2.SampledToken(token_id=token_id)
+    if logprob is not None:
+        token.logprob.token_id = token_id
+        token.logprob.logprob = logprob
+        for tid, lp in top or []:
+            token.logprob.top.append(engine_pb2.TopLogprob(token_id=tid, logprob=lp))
+    return token
+
+
+def encode_info(info: RunnerInfo, instance_id: str = "") -> engine_pb2.WorkerInfo:
+    return engine_pb2.WorkerInfo(**asdict(info), instance_id=instance_id)
