@@ -145,6 +145,7 @@ def build_wide_tree(
         for i in range(per):
             seq = prefix + [i] + [rng.randrange(args.vocab) for _ in range(ps - 1)]
             slots = alloc.alloc(len(seq))
+            assert slots is not None  # the pool is sized for every leaf
             res = cache.insert_prefix(seq, slots)
             alloc.free(slots[: res.prefix_len])
             seqs.append(seq)
