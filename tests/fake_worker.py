@@ -146,7 +146,8 @@ def run(
             on_step(step)
         if not worked:
             sched.check_idle()
-            break
+            if not sched.has_requests():  # on_step may have submitted more
+                break
     for rid, d in final.items():
         d.token_ids[:] = tokens.get(rid, [])
     return final

@@ -61,6 +61,12 @@ class WorkerConfig:
     cpu_threads: int = _opt(
         0, "torch threads on CPU (0: all cores but one, leaving it to the scheduler and frontend)"
     )
+    cpu_linear: str = _opt(
+        "packed",
+        "float32 linears on CPU: packed (oneDNN, weights prepacked once at load) or plain "
+        "(F.linear, MKL)",
+        choices=["packed", "plain"],
+    )
     worker_addr: str = _opt(
         "", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)"
     )
@@ -91,6 +97,12 @@ class SchedulerConfig:
         2048, "prefill at most this many new tokens of one request per batch (-1: no chunking)"
     )
     max_prefill_tokens: int = _opt(8192, "new tokens in one prefill batch at most")
+    mixed_prefill_tokens: int = _opt(
+        128,
+        "while requests decode, each batch carries every decoding request's next token plus "
+        "at most this many prefill tokens (mixed batches), so prefill never stalls decoding "
+        "(0, or --chunked-prefill-size -1: a prefill batch runs alone, before any decode step)",
+    )
     max_running_requests: int = _opt(
         64, "requests decoded at once (rows of the request-slot table)"
     )

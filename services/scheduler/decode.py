@@ -32,6 +32,10 @@ class DecodeBuilder:
         return self.queues.kv
 
     # -- the plain step ---------------------------------------------------------------
+    def any_decoding(self) -> bool:
+        """Whether a running request is past its prefill (its next step is a decode)."""
+        return any(not r.in_prefill for r in self.queues.running)
+
     def build(self) -> list[Item]:
         """One decode step of every running request, retracting others if KV runs out."""
         running = self.queues.running

@@ -22,6 +22,10 @@ from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("radixserve.scheduler")
 IDLE_POLL_MS = 5
+# The idle engine recounts its whole tree (tens of ms per 10k cached tokens) only after
+# this long without work: a burst's requests arrive over a few hundred ms, and a recount
+# between two of them would delay the rest.
+FULL_CHECK_IDLE_S = 1.0
 WORKER_START_TIMEOUT_S = 900.0
 CONTROL_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["SchedulerControl"].full_name
 
@@ -116,14 +120,17 @@ def main(cfg: SchedulerConfig) -> None:
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    last_work = time.monotonic()
     try:
         while not stop.is_set():
             drain_frontends(sched, frontends, 0 if sched.has_requests() else IDLE_POLL_MS)
             sched.run_commands()
             worked = sched.step()
             sched.flush_outbox(frontends)
-            if not worked:
-                sched.check_idle()
+            if worked:
+                last_work = time.monotonic()
+            else:
+                sched.check_idle(full=time.monotonic() - last_work >= FULL_CHECK_IDLE_S)
     except KeyboardInterrupt:
         pass
     finally:

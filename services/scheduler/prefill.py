@@ -69,16 +69,15 @@ class PrefillBuilder:
         size = self.cfg.chunked_prefill_size
         return size if size > 0 else NO_CHUNKING
 
-    def build(self) -> list[Item]:
-        """The next prefill batch: [] when no chunk is due and no waiting request fits."""
-        budget = self.cfg.max_prefill_tokens
+    def build(self, budget: int | None = None) -> list[Item]:
+        """The next prefill batch of at most ``budget`` new tokens (default
+        --max-prefill-tokens): [] when no chunk is due and no waiting request fits."""
+        budget = self.cfg.max_prefill_tokens if budget is None else budget
         items = self._next_chunks(budget)
         budget -= sum(it.n for it in items)
-        if not self.queues.waiting or budget <= 0:
-            return items
-        admitted = self._admit(budget, items)
+        admitted = self._admit(budget, items) if self.queues.waiting and budget > 0 else []
         self.queues.start(admitted)
-        if admitted or items:
+        if items:
             self._log(items, admitted)
         return items
 

@@ -242,3 +242,128 @@ def test_finished_request_leaves_all_but_its_last_token(overlap):
     got = run(sched)["a"]
     assert (got.finish_reason, got.completion_tokens) == ("stop", 6)
     assert sched.kv.cache.size_info().evictable == len(prompt) + 6 - 1
+
+
+# -- mixed batches: prefill tokens ride along with the running requests' decode steps ----
+def _stall_workload(sched, rng, late_at: int = 3):
+    """4 streams decoding, then 3 long prompts arriving at step ``late_at``."""
+    want, late = {}, {}
+    for i in range(4):
+        prompt = rand_prompt(rng, rng.randrange(5, 30))
+        want[f"d{i}"] = expected(prompt, 40)
+        submit(sched, f"d{i}", prompt, 40)
+    for i in range(3):
+        late[f"p{i}"] = rand_prompt(rng, rng.randrange(150, 300))
+        want[f"p{i}"] = expected(late[f"p{i}"], 5)
+
+    def arrive(step):
+        if step == late_at:
+            for rid, prompt in late.items():
+                submit(sched, rid, prompt, 5)
+
+    return want, arrive
+
+
+def _prefill_tokens(batch) -> int:
+    return sum(len(r.input_ids) // 4 for r in batch.reqs if len(r.input_ids) // 4 > 1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_batches_keep_every_stream_decoding_and_stay_exact(page_size, overlap):
+    got = {}
+    for mixed in (0, 64):
+        sched, worker = make(
+            num_slots=3000,
+            page_size=page_size,
+            mixed_prefill_tokens=mixed,
+            disable_overlap_schedule=not overlap,
+        )
+        want, arrive = _stall_workload(sched, random.Random(21))
+        got[mixed] = {rid: list(d.token_ids) for rid, d in run(sched, on_step=arrive).items()}
+        assert got[mixed] == want
+        mixed_batches = [
+            b for b in worker.batches if not b.is_decode and any(not r.is_new for r in b.reqs)
+        ]
+        if mixed:
+            # The long prompts ran as 64-token slices, each beside all 4 streams' next token.
+            assert len(mixed_batches) >= sum(150 // 64 for _ in range(3))
+            assert all(_prefill_tokens(b) <= 64 for b in worker.batches[1:])
+            assert all(sum(r.rid.startswith("d") for r in b.reqs) == 4 for b in mixed_batches)
+        else:
+            assert not any(
+                b.reqs[0].rid.startswith("p") and any(r.rid.startswith("d") for r in b.reqs)
+                for b in worker.batches
+            )
+    assert got[0] == got[64]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_batches_with_retraction_stay_exact(page_size, caplog):
+    rng = random.Random(8)
+    sched, _ = make(
+        num_slots=700,
+        max_running=16,
+        page_size=page_size,
+        chunked_prefill_size=48,
+        mixed_prefill_tokens=32,
+    )
+    want = {}
+    late = {}
+    for i in range(24):
+        prompt = rand_prompt(rng, rng.randrange(10, 80))
+        want[f"r{i}"] = expected(prompt, 90)
+        (late if i % 2 else {}).update({f"r{i}": prompt})
+        if not i % 2:
+            submit(sched, f"r{i}", prompt, 90)
+
+    def arrive(step):
+        if step == 4:
+            for rid, prompt in late.items():
+                submit(sched, rid, prompt, 90)
+
+    with caplog.at_level("WARNING", logger="radixserve.scheduler"):
+        got = run(sched, on_step=arrive)
+    assert {rid: list(d.token_ids) for rid, d in got.items()} == want
+    assert "Retract requests" in caplog.text
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_aborts_during_mixed_batches_free_every_slot(overlap):
+    sched, _ = make(num_slots=3000, mixed_prefill_tokens=32, disable_overlap_schedule=not overlap)
+    want, arrive = _stall_workload(sched, random.Random(4), late_at=2)
+
+    def arrive_then_abort(step):
+        arrive(step)
+        if step == 6:  # one stream and one half-prefilled prompt go
+            sched.abort("d1", "client cancelled")
+            sched.abort("p0", "client cancelled")
+
+    got = run(sched, on_step=arrive_then_abort)
+    for rid, d in got.items():
+        if rid in ("d1", "p0"):
+            assert d.finish_reason == "abort"
+            assert list(d.token_ids) == want[rid][: len(d.token_ids)]
+        else:
+            assert list(d.token_ids) == want[rid], rid
+    size = sched.kv.cache.size_info()
+    assert sched.kv.allocator.num_free + size.evictable == sched.kv.total and size.protected == 0
+
+
+def test_idle_check_counts_slots_at_once_and_walks_the_tree_only_when_full(monkeypatch):
+    sched, _ = make()
+    walks = []
+    real = sched.kv.check
+    monkeypatch.setattr(sched.kv, "check", lambda: walks.append(1) or real())
+    submit(sched, "a", list(range(1, 40)), 3)
+    while sched.step():
+        pass
+    sched.check_idle(full=False)  # just gone idle: a burst may still be arriving
+    assert walks == [] and sched.snapshot.evictable_tokens == 39 + 3 - 1  # stats refreshed
+    sched.check_idle(full=True)  # idle a while: the whole tree is recounted, once
+    sched.check_idle(full=True)
+    assert walks == [1]
+    sched.dirty_since_check = True
+    monkeypatch.setattr(sched.kv, "held_by_requests", lambda: 5)  # the cheap check sees it
+    with pytest.raises(Exception, match="do not add up"):
+        sched.check_idle(full=False)
