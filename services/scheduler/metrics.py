@@ -23,6 +23,26 @@ TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 P = "radixserve:"
 
 
+class _Declare:
+    """Declares metrics in one registry, every one labelled with model name and engine."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry, self.labels, self.names = registry, labels, list(labels)
+
+    def counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(P + name, doc, self.names + list(extra), registry=self.registry)
+
+    def labelled_counter(self, name: str, doc: str) -> Counter:
+        return self.counter(name, doc).labels(**self.labels)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(P + name, doc, self.names, registry=self.registry).labels(**self.labels)
+
+    def hist(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        h = Histogram(P + name, doc, self.names, buckets=buckets, registry=self.registry)
+        return h.labels(**self.labels)
+
+
 class SchedulerMetrics:
     """All scheduler metrics; a disabled instance accepts every call and records nothing."""
 
@@ -38,57 +58,50 @@ class SchedulerMetrics:
         if not enabled:
             return
         self.registry = registry or CollectorRegistry()
-        labels = {"model_name": model_name, "engine": engine}
-        names = list(labels)
-        r = self.registry
+        self.labels = {"model_name": model_name, "engine": engine}
+        d = _Declare(self.registry, self.labels)
+        self._declare_counters(d)
+        self._declare_gauges(d)
+        if self.mfu:
+            self._declare_mfu(d)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
-            return Counter(P + name, doc, names + list(extra), registry=r)
-
-        def gauge(name: str, doc: str):
-            return Gauge(P + name, doc, names, registry=r).labels(**labels)
-
-        def hist(name: str, doc: str, buckets):
-            return Histogram(P + name, doc, names, buckets=buckets, registry=r).labels(**labels)
-
-        self.labels = labels
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received").labels(**labels)
-        self.cached_tokens = counter(
+    def _declare_counters(self, d: _Declare) -> None:
+        self.prompt_tokens = d.labelled_counter("prompt_tokens", "Prompt tokens received")
+        self.cached_tokens = d.labelled_counter(
             "cached_tokens", "Prompt tokens served from the radix cache"
-        ).labels(**labels)
-        self.generation_tokens = counter("generation_tokens", "Tokens generated").labels(**labels)
-        self.num_requests = counter("num_requests", "Finished requests", ("finish_reason",))
-        self.num_retracted = counter(
+        )
+        self.generation_tokens = d.labelled_counter("generation_tokens", "Tokens generated")
+        self.num_requests = d.counter("num_requests", "Finished requests", ("finish_reason",))
+        self.num_retracted = d.labelled_counter(
             "num_retracted_requests", "Requests retracted to free KV"
-        ).labels(**labels)
-        self.prompt_hist = hist("prompt_tokens_histogram", "Prompt length", TOKEN_BUCKETS)
-        self.uncached_hist = hist(
+        )
+        self.prompt_hist = d.hist("prompt_tokens_histogram", "Prompt length", TOKEN_BUCKETS)
+        self.uncached_hist = d.hist(
             "uncached_prompt_tokens_histogram", "Prompt tokens computed", TOKEN_BUCKETS
         )
-        self.queue_time = hist("queue_time_seconds", "Arrival to first scheduled", TIME_BUCKETS)
-        self.running = gauge("num_running_reqs", "Requests in the running batch")
-        self.queued = gauge("num_queue_reqs", "Requests waiting")
-        self.token_usage = gauge(
+        self.queue_time = d.hist("queue_time_seconds", "Arrival to first scheduled", TIME_BUCKETS)
+
+    def _declare_gauges(self, d: _Declare) -> None:
+        self.running = d.gauge("num_running_reqs", "Requests in the running batch")
+        self.queued = d.gauge("num_queue_reqs", "Requests waiting")
+        self.token_usage = d.gauge(
             "token_usage", "Share of the KV pool in use (not free, not evictable)"
         )
-        self.hit_rate = gauge(
+        self.hit_rate = d.gauge(
             "cache_hit_rate", "Cached share of the prompt tokens of the last prefill batch"
         )
-        self.available = gauge("kv_available_tokens", "Free KV slots (evictable not counted)")
-        self.evictable = gauge("kv_evictable_tokens", "KV slots held by unlocked tree nodes")
-        self.used = gauge("kv_used_tokens", "KV slots held by running requests")
-        self.max_total = gauge("max_total_num_tokens", "KV pool size in tokens")
-        self.page_size = gauge("page_size", "Radix cache page size")
-        if self.mfu:
-            self.flops = counter("estimated_flops", "Estimated FLOPs of forward batches").labels(
-                **labels
-            )
-            self.read_bytes = counter(
-                "estimated_read_bytes", "Estimated bytes read (weights + KV)"
-            ).labels(**labels)
-            self.write_bytes = counter(
-                "estimated_write_bytes", "Estimated KV bytes written"
-            ).labels(**labels)
+        self.available = d.gauge("kv_available_tokens", "Free KV slots (evictable not counted)")
+        self.evictable = d.gauge("kv_evictable_tokens", "KV slots held by unlocked tree nodes")
+        self.used = d.gauge("kv_used_tokens", "KV slots held by running requests")
+        self.max_total = d.gauge("max_total_num_tokens", "KV pool size in tokens")
+        self.page_size = d.gauge("page_size", "Radix cache page size")
+
+    def _declare_mfu(self, d: _Declare) -> None:
+        self.flops = d.labelled_counter("estimated_flops", "Estimated FLOPs of forward batches")
+        self.read_bytes = d.labelled_counter(
+            "estimated_read_bytes", "Estimated bytes read (weights + KV)"
+        )
+        self.write_bytes = d.labelled_counter("estimated_write_bytes", "Estimated KV bytes written")
 
     @classmethod
     def disabled(cls) -> SchedulerMetrics:
