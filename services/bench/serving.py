@@ -95,6 +95,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
     _add_gsp_args(parser)
     _add_stall_args(parser)
+    _add_request_args(parser)
+
+
+def _add_request_args(parser: argparse.ArgumentParser) -> None:
+    """Seeds, ordering and what every request body carries; where the figures go."""
+    a = parser.add_argument
     a(
         "--seed",
         type=int,
