@@ -1,13 +1,17 @@
-"""Worker benchmark: radixserve's ModelRunner beside transformers' generate, same run.
+"""Worker benchmark: radixserve's ModelRunner, packed and plain linears, beside
+transformers' generate, same run.
 
-A ~30M-parameter Llama-shaped model with random weights (float32, CPU):
+A ~30M-parameter Llama-shaped model with random weights (float32, CPU), or any model
+folder (--model-path, e.g. bench/peers/make_model.py's qwen-0.5b):
 - prefill tokens/s of one 1,024-token prompt;
 - decode tokens/s at batch 1, 16 and 64 (prompts of mixed length; HF pads the batch);
 - the share of a batch-64 decode step spent outside the linear layers' matrix products.
 
-Medians of --repeats runs. Prints a markdown table for docs/benchmarks.md ("## Worker").
+Two runners side by side: linears packed for oneDNN (the CPU default, --cpu-linear
+packed) and plain F.linear (--cpu-linear plain). All sides run interleaved; medians of
+--repeats runs. Prints a markdown table for docs/benchmarks.md ("## Worker").
 
-    .venv/bin/python bench/bench_worker.py [--quick]
+    .venv/bin/python bench/bench_worker.py [--quick] [--model-path M] [--no-hf]
 """
 
 from __future__ import annotations
@@ -53,16 +57,26 @@ def build_model(folder: Path) -> transformers.LlamaForCausalLM:
     return model
 
 
-def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
-    """Median seconds of fn_a and fn_b, runs interleaved so that load from other processes
-    hits both alike."""
-    a, b = [], []
-    for _ in range(repeats):
-        for fn, times in ((fn_a, a), (fn_b, b)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return statistics.median(a), statistics.median(b)
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median of what each fn returns (seconds), runs interleaved (the order rotating each
+    round) so that load from other processes hits every side alike."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            times[n].append(fns[n]())
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def wall(fn):
+    """fn as a function returning the seconds it took."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
 
 
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, stopping=None) -> None:
@@ -129,14 +143,20 @@ def decode_seconds_rs(runner, prompts, new_tokens: int) -> float:
     return timed_runner.stamps[-1] - timed_runner.stamps[0]
 
 
-def decode_rates(runner, hf, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """Decode tokens/s (radixserve, transformers), timing the decode steps inside each run."""
-    rs, ref = [], []
-    for _ in range(repeats):  # interleaved, so that load from other processes hits both alike
-        rs.append(decode_seconds_rs(runner, prompts, new_tokens))
-        ref.append(decode_seconds_hf(hf, prompts, new_tokens))
-    tokens = len(prompts) * (new_tokens - 1)
-    return tokens / statistics.median(rs), tokens / statistics.median(ref)
+def sides(runners: dict, hf, prompts, new_tokens: int, decode: bool) -> dict:
+    """One timing function per side: the decode steps (decode) or the whole 1-token run."""
+    fns = {}
+    for name, runner in runners.items():
+        if decode:
+            fns[name] = lambda r=runner: decode_seconds_rs(r, prompts, new_tokens)
+        else:
+            fns[name] = wall(lambda r=runner: rs_generate(r, prompts, 1))
+    if hf is not None:
+        if decode:
+            fns["transformers"] = lambda: decode_seconds_hf(hf, prompts, new_tokens)
+        else:
+            fns["transformers"] = wall(lambda: hf_generate(hf, prompts, 1))
+    return fns
 
 
 def decode_batches(runner, prompts: list[list[int]], steps: int) -> list[engine_pb2.ForwardBatch]:
@@ -183,9 +203,47 @@ def outside_matmul_share(runner, prompts, steps: int) -> tuple[float, float]:
             wire.forward(runner, batch)
         total_us = (time.perf_counter() - start) * 1e6
     ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
-    linear = ops.get("aten::mm", 0) + ops.get("aten::addmm", 0)
+    linear_ops = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
+    linear = sum(ops.get(k, 0) for k in linear_ops)
     attention = sum(v for k, v in ops.items() if "scaled_dot_product" in k or k == "aten::bmm")
     return 1 - linear / total_us, 1 - (linear + attention) / total_us
+
+
+def per_step(path: str, batches: list[int], steps: int) -> None:
+    """One decode step timed alone: packed, hybrid and plain runners interleaved step by
+    step (the steadiest comparison on a loaded machine); medians over the steps."""
+    runners = {c: make_runner(path, c) for c in ("packed", "hybrid", "plain")}
+    rng = random.Random(0)
+    print("| decode batch | packed tok/s | hybrid tok/s | plain tok/s | packed / plain |")
+    print("|---:|---:|---:|---:|---:|")
+    for b in batches:
+        vocab = runners["plain"].vocab_size
+        prompts = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(b)]
+        todo = {c: decode_batches(r, prompts, steps) for c, r in runners.items()}
+        times: dict[str, list[float]] = {c: [] for c in runners}
+        for i in range(steps):
+            for c, r in runners.items():
+                start = time.perf_counter()
+                wire.forward(r, todo[c][i])
+                times[c].append(time.perf_counter() - start)
+        rate = {c: b / statistics.median(t[1:]) for c, t in times.items()}
+        print(
+            f"| {b} | {rate['packed']:,.0f} | {rate['hybrid']:,.0f} | {rate['plain']:,.0f} "
+            f"| {rate['packed'] / rate['plain']:.2f}x |",
+            flush=True,
+        )
+
+
+def make_runner(path: str, cpu_linear: str) -> ModelRunner:
+    cfg = WorkerConfig(
+        model_path=path,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=16384,
+        max_running_requests=64,
+        cpu_linear=cpu_linear,
+    )
+    return ModelRunner(cfg)
 
 
 def main() -> None:
@@ -196,55 +254,83 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--model-path", default="", help="a model folder (default: a random Llama)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers column")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument(
+        "--no-profile", action="store_true", help="skip the outside-GEMM share (batch 64)"
+    )
+    ap.add_argument("--per-step", action="store_true", help="per-step decode table only")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.per_step:
+        if not args.model_path:
+            ap.error("--per-step needs --model-path")
+        per_step(args.model_path, args.batches, 1 + (8 if args.quick else args.new_tokens))
+        return
     repeats = 1 if args.quick else args.repeats
     new_tokens = 12 if args.quick else args.new_tokens
-    batches = [1, 16, 64]
     rng = random.Random(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        hf = build_model(Path(tmp))
-        n_params = sum(p.numel() for p in hf.parameters())
-        runner = ModelRunner(
-            WorkerConfig(
-                model_path=tmp,
-                device="cpu",
-                dtype="float32",
-                max_total_tokens=16384,
-                max_running_requests=64,
-            )
-        )
-        long_prompt = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(1024)]
-        t_rs, t_hf = timed_pair(
-            lambda: rs_generate(runner, [long_prompt], 1),
-            lambda: hf_generate(hf, [long_prompt], 1),
-            repeats,
-        )
-        rows.append(("prefill, 1 x 1,024 tokens", 1024 / t_rs, 1024 / t_hf))
-        for b in batches:
+        path = args.model_path or tmp
+        hf = None
+        if not args.model_path:
+            hf = build_model(Path(tmp))
+        elif not args.no_hf:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            hf.eval()
+        if args.no_hf:
+            hf = None
+        runners = {c: make_runner(path, c) for c in ("packed", "plain")}
+        vocab = runners["packed"].vocab_size
+        n_params = runners["packed"].num_parameters
+        long_prompt = [rng.randrange(3, vocab) for _ in range(1024)]
+        secs = interleaved(sides(runners, hf, [long_prompt], 1, decode=False), repeats)
+        rows.append(("prefill, 1 x 1,024 tokens", {n: 1024 / t for n, t in secs.items()}))
+        for b in args.batches:
             prompts = [
-                [rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randrange(48, 81))]
-                for _ in range(b)
+                [rng.randrange(3, vocab) for _ in range(rng.randrange(48, 81))] for _ in range(b)
             ]
-            rs, ref = decode_rates(runner, hf, prompts, new_tokens, repeats)
-            rows.append((f"decode, batch {b}", rs, ref))
-        prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(64)] for _ in range(64)]
-        share_lin, share_all = outside_matmul_share(runner, prompts, new_tokens)
+            secs = interleaved(sides(runners, hf, prompts, new_tokens, decode=True), repeats)
+            tokens = b * (new_tokens - 1)
+            rows.append((f"decode, batch {b}", {n: tokens / t for n, t in secs.items()}))
+        prompts = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(64)]
+        shares = {
+            c: outside_matmul_share(r, prompts, new_tokens)
+            for c, r in runners.items()
+            if not args.no_profile
+        }
     print(
-        f"model: Llama-shaped, {n_params / 1e6:.1f}M parameters, float32, "
-        f"CPU threads {torch.get_num_threads()}"
+        f"model: {Path(path).name if args.model_path else 'random Llama'}, "
+        f"{n_params / 1e6:.1f}M parameters, float32, CPU threads {torch.get_num_threads()}"
     )
     print(f"{new_tokens} new tokens per request, median of {repeats}\n")
-    print("| workload | radixserve tok/s | transformers tok/s | ratio |")
-    print("|---|---:|---:|---:|")
-    for name, rs, ref in rows:
-        print(f"| {name} | {rs:,.0f} | {ref:,.0f} | {rs / ref:.2f}x |")
-    print(
-        f"\ndecode batch 64 (prompts of 64 tokens): {share_lin:.0%} of a step's wall time "
-        f"outside the linear layers' GEMMs, {share_all:.0%} outside them and the attention kernel"
-    )
+    print_table(rows, hf is not None)
+    for c, (share_lin, share_all) in shares.items():
+        print(
+            f"\n{c}: decode batch 64 (prompts of 64 tokens): {share_lin:.0%} of a step's wall "
+            f"time outside the linear layers' GEMMs, {share_all:.0%} outside them and attention"
+        )
+
+
+def print_table(rows: list[tuple[str, dict[str, float]]], with_hf: bool) -> None:
+    head = "| workload | packed tok/s | plain tok/s | packed / plain |"
+    rule = "|---|---:|---:|---:|"
+    if with_hf:
+        head += " transformers tok/s | packed / transformers |"
+        rule += "---:|---:|"
+    print(head)
+    print(rule)
+    for name, r in rows:
+        line = (
+            f"| {name} | {r['packed']:,.0f} | {r['plain']:,.0f} | {r['packed'] / r['plain']:.2f}x |"
+        )
+        if with_hf:
+            hf = r["transformers"]
+            line += f" {hf:,.0f} | {r['packed'] / hf:.2f}x |"
+        print(line)
 
 
 if __name__ == "__main__":

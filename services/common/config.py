@@ -58,14 +58,13 @@ class WorkerConfig:
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs")
     cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
     random_seed: int = _opt(0, "seed for requests that give none")
-    cpu_threads: int = _opt(
-        0, "torch threads on CPU (0: all cores but one, leaving it to the scheduler and frontend)"
-    )
+    cpu_threads: int = _opt(0, "torch threads on CPU (0: one per core this process may use)")
     cpu_linear: str = _opt(
         "packed",
-        "float32 linears on CPU: packed (oneDNN, weights prepacked once at load) or plain "
+        "float32 linears on CPU: packed (oneDNN, weights prepacked once at load), hybrid "
+        "(packed, plus the dense weights kept for one-row batches: 2x the memory) or plain "
         "(F.linear, MKL)",
-        choices=["packed", "plain"],
+        choices=["packed", "hybrid", "plain"],
     )
     worker_addr: str = _opt(
         "", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)"

@@ -8,6 +8,11 @@ Projections that read the same input are fused (q/k/v into ``qkv_proj``, gate/up
 ``gate_up_proj``): one matrix product instead of three (two) is what makes small-batch
 decode fast on CPU. ``FusedLinear.shard_sizes`` tells the loader where each checkpoint
 tensor goes.
+
+On CPU every projection is packed once after loading (``Linear.pack``): its weight goes
+into oneDNN's blocked layout (services/worker/cpu_linear.py), 1.2-1.9x faster than MKL's
+``F.linear`` here from two rows up, and the dense weight is dropped (left as a meta tensor
+of its shape) so memory does not double.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.cpu_linear import PackedLinear
 from services.worker.forward_context import ForwardContext
 
 
@@ -35,7 +41,31 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that can run prepacked through oneDNN once its weights are loaded."""
+
+    packed: PackedLinear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def pack(self, keep_plain: bool = False) -> bool:
+        """Packs the weight for oneDNN when it is a float32 CPU tensor (cpu_linear decides).
+        keep_plain: single rows keep running F.linear on the dense weight (2x the memory);
+        otherwise the dense weight becomes a meta tensor (shape kept, no memory). Whether
+        it was packed."""
+        packed = PackedLinear(self.weight, self.bias, keep_plain=keep_plain)
+        if packed.path != "onednn":
+            return False
+        self.packed = packed
+        if not keep_plain:
+            self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+        return True
+
+
+class FusedLinear(Linear):
     """A Linear whose output rows are several checkpoint tensors stacked (shard_sizes)."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
@@ -128,7 +158,7 @@ class GatedMLP(nn.Module):
         if act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported ({sorted(_ACTIVATIONS)})")
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
         self.intermediate = intermediate
 
@@ -158,7 +188,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(
             hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
         # Qwen3 normalises each head of q and k before rope.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None

@@ -36,10 +36,12 @@ _tracer = tracing.tracer("radixserve.worker")
 
 
 def set_cpu_threads(requested: int) -> None:
-    """On a few cores, torch's default (one thread per core) starves the scheduler and the
-    frontend running beside the worker, and decode slows down many times over."""
+    """Default: one torch thread per core this process may use. Measured with the whole
+    server on 2 busy cores (issue 18, docs/benchmarks.md): 2 threads beat 1 by 1.24x in
+    decode tok/s (16 streams) and 1.8x in cold-prefill wall time; the scheduler and the
+    frontend idle at ~1% each and did not starve."""
     cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(requested or max(1, cores - 1))
+    torch.set_num_threads(requested or cores)
 
 
 def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:

@@ -91,6 +91,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(c)
         self.num_parameters = num_parameters(self.model)
         self.kv_pool = self._make_pool()
+        self.packed_linears = self._pack_linears(cfg)
         self.num_slots = self.kv_pool.num_slots
         cls = backend_class(cfg.attention_backend, self.device)
         self.backend_name = cls.name
@@ -128,6 +129,16 @@ class ModelRunner:
             cap_tokens=cfg.max_running_requests * self.max_context,
         )
         return KVPool(shape, num_slots, self.device)
+
+    def _pack_linears(self, cfg: WorkerConfig) -> int:
+        """CPU: the linears through oneDNN with prepacked weights (layers.Linear.pack).
+        After _make_pool, which counts the dense weights (the packed ones take as much;
+        "hybrid" keeps both)."""
+        if self.device.type != "cpu" or cfg.cpu_linear == "plain":
+            return 0
+        packed = self.model.pack_linears(keep_plain=cfg.cpu_linear == "hybrid")
+        log.info("%d linears packed for oneDNN", packed)
+        return packed
 
     def _capture_graphs(self, cfg: WorkerConfig) -> CudaGraphRunner | None:
         """Decode CUDA graphs (services/worker/cuda_graph.py) when on CUDA with a backend

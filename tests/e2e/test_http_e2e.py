@@ -1,4 +1,5 @@
-"""The OpenAI HTTP API against the three real processes, and proof it reaches the same radix cache."""
+"""The OpenAI HTTP API against the three real processes, and proof that it reaches the same
+radix cache as gRPC."""
 
 from __future__ import annotations
 

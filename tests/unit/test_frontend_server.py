@@ -386,9 +386,11 @@ def test_main_logs_listening_line_and_exits_on_sigterm(model_dir):
     import sys
 
     code = (
-        "import sys; from services.common.config import FrontendConfig; from services.frontend.main import main; "
+        "import sys; from services.common.config import FrontendConfig; "
+        "from services.frontend.main import main; "
         f"main(FrontendConfig(model_path={str(model_dir)!r}, port=0, http_port=0, "
-        "scheduler_addrs=['ipc:///tmp/radixserve/nobody.sock'], scheduler_control_addrs=['127.0.0.1:1']))"
+        "scheduler_addrs=['ipc:///tmp/radixserve/nobody.sock'], "
+        "scheduler_control_addrs=['127.0.0.1:1']))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     try:

@@ -2,6 +2,9 @@
 
 Logits within 1e-4, and greedy tokens identical: in one mixed-length batch, on top of a
 prefix whose KV an earlier request computed, and with the prefill split into chunks.
+The runner packs its linears for oneDNN on CPU by default (services/worker/cpu_linear.py),
+so these tests run the packed path; test_linears_are_packed proves it, and the greedy batch
+also runs with --cpu-linear plain (F.linear).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from radixserve.internal.v1 import engine_pb2
 from services.common.config import WorkerConfig
 from services.common.transport import pack_i32
 from services.worker import wire
+from services.worker.cpu_linear import onednn_fp32_available
+from services.worker.layers import Linear
 from services.worker.model_runner import ModelRunner
 from services.worker.offline import generate
 
@@ -205,10 +210,30 @@ def test_llama3_rope_scaling_logits_match(tmp_path):
 # ---- greedy generation ---------------------------------------------------------------
 
 
-def test_greedy_batch_matches_transformers(model_case):
+@pytest.mark.parametrize("cpu_linear", ["packed", "plain"])
+def test_greedy_batch_matches_transformers(model_case, cpu_linear):
     folder, _, prompts, expected = model_case
-    runner = make_runner(folder)
+    runner = make_runner(folder, cpu_linear=cpu_linear)
+    assert (runner.packed_linears > 0) == (cpu_linear == "packed" and onednn_fp32_available())
     assert generate(runner, prompts, MAX_NEW) == expected
+
+
+@pytest.mark.skipif(not onednn_fp32_available(), reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_linears_are_packed(arch, request):
+    """Every projection (and an untied lm_head) runs packed, its dense weight dropped; a
+    tied lm_head runs oneDNN beside the embedding table, which stays dense for the lookup."""
+    runner = make_runner(request.getfixturevalue(f"tiny_{arch}_dir"))
+    model = runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert (
+        runner.packed_linears
+        == len(linears)
+        == 4 * len(model.model.layers) + (model.lm_head is not None)
+    )
+    assert all(m.packed is not None and m.weight.is_meta for m in linears)
+    assert not model.model.embed_tokens.weight.is_meta
+    assert (model.tied_head is not None) == model.tie_word_embeddings
 
 
 def test_greedy_with_cached_prefix_matches(model_case):
