@@ -4,7 +4,8 @@ services/worker/attention/torch_backend.py runs one scaled_dot_product_attention
 request in an extend batch. This measures, on the same q/k/v, side by side (interleaved
 rounds, medians):
 
-  loop            the backend itself (TorchBackend.prepare + _extend_attention)
+  loop            the backend itself (TorchBackend.prepare + forward: store K/V, then one
+                  SDPA per request); every other variant stores K/V the same way first
   batched view    equal lengths, no prefix: q/k/v viewed as [B, H, L, D], one SDPA with
                   is_causal (no copies; only possible when every request has the same length)
   padded+mask     any lengths / prefixes: q gathered into a padded [B, H, Lmax, D], K/V of
@@ -178,24 +179,40 @@ def run_case(
     v_pool.index_copy_(0, meta.out_slots, v)
     backend = TorchBackend(h, kvh, d, scale)
 
+    def store() -> None:
+        # Every variant stores the new K/V first, as the backend's forward does.
+        k_pool.index_copy_(0, meta.out_slots, k)
+        v_pool.index_copy_(0, meta.out_slots, v)
+
     def loop() -> torch.Tensor:
+        # The backend through its public interface: prepare once per batch, then forward
+        # (store + one SDPA per request).
         backend.prepare(meta)
-        return backend._extend_attention(q, k, v, k_pool, v_pool)
+        return backend.forward(q, k, v, k_pool, v_pool, meta)
 
     def padded() -> torch.Tensor:
+        store()
         return Padded(meta, h, kvh, d, scale)(q, k_pool, v_pool)
+
+    def view() -> torch.Tensor:
+        store()
+        return batched_view(q, k, v, len(extend), h, kvh, d, scale)
+
+    def nested_call() -> torch.Tensor:
+        store()
+        return nested(q, k, v, meta.qo_indptr.long(), h, kvh, scale)
+
+    def varlen_call() -> torch.Tensor:
+        store()
+        return varlen(q, k, v, meta.qo_indptr.long(), max(extend), h, kvh, scale)
 
     fns: dict[str, Callable[[], torch.Tensor]] = {"loop (today)": loop, "padded+mask": padded}
     no_prefix = not any(prefix)
     if no_prefix and len(set(extend)) == 1:
-        fns["batched view"] = lambda: batched_view(q, k, v, len(extend), h, kvh, d, scale)
+        fns["batched view"] = view
     notes = []
     if no_prefix:
-        offsets = meta.qo_indptr.long()
-        for name, fn in (
-            ("nested", lambda: nested(q, k, v, offsets, h, kvh, scale)),
-            ("varlen", lambda: varlen(q, k, v, offsets, max(extend), h, kvh, scale)),
-        ):
+        for name, fn in (("nested", nested_call), ("varlen", varlen_call)):
             try:
                 fn()
                 fns[name] = fn

@@ -27,13 +27,14 @@ and 1 / 2 threads:
 
 Each (shape, M, threads) point runs the candidates interleaved, round after round, and
 reports the median of the rounds (GFLOP/s and the ratio to F.linear measured in the same
-rounds). Other sections: exactness against float64, the oneDNN path's handling of 3-D /
-non-contiguous inputs / bias / other Python threads, the cost of a first call at a new M
-(oneDNN builds a primitive per shape), and torch.compile (inductor freezing) of the MLP
-block.
+rounds), twice: by wall clock and by process CPU time (at 1 thread the latter is
+not inflated by other processes' load on a shared machine). Other sections: exactness
+against float64, the oneDNN path's handling of 3-D / non-contiguous inputs / bias / other
+Python threads, the cost of a first call at a new M (oneDNN builds a primitive per shape),
+and torch.compile (inductor freezing) of the MLP block.
 
-    .venv/bin/python bench/bench_linear.py                      # everything, ~25 min on 2 cores
-    .venv/bin/python bench/bench_linear.py --quick              # smoke run, ~2 min
+    .venv/bin/python bench/bench_linear.py              # everything: ~1 h on a busy 2-core box
+    .venv/bin/python bench/bench_linear.py --quick      # smoke run: 3 M values, 3 rounds
     .venv/bin/python bench/bench_linear.py --sections linear --models qwen2 --threads 1
     .venv/bin/python bench/bench_linear.py --json out.json      # also every raw figure
 

@@ -1,14 +1,14 @@
 """Prepacked CPU linears: ``y = x @ W^T + b`` through oneDNN instead of MKL (issue 18).
 
-Why: ``F.linear`` on a float32 CPU tensor runs MKL's sgemm, which on AMD CPUs takes a
-generic code path and re-lays-out the weight panel on every call. oneDNN
+Why: ``F.linear`` on a float32 CPU tensor runs MKL's sgemm, which copies the weight into
+its internal panel layout on every call (issue 18 also blames MKL's path on AMD). oneDNN
 (``torch.ops.mkldnn._linear_pointwise``, the op inductor's CPU freezing emits for dynamic
 shapes) runs its brgemm kernels (avx2 / avx512 / amx, picked at runtime) over a weight
 reordered *once*, at load, into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``;
 ``AB16b64a`` on AVX2). bench/bench_linear.py, Qwen2-0.5B's four decoder-layer linears
 together (qkv 1152x896 + bias, o 896x896, gate_up 9728x896, down 896x4864), ratio of
 ``F.linear``'s time to the packed path's, medians of interleaved rounds, on the project's
-2-core AMD EPYC (Zen 3, AVX2 only; torch 2.13.0+cpu, oneDNN 3.12, MKL 2024.2):
+2-core AMD EPYC (AVX2, no AVX-512; torch 2.13.0+cpu, oneDNN 3.12, MKL 2024.2):
 
     M (rows)                  1      2      4      8     16     64    256   1024   2048   8192
     1 thread, CPU time     0.73x  1.48x  1.89x  1.67x  1.77x  1.62x  1.15x  1.05x  0.99x  0.95x
@@ -20,14 +20,15 @@ were low, 50-60 per CPU-second at large M; the ratios are what to read. The 2-th
 column suffers most from the sharing.) So two rows and more take the packed path; a
 single row (decode of one request, a matrix-vector product) stays on ``F.linear``: the
 blocked layout is a poor fit there (for M=1 oneDNN itself would choose the plain layout)
-and MKL's gemv is as fast as oneDNN's. From M ~ 2048 (long prefills, compute-bound) the
-two are level.
+and MKL's gemv is at least as fast as oneDNN's there. From M ~ 2048 (long prefills,
+compute-bound) the two are level.
 
 Exactness: the float32 oneDNN path computes in float32 with another summation order,
-nothing else: its error against float64 is the size of MKL's (~1e-6 relative, max-norm),
-and it differs from ``F.linear`` by ~1e-6 relative, inside the 1e-5 that greedy parity with
-transformers needs. (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"/"tf32"`` would
-lower the precision of both paths alike; radixserve never sets it.)
+nothing else. Against float64, over both models' shapes at M = 1 / 64 / 2048: oneDNN
+max|err| / max|ref| <= 1.4e-6 (MKL: 8.4e-7); it differs from ``F.linear`` by <= 1.4e-6
+relative, inside the 1e-5 that greedy parity with transformers needs.
+(``torch.backends.mkldnn.matmul.fp32_precision = "bf16"/"tf32"`` would lower the precision
+of both paths alike; radixserve never sets it.)
 
 Use: pack once, after the weights are loaded, call in forward::
 
