@@ -20,7 +20,7 @@ from array import array
 
 from services.scheduler.allocator import KVSlotAllocator
 from services.scheduler.eviction import policy_names
-from services.scheduler.radix_cache import RadixCache, check_slot_integrity
+from services.scheduler.radix_cache import MatchResult, RadixCache, check_slot_integrity
 
 
 def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[int], list[int]]]:
@@ -43,11 +43,12 @@ def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list
     return trace
 
 
-def serve_one(
+def admit(
     cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
-) -> int:
-    """One request's KV bookkeeping, as the scheduler does it; returns the cached length."""
-    # intern: the prompt then holds the tree's ints, so the insert of prompt + output below
+) -> tuple[MatchResult, list[int], list[int]]:
+    """Arrival: match and lock the cached prefix, allocate slots for every other token
+    (evicting if short); returns the match, the request's slots and the sequence to insert."""
+    # intern: the prompt then holds the tree's ints, so the insert of prompt + output
     # compares pointers where the match found the prompt cached.
     m = cache.match_prompt(prompt, intern=True)
     cache.lock(m.node)
@@ -59,8 +60,15 @@ def serve_one(
     new = alloc.alloc(n_new, cached, m.slots[-1] if cached else 0)
     if new is None:
         raise RuntimeError("pool too small for one request")
-    slots = m.slots + new
-    seq = prompt + output[:-1]  # the last output token has no KV
+    return m, m.slots + new, prompt + output[:-1]  # the last output token has no KV
+
+
+def serve_one(
+    cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
+) -> int:
+    """One request's KV bookkeeping, as the scheduler does it; returns the cached length."""
+    m, slots, seq = admit(cache, alloc, prompt, output)
+    cached = len(m.slots)
     res = cache.insert_prefix(seq, slots[:-1])
     kept = len(seq) - len(seq) % cache.page_size
     # Duplicates the request computed itself, plus what the tree did not take.

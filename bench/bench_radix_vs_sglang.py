@@ -71,7 +71,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_radix_cache import build_trace, serve_one  # noqa: E402
+from bench.bench_radix_cache import admit, build_trace, serve_one  # noqa: E402
 from services.scheduler.allocator import KVSlotAllocator  # noqa: E402
 from services.scheduler.radix_cache import RadixCache, check_slot_integrity  # noqa: E402
 
@@ -267,18 +267,8 @@ def serve_rematch(
 ) -> int:
     """serve_one with the release path of KVManager.commit/release: insert (interning),
     re-match the inserted tokens (peek), lock that node, unlock the arrival's."""
-    m = cache.match_prompt(prompt, intern=True)
-    cache.lock(m.node)
+    m, slots, seq = admit(cache, alloc, prompt, output)
     cached = len(m.slots)
-    n_new = len(prompt) - cached + len(output)
-    short = alloc.slots_needed(n_new, cached) - alloc.num_free
-    if short > 0:
-        cache.evict(short)
-    new = alloc.alloc(n_new, cached, m.slots[-1] if cached else 0)
-    if new is None:
-        raise RuntimeError("pool too small for one request")
-    slots = m.slots + new
-    seq = prompt + output[:-1]
     res = cache.insert_prefix(seq, slots[:-1], intern=True)
     alloc.free(slots[cached : res.prefix_len])
     m2 = cache.match_prefix(seq, peek=True)
