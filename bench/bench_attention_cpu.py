@@ -43,23 +43,22 @@ def make_meta(extend: list[int], prefix: list[int]) -> tuple[AttentionMeta, int]
     """Contexts laid out one after another in the pool (slot 0 is the zero pad slot)."""
     seq = [e + p for e, p in zip(extend, prefix, strict=True)]
     qo = [0]
-    kv = [0]
-    slots, out_slots = [], []
+    out_slots = []
+    table = torch.zeros(len(seq), max(seq), dtype=torch.int32)  # request b in row b
     nxt = 1
-    for e, s in zip(extend, seq, strict=True):
+    for b, (e, s) in enumerate(zip(extend, seq, strict=True)):
         ctx = list(range(nxt, nxt + s))
         nxt += s
-        slots += ctx
+        table[b, :s] = torch.tensor(ctx)
         out_slots += ctx[s - e :]
         qo.append(qo[-1] + e)
-        kv.append(kv[-1] + s)
     i32 = dict(dtype=torch.int32)
     meta = AttentionMeta(
         is_decode=False,
         out_slots=torch.tensor(out_slots, dtype=torch.int64),
         qo_indptr=torch.tensor(qo, **i32),
-        kv_indptr=torch.tensor(kv, **i32),
-        kv_slots=torch.tensor(slots, dtype=torch.int64),
+        req_to_token=table,
+        req_slots=torch.arange(len(seq), **i32),
         prefix_lens=torch.tensor(prefix, **i32),
         extend_lens=torch.tensor(extend, **i32),
         seq_lens=torch.tensor(seq, **i32),
@@ -83,10 +82,8 @@ class Padded:
             ~q_valid, 0
         )  # [B, Lq]
         kv_valid = cols < seq[:, None]
-        kv_pos = (meta.kv_indptr[:-1].long()[:, None] + cols).clamp(max=meta.kv_slots.numel() - 1)
-        self.kv_idx = meta.kv_slots[kv_pos].masked_fill(
-            ~kv_valid, 0
-        )  # [B, Ls] pool slots (0 = pad)
+        rows_of = meta.req_to_token[:, :ls].index_select(0, meta.req_slots.long()).long()
+        self.kv_idx = rows_of.masked_fill(~kv_valid, 0)  # [B, Ls] pool slots (0 = pad)
         # query row i of request b sees keys 0 .. prefix + i (and only valid ones)
         self.mask = (
             (cols[:, None, :] <= (rows[:, :, None] + pre[:, None, None])) & kv_valid[:, None, :]

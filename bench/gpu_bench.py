@@ -95,7 +95,7 @@ SMOKE = Sizes(
         num_attention_heads=4,
         num_key_value_heads=2,
     ),
-    model_batches=(1, 2),
+    model_batches=(2,),
     prompt_len=8,
     new_tokens=4,
     dtype=torch.float32,
@@ -166,20 +166,22 @@ def bench_decode(table: Table, sizes: Sizes, peak: float | None, budget: Budget)
     k_pool = torch.randn(n + 1, hkv, d, dtype=dtype, device=dev)
     v_pool = torch.randn(n + 1, hkv, d, dtype=dtype, device=dev)
     q = torch.randn(b, hq, d, dtype=dtype, device=dev)
-    kv_indptr = (torch.arange(b + 1, device=dev) * ctx).int()
-    contiguous = torch.arange(1, n + 1, device=dev)
-    shuffled = torch.randperm(n, device=dev) + 1
+    # The request-to-slot table as the kernels read it: request i in row i.
+    rows = torch.arange(b, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    contiguous = torch.arange(1, n + 1, device=dev).view(b, ctx).int()  # req_to_token
+    shuffled = (torch.randperm(n, device=dev) + 1).view(b, ctx).int()
     scale = d**-0.5
     nbytes = 2 * n * hkv * d * dtype.itemsize  # every K and V row read once
     default_splits = choose_num_kv_splits(b, hkv, dev)
 
-    def run(slots, splits, block_n=None):
+    def run(req_to_token, splits, block_n=None):
         return lambda: decode_attention(
-            q, k_pool, v_pool, kv_indptr, slots, scale, splits, block_n=block_n
+            q, k_pool, v_pool, req_to_token, rows, seq_lens, scale, splits, block_n=block_n
         )
 
     out = run(shuffled, default_splits)()
-    ref = decode_attention_ref(q, k_pool, v_pool, kv_indptr, shuffled, scale)
+    ref = decode_attention_ref(q, k_pool, v_pool, shuffled, rows, seq_lens, scale)
     err = (out.float() - ref.float()).abs().max().item()
     table.add(
         f"decode: max abs error vs reference ({dtype})", f"{err:.2e}", "< 2e-2", verdict(err < 2e-2)
@@ -189,6 +191,7 @@ def bench_decode(table: Table, sizes: Sizes, peak: float | None, budget: Budget)
         tbps = nbytes / (ms * 1e-3) / 1e12
         share = f" = {100 * tbps / peak:.0f}% of {peak} TB/s" if peak else ""
         ok = peak is not None and tbps >= 0.7 * peak
+        target = target and sizes.device == "cuda"  # --smoke: the figure means nothing
         table.add(
             label,
             f"{ms * 1e3:.0f} us, {tbps:.2f} TB/s{share}",
@@ -208,11 +211,15 @@ def bench_decode(table: Table, sizes: Sizes, peak: float | None, budget: Budget)
         target=False,
     )
     best = None
-    sweep = [
-        (splits, block_n)
-        for splits in sorted({4, 8, 16, default_splits})
-        for block_n in (32, 64, 128)
-    ]
+    sweep = (
+        []
+        if sizes.device != "cuda"
+        else [
+            (splits, block_n)
+            for splits in sorted({4, 8, 16, default_splits})
+            for block_n in (32, 64, 128)
+        ]
+    )
     for splits, block_n in sweep:
         if budget.left() < 90:  # leave the later sections their time
             table.add("decode sweep", "stopped early: time budget", "", "")
@@ -281,12 +288,15 @@ def bench_extend(table: Table, sizes: Sizes) -> None:
     k_pool = torch.cat([pad, k4.transpose(1, 2).reshape(t, hkv, d)])  # [T+1, Hkv, D]
     v_pool = torch.cat([pad, v4.transpose(1, 2).reshape(t, hkv, d)])
     indptr = (torch.arange(b + 1, device=dev) * length).int()
-    slots = torch.arange(1, t + 1, device=dev)
+    req_to_token = torch.arange(1, t + 1, device=dev).view(b, length).int()  # request i: row i
+    rows = torch.arange(b, dtype=torch.int32, device=dev)
     prefix = torch.zeros(b, dtype=torch.int32, device=dev)
     scale = d**-0.5
 
     def ours():
-        return extend_attention(q, k_pool, v_pool, indptr, indptr, slots, prefix, scale, length)
+        return extend_attention(
+            q, k_pool, v_pool, indptr, req_to_token, rows, prefix, scale, length
+        )
 
     sdpa, how = sdpa_baseline(q4, k4, v4)
     err = (ours().float() - sdpa().transpose(1, 2).reshape(t, hq, d).float()).abs().max().item()
@@ -301,8 +311,20 @@ def bench_extend(table: Table, sizes: Sizes) -> None:
         f"ours {ms_ours * 1e3:.0f} us ({flops / ms_ours / 1e9:.0f} TFLOP/s), "
         f"SDPA {ms_sdpa * 1e3:.0f} us ({flops / ms_sdpa / 1e9:.0f} TFLOP/s): {ratio:.2f}x",
         ">= 0.6x",
-        verdict(ratio >= 0.6),
+        verdict(ratio >= 0.6) if sizes.device == "cuda" else "",
     )
+
+
+# ---- AWQ ------------------------------------------------------------------------------------
+
+
+def bench_awq(table: Table, budget: Budget) -> None:
+    """bench/gpu_awq.py's rows: accuracy, M = 1/16/64/2,048 vs fp16 matmul (decode >= 2x)."""
+    from bench.gpu_awq import awq_rows
+
+    for r in awq_rows(min(60.0, budget.left() - 60)):
+        ok = r["pass"]
+        table.add(r["name"], r["measured"], r["target"], verdict(ok) if ok is not None else "")
 
 
 # ---- end to end -----------------------------------------------------------------------------
@@ -326,9 +348,9 @@ def build_model(folder: Path, sizes: Sizes) -> None:
 def decode_tokens_per_s(folder: Path, sizes: Sizes, graphs: bool, batch: int) -> tuple[float, bool]:
     """(decode tokens/s, whether the runner holds captured graphs). Prefill time is removed
     by also timing a 1-token generation: tokens/s = batch * (N - 1) / (t(N) - t(1))."""
+    from bench.gpu_model_check import generate
     from services.common.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
-    from services.worker.offline import generate
 
     prompt_len, new_tokens, vocab = sizes.prompt_len, sizes.new_tokens, sizes.model["vocab_size"]
     cfg = WorkerConfig(
@@ -343,14 +365,14 @@ def decode_tokens_per_s(folder: Path, sizes: Sizes, graphs: bool, batch: int) ->
         cuda_graph_max_bs=batch,
     )
     runner = ModelRunner(cfg)
-    captured = any(type(v).__name__ == "CudaGraphRunner" for v in vars(runner).values())
+    captured = runner.graphs is not None and len(runner.graphs.graphs) > 0
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
     def timed(n: int) -> float:
         sync()
         start = time.perf_counter()
-        generate(runner, prompts, n, stop_at_eos=False)
+        generate(runner, prompts, n)
         sync()
         return time.perf_counter() - start
 
@@ -391,7 +413,7 @@ def bench_model(table: Table, sizes: Sizes, budget: Budget) -> None:
                     f"CUDA graph speed-up, batch {batch}",
                     f"{speeds[True] / speeds[False]:.2f}x",
                     "> 1x",
-                    verdict(speeds[True] > speeds[False]),
+                    verdict(speeds[True] > speeds[False]) if sizes.device == "cuda" else "",
                 )
 
 
@@ -494,12 +516,33 @@ def main() -> int:
             "all pass",
             verdict(args.tests_rc == 0),
         )
+    # Correctness of the model path first: a short budget must cut speed rows, not these.
+    model_sections = []
+    if not args.skip_model:
+        from bench.gpu_model_check import GPU_SIZES, SECTIONS, SMOKE_SIZES
+
+        model_sizes = SMOKE_SIZES if args.smoke else GPU_SIZES
+        model_sections = [(n, f, s) for n, f, s in SECTIONS if n != "default-config profile"]
+        for name, section, need_s in model_sections:
+            guarded(table, name, budget, need_s, section, model_sizes, verdict)
     guarded(table, "decode attention", budget, 30, bench_decode, sizes, peak, budget)
     guarded(table, "extend attention", budget, 20, bench_extend, sizes)
+    if sizes.device == "cuda":
+        guarded(table, "AWQ int4 GEMM", budget, 40, bench_awq, budget)
     if not args.skip_model:
+        for name, section, need_s in SECTIONS:
+            if name == "default-config profile":
+                guarded(table, name, budget, need_s, section, model_sizes, verdict)
         guarded(table, "model end to end", budget, 60, bench_model, sizes, budget)
     print(table.markdown(), flush=True)
-    return 1 if any(r[3] == "FAIL" for r in table.rows) else 0
+    failed = [r[0] for r in table.rows if r[3] == "FAIL"]
+    skipped = [r[0] for r in table.rows if r[3] == "SKIP" and "budget" in r[1]]
+    label = "GPU CHECK (--smoke, CPU)" if args.smoke else "GPU CHECK"
+    verdict_line = f"{label}: FAIL ({'; '.join(failed)})" if failed else f"{label}: PASS"
+    if skipped:
+        verdict_line += f" (not reached in the time budget: {'; '.join(skipped)})"
+    print(verdict_line, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,19 +2,22 @@
 
     q:            [B, Hq, D]     the newest token of each request (its K/V already stored)
     k_pool/v_pool [S, Hkv, D]    Hq = g * Hkv (grouped-query attention)
-    kv_indptr:    [B+1] int32    request b's context is kv_slots[kv_indptr[b] : kv_indptr[b+1]]
-    kv_slots:     [N] int64
+    req_to_token: [R, C] int32   row r, position p -> the KV slot holding that position
+    req_slots:    [B] int32      request b's row: its context is req_to_token[req_slots[b], :L_b]
+    seq_lens:     [B] int32      L_b, its context length (the new token included)
     returns o:    [B, Hq, D]
 
 Stage 1 splits every context into ``num_kv_splits`` equal parts; one program handles one
 (request, KV head, split) and all g query heads that share that KV head, so each K/V row is
 read from memory once. It writes the split's normalised partial output and its log-sum-exp
-(log2 units) into a float32 scratch buffer [B, Hq, num_kv_splits, D+1] (LSE in the last
-column). Stage 2 merges the splits of one (request, query head).
+(log2 units) into a float32 scratch buffer [B, Hq, num_kv_splits, R] (LSE in column D; the
+row length R is D + 1 rounded up to 16 floats, so every row starts 64-byte aligned and the
+vector loads of stage 2 stay aligned). Stage 2 merges the splits of one (request, query head).
 
 Made for CUDA graphs: the grids and every kernel argument depend only on shapes
-(B, heads, D) and ``num_kv_splits``; each program reads its context length from kv_indptr on
-the device, so a captured launch replays correctly with new indptr/slots contents.
+(B, heads, D) and ``num_kv_splits``; each program reads its request's row and context length
+on the device, so a captured launch replays correctly with new rows and lengths. The kernels
+read the request-to-slot table itself: no per-step list of every context slot is built.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ def _decode_split_kernel(
     K,
     V,
     Scratch,
-    KvIndptr,
-    KvSlots,
+    ReqToToken,
+    ReqSlots,
+    SeqLens,
     qk_scale,
+    stride_rt,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -56,8 +61,8 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_start = tl.load(KvIndptr + b)
-    seq_len = tl.load(KvIndptr + b + 1) - kv_start
+    ctx_slots = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_rt
+    seq_len = tl.load(SeqLens + b)
     split_len = (seq_len + num_splits - 1) // num_splits
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)  # lo >= hi: an empty split (short context)
@@ -79,7 +84,7 @@ def _decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
         col_ok = cols < hi
-        slots = tl.load(KvSlots + kv_start + cols, mask=col_ok, other=0)
+        slots = tl.load(ctx_slots + cols, mask=col_ok, other=0)
         acc, l_i, m_i = _attend_block(
             acc,
             l_i,
@@ -147,15 +152,17 @@ def _decode_merge_kernel(
     )
 
 
-def _launch_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of stage 1: memory bound, so several K/V tiles in flight."""
+def _launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of stage 1: memory bound, so several K/V tiles in
+    flight, but float32 tiles of wide heads are halved: a [32, 128] float32 K tile plus the
+    accumulator spills registers on sm_90."""
     if device.type != "cuda":
         return 32, 4, 1
     major = sm_major(device.index if device.index is not None else torch.cuda.current_device())
     if major < 8:
         return 32, 4, 1
     if dtype.itemsize >= 4:
-        return 32, 4, 2
+        return (16, 4, 2) if head_dim > 64 else (32, 4, 2)
     return 64, 4, 3
 
 
@@ -163,8 +170,9 @@ def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_pool: torch.Tensor,  # [S, Hkv, D]
     v_pool: torch.Tensor,  # [S, Hkv, D]
-    kv_indptr: torch.Tensor,  # [B+1] int32
-    kv_slots: torch.Tensor,  # [N] int64
+    req_to_token: torch.Tensor,  # [R, C] int32
+    req_slots: torch.Tensor,  # [B] int32
+    seq_lens: torch.Tensor,  # [B] int32
     sm_scale: float,
     num_kv_splits: int,
     block_n: int | None = None,  # tile override (tests, tuning)
@@ -178,20 +186,23 @@ def decode_attention(
     if batch == 0:
         return o
     group = num_heads // num_kv_heads
-    bn, warps, stages = _launch_config(q.dtype, q.device)
+    bn, warps, stages = _launch_config(head_dim, q.dtype, q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     # scratch[b, h, s, :D] = split s's output, scratch[b, h, s, D] = its log2-sum-exp
+    row = -(-(head_dim + 1) // 16) * 16  # aligned rows (see the module docstring)
     scratch = torch.empty(
-        batch, num_heads, num_kv_splits, head_dim + 1, dtype=torch.float32, device=q.device
+        batch, num_heads, num_kv_splits, row, dtype=torch.float32, device=q.device
     )
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q,
         k_pool,
         v_pool,
         scratch,
-        kv_indptr,
-        kv_slots,
+        req_to_token,
+        req_slots,
+        seq_lens,
         sm_scale * math.log2(math.e),
+        req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -231,8 +242,9 @@ def decode_attention_ref(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_slots: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = 1,
 ) -> torch.Tensor:
@@ -240,7 +252,7 @@ def decode_attention_ref(
     o = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[1]
     for b in range(q.shape[0]):
-        slots = kv_slots[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
+        slots = req_to_token[int(req_slots[b]), : int(seq_lens[b])].long()
         kb = k_pool[slots].float().repeat_interleave(group, 1)  # [L, Hq, D]
         vb = v_pool[slots].float().repeat_interleave(group, 1)  # [L, Hq, D]
         scores = torch.einsum("hd,lhd->hl", q[b].float(), kb) * sm_scale

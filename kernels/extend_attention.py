@@ -1,14 +1,14 @@
 """Prefill ("extend") attention over a paged KV pool, for a ragged batch with cached prefixes.
 
 Request b has ``prefix_lens[b]`` tokens already in the pool and ``E_b`` new tokens whose K/V
-have just been stored too; its whole context (prefix, then new tokens) is
-``kv_slots[kv_indptr[b] : kv_indptr[b+1]]``, one slot per token (page size 1).
+have just been stored too; its whole context (prefix, then new tokens) is row
+``req_slots[b]`` of the request-to-slot table, one slot per position (page size 1).
 
     q:            [T, Hq, D]    new tokens of all requests, request b in rows qo_indptr[b]..[b+1]
     k_pool/v_pool [S, Hkv, D]   Hq = g * Hkv (grouped-query attention)
     qo_indptr:    [B+1] int32
-    kv_indptr:    [B+1] int32
-    kv_slots:     [N] int64
+    req_to_token: [R, C] int32  row r, position p -> KV slot
+    req_slots:    [B] int32     request b's row
     prefix_lens:  [B] int32
     returns o:    [T, Hq, D]
 
@@ -84,10 +84,11 @@ def _extend_kernel(
     V,
     Out,
     QoIndptr,
-    KvIndptr,
-    KvSlots,
+    ReqToToken,
+    ReqSlots,
     PrefixLens,
     qk_scale,
+    stride_rt,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -112,9 +113,8 @@ def _extend_kernel(
     row_lo = block_m * BLOCK_M
     if row_lo >= extend_len:  # the grid covers the longest request; shorter ones stop here
         return
-    kv_start = tl.load(KvIndptr + b)
     prefix_len = tl.load(PrefixLens + b)
-    ctx_slots = KvSlots + kv_start
+    ctx_slots = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_rt
     new_slots = ctx_slots + prefix_len
 
     offs_m = row_lo + tl.arange(0, BLOCK_M)  # row index among this request's new tokens
@@ -224,13 +224,16 @@ def _launch_config(
     head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): tiles and pipeline depth that fit shared
-    memory (Hopper ~227 KiB, Ampere ~164 KiB, older far less)."""
+    memory (Hopper ~227 KiB, Ampere ~164 KiB, older far less) and registers: float32 tiles
+    are smaller (a 128-row float32 tile at D=64 needs 255 registers and spills on sm_90)."""
     if device.type != "cuda":
         return 32, 32, 4, 1  # interpreter: bigger tiles mean fewer slow Python steps
     major = sm_major(device.index if device.index is not None else torch.cuda.current_device())
     if major < 8:
         return 64, 32, 4, 1
-    if head_dim * dtype.itemsize > 256:  # fp32 D=128, or 16-bit D=256: half the tile
+    if dtype.itemsize >= 4:
+        return (32, 32, 4, 1) if head_dim > 64 else (64, 32, 4, 2)
+    if head_dim > 128:  # 16-bit D=256: half the tile
         return 64, 32, 4, 2
     return 128, 64, 8, (3 if major >= 9 else 2)
 
@@ -240,8 +243,8 @@ def extend_attention(
     k_pool: torch.Tensor,  # [S, Hkv, D]
     v_pool: torch.Tensor,  # [S, Hkv, D]
     qo_indptr: torch.Tensor,  # [B+1] int32
-    kv_indptr: torch.Tensor,  # [B+1] int32
-    kv_slots: torch.Tensor,  # [N] int64
+    req_to_token: torch.Tensor,  # [R, C] int32
+    req_slots: torch.Tensor,  # [B] int32
     prefix_lens: torch.Tensor,  # [B] int32
     sm_scale: float,
     max_extend_len: int,
@@ -270,10 +273,11 @@ def extend_attention(
         v_pool,
         o,
         qo_indptr,
-        kv_indptr,
-        kv_slots,
+        req_to_token,
+        req_slots,
         prefix_lens,
         sm_scale * math.log2(math.e),
+        req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -299,8 +303,8 @@ def extend_attention_ref(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_slots: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
     prefix_lens: torch.Tensor,
     sm_scale: float,
     max_extend_len: int = 0,
@@ -310,8 +314,8 @@ def extend_attention_ref(
     group = q.shape[1] // k_pool.shape[1]
     for b in range(prefix_lens.shape[0]):
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        slots = kv_slots[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
         prefix = int(prefix_lens[b])
+        slots = req_to_token[int(req_slots[b]), : prefix + q1 - q0].long()
         qb = q[q0:q1].float().transpose(0, 1)  # [Hq, E, D]
         kb = k_pool[slots].float().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
         vb = v_pool[slots].float().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]

@@ -14,16 +14,16 @@ A batch of n requests replays the smallest captured size >= n; the extra rows ar
     input_ids    the real tokens               0
     positions    the real positions            0
     out_slots    the real new-token slots      0 (the padding slot)
-    kv_indptr    the real context offsets      N+1, N+2, ... (one context slot each)
-    kv_slots     [0, N): the real contexts     [N, N + bs - n): 0 (the padding slot)
+    req_slots    the real table rows           the table's padding row (all slot 0)
     seq_lens     the real lengths              1     (prefix 0, extend 1)
 
 Padding rows write their (finite) K/V into slot 0 and attend to it alone; nothing real
-reads slot 0, so their results are simply dropped.
+reads slot 0, so their results are simply dropped. The request-to-slot table is one
+persistent tensor, so the graphs read it in place: a replay copies O(batch) integers.
 
 How the model runner uses it (CUDA, ``--disable-cuda-graph`` off, ``triton`` backend):
 
-    self.graphs = CudaGraphRunner(model, cfg.cuda_graph_max_bs, context_len, device)  # once
+    self.graphs = CudaGraphRunner(model, cfg.cuda_graph_max_bs, table, device)  # once
     if meta.is_decode and self.graphs is not None and self.graphs.can_run(meta.batch_size):
         logits = self.graphs.replay(input_ids, positions, meta)   # [B, vocab]
 """
@@ -36,6 +36,7 @@ import torch
 
 from services.worker.attention.base import AttentionMeta
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.req_table import ReqToTokenTable
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,14 @@ class CudaGraphRunner:
     """Captured decode graphs of ``model`` (forward + compute_logits), one per batch size."""
 
     def __init__(
-        self, model: LlamaForCausalLM, max_bs: int, max_context: int, device: torch.device
+        self, model: LlamaForCausalLM, max_bs: int, table: ReqToTokenTable, device: torch.device
     ):
         if max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {max_bs}")
         self.model = model
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        self.capacity = self.max_bs * max_context  # kv_slots entries of the largest batch
+        self.table = table
         self._alloc_buffers(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # static output of each graph: [bs, vocab]
@@ -86,12 +87,10 @@ class CudaGraphRunner:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.qo_indptr = i32(torch.arange(n + 1))  # one new token per row, forever
-        self.kv_indptr = i32(torch.arange(n + 1))
-        self.kv_slots = torch.zeros(self.capacity, dtype=torch.int64, device=device)
+        self.req_slots = i32(torch.full((n,), self.table.padding_row))
         self.prefix_lens = i32(torch.zeros(n))
         self.extend_lens = i32(torch.ones(n))  # forever 1
         self.seq_lens = i32(torch.ones(n))
-        self._ramp = i32(torch.arange(n + 1))  # 0, 1, 2, ...: padding offsets
 
     def _static_meta(self, bs: int) -> AttentionMeta:
         """Views of the static buffers: the graph of size bs reads exactly these addresses."""
@@ -99,12 +98,12 @@ class CudaGraphRunner:
             is_decode=True,
             out_slots=self.out_slots[:bs],
             qo_indptr=self.qo_indptr[: bs + 1],
-            kv_indptr=self.kv_indptr[: bs + 1],
-            kv_slots=self.kv_slots,  # the whole buffer; kv_indptr says what is used
+            req_to_token=self.table.table,
+            req_slots=self.req_slots[:bs],
             prefix_lens=self.prefix_lens[:bs],
             extend_lens=self.extend_lens[:bs],
             seq_lens=self.seq_lens[:bs],
-            max_seq_len=self.capacity // self.max_bs,  # an upper bound; decode kernels ignore it
+            max_seq_len=self.table.max_context,  # an upper bound; decode kernels ignore it
             max_extend_len=1,
         )
 
@@ -138,21 +137,16 @@ class CudaGraphRunner:
     ) -> torch.Tensor:
         """Logits [B, vocab] (float32) of a decode batch of B <= max_bs requests."""
         n, bs = meta.batch_size, self._graph_size(meta.batch_size)
-        pad, used = bs - n, meta.kv_slots.numel()
-        if used + pad > self.capacity:
-            raise ValueError(
-                f"decode batch holds {used} context slots, the graphs at most {self.capacity - pad}"
-            )
+        if meta.req_to_token is not self.table.table:
+            raise ValueError("the graphs read the table they were captured with")
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:bs].zero_()
         self.positions[:n].copy_(positions)
         self.positions[n:bs].zero_()
         self.out_slots[:n].copy_(meta.out_slots)
         self.out_slots[n:bs].zero_()
-        self.kv_indptr[: n + 1].copy_(meta.kv_indptr)
-        torch.add(self._ramp[1 : pad + 1], used, out=self.kv_indptr[n + 1 : bs + 1])
-        self.kv_slots[:used].copy_(meta.kv_slots)
-        self.kv_slots[used : used + pad].zero_()
+        self.req_slots[:n].copy_(meta.req_slots)
+        self.req_slots[n:bs].fill_(self.table.padding_row)
         self.prefix_lens[:n].copy_(meta.prefix_lens)
         self.prefix_lens[n:bs].zero_()
         self.seq_lens[:n].copy_(meta.seq_lens)

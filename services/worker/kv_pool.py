@@ -11,6 +11,12 @@ the device memory holds weights + KV, and the KV gets what the weights leave; on
 is smaller. The pool is then capped at max_running_requests * context_length: more slots
 than every running row could fill only hold cached prefixes, and reserving gigabytes of
 RAM for a tiny model helps nobody.
+
+On CUDA, what is allocated after the pool is budgeted before it (``RuntimeReserve``): the
+sampler's per-slot tables, the captured graphs' static logits, the activations of the
+largest prefill batch and the workspaces the first kernels create. Without it a high
+--mem-fraction-static sizes the pool fine and then fails at graph capture or at the first
+long prefill; with it start-up refuses at once, naming the numbers.
 """
 
 from __future__ import annotations
@@ -56,6 +62,34 @@ class KVPool:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
 
 
+# Activations are budgeted for a prefill batch of this many tokens: the scheduler's default
+# --max-prefill-tokens (a larger setting on a nearly full GPU needs a lower memory share).
+RESERVE_PREFILL_TOKENS = 8192
+WORKSPACE_BYTES = 256 << 20  # cuBLAS / Triton workspaces, allocator slack
+
+
+@dataclass(frozen=True)
+class RuntimeReserve:
+    """Device memory taken after the KV pool is sized, estimated from the model's shapes."""
+
+    hidden_size: int
+    intermediate_size: int
+    qkv_size: int  # (q heads + 2 kv heads) * head_dim
+    vocab_size: int
+    dtype: torch.dtype
+    max_running_requests: int
+    graph_batch_rows: int  # sum of the captured CUDA-graph batch sizes (0: no graphs)
+
+    def bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_token = (4 * self.hidden_size + 3 * self.intermediate_size + self.qkv_size) * elem
+        prefill = RESERVE_PREFILL_TOKENS * per_token
+        sampled_logits = 3 * self.max_running_requests * self.vocab_size * 4  # + softmax copies
+        sampler_counts = self.max_running_requests * self.vocab_size * 4
+        graph_logits = self.graph_batch_rows * self.vocab_size * 4
+        return prefill + sampled_logits + sampler_counts + graph_logits + WORKSPACE_BYTES
+
+
 def _cgroup_limit() -> int | None:
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
@@ -91,17 +125,34 @@ def pool_size_tokens(
     mem_fraction: float,
     weight_bytes: int,
     cap_tokens: int,
+    reserve: RuntimeReserve | None = None,
 ) -> int:
     """KV slots to allocate (slot 0 excluded)."""
+    reserved = reserve.bytes() if reserve is not None and device.type == "cuda" else 0
     if max_total_tokens > 0:
+        if reserved:
+            _check_fits(device, max_total_tokens * shape.bytes_per_token(), reserved)
         return max_total_tokens
-    budget = kv_budget_bytes(device, mem_fraction, weight_bytes)
+    budget = kv_budget_bytes(device, mem_fraction, weight_bytes) - reserved
     tokens = budget // shape.bytes_per_token()
     if tokens <= 0:
         raise ValueError(
-            f"--mem-fraction-static leaves no memory for the KV cache (budget {budget} bytes after "
-            f"{weight_bytes} bytes of weights); raise it or set --max-total-tokens"
+            f"--mem-fraction-static leaves no memory for the KV cache: {budget / 2**30:.2f} GiB "
+            f"after {weight_bytes / 2**30:.2f} GiB of weights and {reserved / 2**30:.2f} GiB "
+            "reserved for activations, CUDA graphs and the sampler; raise it, lower "
+            "--max-running-requests / --cuda-graph-max-bs, or set --max-total-tokens"
         )
     if tokens > cap_tokens:
         log.info("KV pool capped at %d tokens (memory would allow %d)", cap_tokens, tokens)
     return int(min(tokens, cap_tokens))
+
+
+def _check_fits(device: torch.device, pool_bytes: int, reserved: int) -> None:
+    """An explicit --max-total-tokens must leave the runtime reserve free on the device."""
+    free, _ = torch.cuda.mem_get_info(device)
+    if pool_bytes + reserved > free:
+        raise ValueError(
+            f"--max-total-tokens needs {pool_bytes / 2**30:.2f} GiB of KV pool plus "
+            f"{reserved / 2**30:.2f} GiB reserved for activations, CUDA graphs and the sampler, "
+            f"but only {free / 2**30:.2f} GiB is free; lower it"
+        )

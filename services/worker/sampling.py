@@ -13,9 +13,15 @@ Choices (documented because clients see them):
   frequency subtracts penalty * count; presence subtracts penalty once a token appeared.
 - Logprobs are "raw": log_softmax of the model's logits before any processing, for the
   chosen token and the top-n alternatives (best first).
-- A seeded request draws with a generator seeded from (seed, tokens generated so far), so
-  a request retracted and recomputed draws the very same tokens. Unseeded requests share
-  the worker's generator (seeded by --random-seed).
+- Draws are batched: every sampled row gets a 63-bit key, and its Exp(1) noise over the
+  vocabulary is a counter-based hash of (key, token id) computed for all rows in one pass
+  (no per-row generator or loop). A seeded request's key comes from (seed, tokens generated
+  so far), so a request retracted and recomputed draws the very same tokens; unseeded rows
+  take their keys from the worker's generator (seeded by --random-seed). The noise is the
+  same on CPU and CUDA; a seeded draw can still differ between them where the two compute
+  the probabilities differently in the last bits.
+- A temperature below 1e-5 (GREEDY_BELOW) is greedy, as 0 is: dividing logits by less
+  overflows float32.
 - Stopping (EOS, stop ids, ignore_eos, max_tokens) is the scheduler's job.
 """
 
@@ -27,6 +33,9 @@ import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
+# Temperatures below this are greedy: logits / 1e-38 overflow float32 to inf, and softmax of
+# infs is NaN (a request asking for 1e-38 got EOS at once). 1e-5 is vLLM's threshold too.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_penalty(self) -> bool:
@@ -65,6 +74,33 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def _signed(c: int) -> int:
+    """A 64-bit constant as torch's int64 holds it (two's complement)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    _signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+
+
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab] float64 Exp(1) draws: splitmix64 of (row key, token id), wrapping int64
+    arithmetic (the same bits on every device), 53-bit uniforms in (0, 1]."""
+    token = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
+    z = keys[:, None] + token[None, :] * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    uniform = (_shr(z, 11).double() + 1.0) * 2.0**-53  # never 0: no 0/0 for a dead token
+    return -torch.log(uniform)
+
+
 @dataclass
 class SampleOutput:
     token_ids: list[int]
@@ -72,8 +108,32 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # best first
 
 
+# Columns of Sampler.params, one row per request slot (written once, at reset_slot).
+TEMP, TOP_K, TOP_P, MIN_P, REP, FREQ, PRES, GREEDY, PENALTY = range(9)
+
+
+def _param_row(spec: SamplingSpec, vocab_size: int) -> list[float]:
+    """A slot's row of Sampler.params: neutral values where a feature is off, so that one
+    batched expression serves every row exactly (x / 1.0 and x - 0.0 are x)."""
+    return [
+        1.0 if spec.greedy else spec.temperature,  # greedy rows are argmax'd, never divided
+        float(spec.top_k if spec.top_k > 0 else vocab_size),
+        spec.top_p,
+        spec.min_p,
+        spec.repetition_penalty,
+        spec.frequency_penalty,
+        spec.presence_penalty,
+        float(spec.greedy),
+        float(spec.has_penalty),
+    ]
+
+
 class Sampler:
-    """Per-request-slot sampling state and the batched sampling step."""
+    """Per-request-slot sampling state and the batched sampling step.
+
+    Every per-slot parameter lives on the device (``params``, written when a request takes
+    its slot), so a step sends one small host-to-device copy (slot ids and draw keys) and
+    works on whole batches: no per-row loop, generator or list indexing."""
 
     def __init__(
         self, max_running_requests: int, vocab_size: int, device: torch.device, random_seed: int
@@ -82,17 +142,19 @@ class Sampler:
         self.device = device
         self.specs: list[SamplingSpec | None] = [None] * max_running_requests
         self.num_generated = [0] * max_running_requests
+        self.params = torch.zeros((max_running_requests, 9), dtype=torch.float32, device=device)
         # Token counts of generated tokens, only read for slots with penalties.
         self.counts = torch.zeros(
             (max_running_requests, vocab_size), dtype=torch.int32, device=device
         )
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(random_seed)
+        # Keys of unseeded draws; host-side, so a step's keys travel with its slot ids.
+        self.rng = np.random.default_rng(random_seed)
 
     def reset_slot(self, slot: int, spec: SamplingSpec, output_ids: np.ndarray) -> None:
         """A request (new, or back after a retraction) takes ``slot``."""
         self.specs[slot] = spec
         self.num_generated[slot] = int(len(output_ids))
+        self.params[slot] = torch.tensor(_param_row(spec, self.vocab_size))
         self.counts[slot].zero_()
         if len(output_ids):
             ids = torch.as_tensor(np.asarray(output_ids, dtype=np.int64), device=self.device)
@@ -115,101 +177,91 @@ class Sampler:
         """logits [N, V] float32, one row per slot; allowed [N, V] bool or None (all).
 
         ``allowed`` is the hook for constrained decoding: the worker's own grammar state
-        (not a wire field) will say which tokens each row may take."""
+        (not a wire field) says which tokens each row may take."""
         specs = [self.spec(s) for s in slots]
+        idx, keys = self._step_indices(slots, specs)
+        params = self.params[idx]  # [N, 9]
         raw_logprobs = None
         if any(sp.logprobs for sp in specs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))  # a copy: input untouched
-        logits = self.apply_penalties(logits, slots)
-        token_ids = self._choose(logits, specs, [self.num_generated[s] for s in slots])
-        self._record(slots, token_ids)
+        if any(sp.has_penalty for sp in specs):
+            logits = self._penalized(logits, idx, params)
+        token_ids = torch.argmax(logits, dim=-1)  # the greedy choice of every row
+        if not all(sp.greedy for sp in specs):
+            probs = self._processed_probs(logits, params, specs)
+            drawn = torch.argmax(probs / exponential_noise(keys, probs.shape[1]).float(), dim=-1)
+            token_ids = torch.where(params[:, GREEDY] > 0, token_ids, drawn)
+        self._record(slots, specs, idx, params, token_ids)
         return self._output(token_ids, specs, raw_logprobs)
+
+    def _step_indices(
+        self, slots: list[int], specs: list[SamplingSpec]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot ids [N], draw keys [N]) on the device, in one copy. A seeded row's key is
+        (seed, tokens generated so far) mixed: the same draw after a retraction."""
+        host = np.empty((2, len(slots)), dtype=np.int64)
+        host[0] = slots
+        host[1] = self.rng.integers(0, 2**62, size=len(slots))
+        for j, sp in enumerate(specs):
+            if sp.seed is not None:
+                host[1, j] = step_seed(sp.seed, self.num_generated[slots[j]])
+        both = torch.from_numpy(host).to(self.device, non_blocking=True)
+        return both[0], both[1]
 
     def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Repetition / frequency / presence penalties from each slot's generated tokens."""
-        specs = [self.spec(s) for s in slots]
-        rows = [i for i, sp in enumerate(specs) if sp.has_penalty]
-        if not rows:
-            return logits
-        dev = logits.device
-        counts = self.counts[[slots[i] for i in rows]].float()  # [n, V]
-        rep = torch.tensor([specs[i].repetition_penalty for i in rows], device=dev)[:, None]
-        freq = torch.tensor([specs[i].frequency_penalty for i in rows], device=dev)[:, None]
-        pres = torch.tensor([specs[i].presence_penalty for i in rows], device=dev)[:, None]
-        sub = logits[rows]
-        seen = counts > 0
-        penalised = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalised, sub)
-        sub = sub - freq * counts - pres * seen.float()
-        logits = logits.clone()
-        logits[rows] = sub
-        return logits
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return self._penalized(logits, idx, self.params[idx])
 
-    def _choose(
-        self, logits: torch.Tensor, specs: list[SamplingSpec], steps: list[int]
+    def _penalized(
+        self, logits: torch.Tensor, idx: torch.Tensor, params: torch.Tensor
     ) -> torch.Tensor:
-        token_ids = torch.argmax(logits, dim=-1)  # greedy rows
-        rows = [i for i, sp in enumerate(specs) if not sp.greedy]
-        if rows:
-            probs = self._processed_probs(logits[rows], [specs[i] for i in rows])
-            token_ids[rows] = self._draw(probs, [specs[i] for i in rows], [steps[i] for i in rows])
-        return token_ids
+        """Every row at once; rows without penalties have neutral values (unchanged)."""
+        counts = self.counts[idx].float()  # [N, V]
+        rep, freq, pres = params[:, REP, None], params[:, FREQ, None], params[:, PRES, None]
+        seen = counts > 0
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        out = torch.where(seen, penalised, logits)
+        return out - freq * counts - pres * seen.float()
 
-    def _processed_probs(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p over [n, V] logits -> [n, V] probabilities."""
-        dev = logits.device
-        temp = torch.tensor([sp.temperature for sp in specs], device=dev)[:, None]
-        logits = logits / temp
+    def _processed_probs(
+        self, logits: torch.Tensor, params: torch.Tensor, specs: list[SamplingSpec]
+    ) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p over [N, V] logits -> [N, V] probabilities."""
+        logits = logits / params[:, TEMP, None]
         if all(sp.top_k <= 0 and sp.top_p >= 1.0 and sp.min_p <= 0.0 for sp in specs):
             return torch.softmax(logits, dim=-1)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
-        rank = torch.arange(logits.shape[1], device=dev)[None, :]
-        top_k = torch.tensor(
-            [sp.top_k if sp.top_k > 0 else logits.shape[1] for sp in specs], device=dev
-        )
-        remove = rank >= top_k[:, None]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+        rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
+        remove = rank >= params[:, TOP_K, None]
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = torch.tensor([sp.top_p for sp in specs], device=dev)[:, None]
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        top_p = params[:, TOP_P, None]
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays);
+        # top_p 1: float rounding must not cut the tail.
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove |= (mass_before >= top_p) & (
-            top_p < 1.0
-        )  # top_p 1: float rounding must not cut the tail
-        min_p = torch.tensor([sp.min_p for sp in specs], device=dev)[:, None]
-        remove |= probs < min_p * probs[:, :1]
+        remove |= (mass_before >= top_p) & (top_p < 1.0)
+        remove |= probs < params[:, MIN_P, None] * probs[:, :1]
         remove[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         out = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
         return torch.softmax(out, dim=-1)
 
-    def _draw(
-        self, probs: torch.Tensor, specs: list[SamplingSpec], steps: list[int]
-    ) -> torch.Tensor:
-        """One token per row: argmax(probs / Exp(1) noise), the noise from the row's generator."""
-        noise = torch.empty_like(probs)
-        for j, sp in enumerate(specs):
-            if sp.seed is None:
-                noise[j].exponential_(generator=self.generator)
-            else:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed(step_seed(sp.seed, steps[j]))
-                noise[j].exponential_(generator=gen)
-        # A zero draw would make 0/0 = NaN for a zero-probability token.
-        return torch.argmax(probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny), dim=-1)
-
-    def _record(self, slots: list[int], token_ids: torch.Tensor) -> None:
+    def _record(
+        self,
+        slots: list[int],
+        specs: list[SamplingSpec],
+        idx: torch.Tensor,
+        params: torch.Tensor,
+        token_ids: torch.Tensor,
+    ) -> None:
         for s in slots:
             self.num_generated[s] += 1
-        pen = [i for i, s in enumerate(slots) if self.spec(s).has_penalty]
-        if pen:
-            idx = torch.tensor([slots[i] for i in pen], device=self.counts.device)
+        if any(sp.has_penalty for sp in specs):  # adds 0 for the rows without penalties
             self.counts.index_put_(
-                (idx, token_ids[pen]),
-                torch.ones(len(pen), dtype=torch.int32, device=self.counts.device),
-                accumulate=True,
+                (idx, token_ids), params[:, PENALTY].to(torch.int32), accumulate=True
             )
 
     def _output(

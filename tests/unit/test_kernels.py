@@ -38,8 +38,9 @@ class Batch:
     k_pool: torch.Tensor  # [S, Hkv, D]
     v_pool: torch.Tensor
     qo_indptr: torch.Tensor  # [B+1] int32
-    kv_indptr: torch.Tensor  # [B+1] int32
-    kv_slots: torch.Tensor  # [N] int64
+    req_to_token: torch.Tensor  # [R, C] int32: more rows than requests, noise past each length
+    req_slots: torch.Tensor  # [B] int32: each request's row (shuffled)
+    seq_lens: torch.Tensor  # [B] int32
     prefix_lens: torch.Tensor  # [B] int32
     dense_k: list[torch.Tensor]  # per request [L_b, Hkv, D], position order
     dense_v: list[torch.Tensor]
@@ -71,6 +72,13 @@ def make_batch(
     qo = [0]
     for e in extend_lens:
         qo.append(qo[-1] + e)
+    # Table rows in shuffled order; every entry past a request's length names a real slot of
+    # another request, so reading beyond the length gives a wrong answer, not a zero.
+    num_rows = len(seq_lens) + 3
+    rows = torch.randperm(num_rows, generator=g)[: len(seq_lens)]
+    table = slots[torch.randint(len(slots), (num_rows, max(seq_lens) + 5), generator=g)]
+    for b in range(len(seq_lens)):
+        table[rows[b], : seq_lens[b]] = slots[offsets[b] : offsets[b + 1]]
 
     def i32(x):
         return torch.tensor(x, dtype=torch.int32, device=DEVICE)
@@ -79,8 +87,9 @@ def make_batch(
         k_pool.to(DEVICE),
         v_pool.to(DEVICE),
         i32(qo),
-        i32(offsets),
-        slots.to(DEVICE),
+        table.to(device=DEVICE, dtype=torch.int32),
+        rows.to(device=DEVICE, dtype=torch.int32),
+        i32(seq_lens),
         i32(prefix_lens),
         [t.to(DEVICE) for t in dense_k],
         [t.to(DEVICE) for t in dense_v],
@@ -136,8 +145,8 @@ def test_extend_matches_reference_and_dense(case, heads, head_dim, dtype):
         batch.k_pool,
         batch.v_pool,
         batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_slots,
+        batch.req_to_token,
+        batch.req_slots,
         batch.prefix_lens,
         sm_scale,
         max(extend_lens),
@@ -163,8 +172,8 @@ def test_extend_tile_shapes_agree():
         batch.k_pool,
         batch.v_pool,
         batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_slots,
+        batch.req_to_token,
+        batch.req_slots,
         batch.prefix_lens,
         32**-0.5,
         max(extend_lens),
@@ -184,8 +193,8 @@ def test_extend_reads_strided_query_view():
         batch.k_pool,
         batch.v_pool,
         batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_slots,
+        batch.req_to_token,
+        batch.req_slots,
         batch.prefix_lens,
         0.25,
         6,
@@ -212,7 +221,15 @@ def test_decode_matches_reference_and_dense(num_kv_splits, heads, head_dim, dtyp
         .to(DEVICE)
     )
     sm_scale = head_dim**-0.5
-    args = (q, batch.k_pool, batch.v_pool, batch.kv_indptr, batch.kv_slots, sm_scale)
+    args = (
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.req_to_token,
+        batch.req_slots,
+        batch.seq_lens,
+        sm_scale,
+    )
     ref = decode_attention_ref(*args)
     torch.testing.assert_close(
         ref.double(),
@@ -227,7 +244,15 @@ def test_decode_split_counts_agree():
     """More splits than tokens, and non-power-of-2 split counts, change nothing."""
     batch = make_batch([40, 2], [1, 1], 2, 16, torch.float32, seed=7)
     q = torch.randn(2, 4, 16).to(DEVICE)
-    args = (q, batch.k_pool, batch.v_pool, batch.kv_indptr, batch.kv_slots, 0.25)
+    args = (
+        q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.req_to_token,
+        batch.req_slots,
+        batch.seq_lens,
+        0.25,
+    )
     ref = decode_attention_ref(*args)
     for splits in (3, 7, 64):
         torch.testing.assert_close(
@@ -258,30 +283,33 @@ def test_store_kv_writes_exactly_the_given_slots(dtype):
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_decode_replays_in_a_cuda_graph_with_new_contexts():
-    """One capture, replayed with other kv_indptr / kv_slots contents (longer contexts)."""
+    """One capture, replayed with other table rows and lengths (longer contexts)."""
     hq, hkv, d, bs, cap = 8, 2, 64, 3, 300
     first = make_batch([4, 9, 1], [1, 1, 1], hkv, d, torch.float16, seed=1)
     second = make_batch([250, 3, 120], [1, 1, 1], hkv, d, torch.float16, seed=2)
     pool_k = torch.zeros(1000, hkv, d, dtype=torch.float16, device=DEVICE)
     pool_v = torch.zeros_like(pool_k)
     q = torch.randn(bs, hq, d, dtype=torch.float16, device=DEVICE)
-    indptr = torch.zeros(bs + 1, dtype=torch.int32, device=DEVICE)
-    slots = torch.zeros(bs * cap, dtype=torch.int64, device=DEVICE)
+    table = torch.zeros(bs + 3, cap, dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(bs, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(bs, dtype=torch.int32, device=DEVICE)
+    args = (q, pool_k, pool_v, table, rows, lens, 0.125)
 
     def load(batch):
         pool_k[: batch.k_pool.shape[0]] = batch.k_pool
         pool_v[: batch.v_pool.shape[0]] = batch.v_pool
-        indptr.copy_(batch.kv_indptr)
-        slots[: batch.kv_slots.shape[0]] = batch.kv_slots
+        table[:, : batch.req_to_token.shape[1]] = batch.req_to_token
+        rows.copy_(batch.req_slots)
+        lens.copy_(batch.seq_lens)
 
     load(first)
-    decode_attention(q, pool_k, pool_v, indptr, slots, 0.125, 8)  # compile outside the capture
+    decode_attention(*args, 8)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, pool_k, pool_v, indptr, slots, 0.125, 8)
+        out = decode_attention(*args, 8)
     for batch in (first, second):
         load(batch)
         graph.replay()
-        ref = decode_attention_ref(q, pool_k, pool_v, indptr, slots, 0.125)
+        ref = decode_attention_ref(*args)
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)

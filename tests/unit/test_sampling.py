@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixserve.internal.v1 import engine_pb2
-from services.worker.sampling import Sampler, step_seed
+from services.worker.sampling import Sampler, SamplingSpec, exponential_noise, step_seed
 from services.worker.wire import sampling_spec
 
 VOCAB = 50
@@ -158,3 +158,26 @@ def test_seeded_generation_ignores_batch_company(tiny_llama_dir):
     batched = generate(runner, [other, prompt], 10, params, stop_at_eos=False)[1]
     assert alone == batched
     assert len(set(alone)) > 3
+
+
+def test_batched_noise_draws_follow_the_probabilities():
+    """argmax(p / Exp(1)) with the hashed noise picks token i with probability p_i (one
+    batched call of 40,000 rows, each with its own key), and the noise is a pure function of
+    (key, token): the same bits again, and independent of the batch around a row."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    keys = torch.arange(40_000, dtype=torch.int64) * 7919 + 12345
+    noise = exponential_noise(keys, 4)
+    picks = torch.argmax(probs[None, :] / noise, dim=-1)
+    freq = torch.bincount(picks, minlength=4).double() / len(keys)
+    torch.testing.assert_close(freq, probs.double(), atol=0.01, rtol=0)
+    assert torch.equal(exponential_noise(keys[5:9], 4), noise[5:9])
+    assert (noise > 0).all() and torch.isfinite(noise).all()
+    assert abs(noise.mean().item() - 1.0) < 0.02  # Exp(1)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-20, 1e-6])
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    sampler = Sampler(2, 50, torch.device("cpu"), random_seed=0)
+    sampler.reset_slot(0, SamplingSpec(temperature=temperature), np.zeros(0, np.int32))
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)) * 30
+    assert sampler.sample(logits, [0]).token_ids == [int(logits.argmax())]

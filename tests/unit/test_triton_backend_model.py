@@ -18,6 +18,7 @@ from services.worker.attention.base import AttentionMeta  # noqa: E402
 from services.worker.cuda_graph import CudaGraphRunner, capture_sizes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.offline import generate  # noqa: E402
+from services.worker.req_table import ReqToTokenTable  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 8, 8, 8, 8, 8, 60, 61]]
 
@@ -63,15 +64,18 @@ def test_capture_sizes():
     assert capture_sizes(3) == [1, 2, 3]
 
 
-def _decode_meta(rows: list[tuple[int, int]]) -> AttentionMeta:
-    """Decode metadata for requests given as (first slot, context length): contiguous slots."""
-    seq_lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+def _decode_meta(table: ReqToTokenTable, rows: list[tuple[int, int, int]]) -> AttentionMeta:
+    """Decode metadata for requests given as (table row, first slot, context length): each
+    context in contiguous slots, written into its row of the table."""
+    for row, base, n in rows:
+        table.write_prefix(row, torch.arange(base, base + n))
+    seq_lens = torch.tensor([n for _, _, n in rows], dtype=torch.int32)
     return AttentionMeta(
         is_decode=True,
-        out_slots=torch.tensor([base + n - 1 for base, n in rows]),
+        out_slots=torch.tensor([base + n - 1 for _, base, n in rows]),
         qo_indptr=torch.arange(len(rows) + 1, dtype=torch.int32),
-        kv_indptr=torch.cat([torch.zeros(1, dtype=torch.int32), seq_lens.cumsum(0).int()]),
-        kv_slots=torch.cat([torch.arange(base, base + n) for base, n in rows]),
+        req_to_token=table.table,
+        req_slots=torch.tensor([row for row, _, _ in rows], dtype=torch.int32),
         prefix_lens=seq_lens - 1,
         extend_lens=torch.ones(len(rows), dtype=torch.int32),
         seq_lens=seq_lens,
@@ -97,12 +101,14 @@ def test_graph_runner_pads_batches_and_returns_the_eager_logits(tiny_llama_dir):
     outputs = generate(runner, PROMPTS, max_new_tokens=2, stop_at_eos=False)
     spans = [len(p) + 2 for p in PROMPTS]
     bases = [1 + sum(spans[:i]) for i in range(len(PROMPTS))]
-    graphs = EagerGraphRunner(model, max_bs=4, max_context=64, device=torch.device("cpu"))
+    table = ReqToTokenTable(4, 64, torch.device("cpu"))
+    graphs = EagerGraphRunner(model, max_bs=4, table=table, device=torch.device("cpu"))
     assert graphs.sizes == [1, 2, 4] and graphs.can_run(4) and not graphs.can_run(5)
     # Three requests replay the size-4 graph (one padding row), then subsets replay smaller
     # ones after it: stale padding from a larger batch must not leak.
     for rows in ([0, 1, 2], [2], [1, 0]):
-        meta = _decode_meta([(bases[i], len(PROMPTS[i]) + 2) for i in rows])
+        # Table rows in another order than the requests: (3 - i) for request i.
+        meta = _decode_meta(table, [(3 - i, bases[i], len(PROMPTS[i]) + 2) for i in rows])
         ids = torch.tensor([outputs[i][1] for i in rows])
         positions = torch.tensor([len(PROMPTS[i]) + 1 for i in rows])
         want = model.compute_logits(model.forward(ids, positions, meta))  # [n, vocab]

@@ -5,10 +5,13 @@ are ``prefix_lens[b] .. seq_lens[b] - 1``; its first ``prefix_lens[b]`` tokens a
 in the KV pool. The new tokens of all requests are concatenated into T rows:
 
     rows of request b:      qo_indptr[b] .. qo_indptr[b+1]             (T = qo_indptr[B])
-    its whole context:      kv_slots[kv_indptr[b] .. kv_indptr[b+1]]
-                            (seq_lens[b] slots, in position order)
+    its whole context:      req_to_token[req_slots[b], 0 .. seq_lens[b]]
+                            (one KV slot per position, in position order)
     slots of its new rows:  out_slots[qo_indptr[b] .. qo_indptr[b+1]]
-                            == the last extend_lens[b] entries of its kv_slots
+                            == the last extend_lens[b] entries of its context row
+
+Backends read the request-to-slot table (services/worker/req_table.py) directly, as
+SGLang's kernels do: per-step host work stays O(batch), never O(total context).
 
 A backend first stores the new K/V at ``out_slots`` and then attends: query row i of
 request b (position prefix_lens[b] + i) sees context positions 0 .. prefix_lens[b] + i.
@@ -27,8 +30,8 @@ class AttentionMeta:
     is_decode: bool
     out_slots: torch.Tensor  # [T] int64: KV slot of each new token
     qo_indptr: torch.Tensor  # [B+1] int32: row offsets of each request's new tokens
-    kv_indptr: torch.Tensor  # [B+1] int32: offsets of each request's context in kv_slots
-    kv_slots: torch.Tensor  # [sum(seq_lens)] int64: KV slots of each context, position order
+    req_to_token: torch.Tensor  # [R, C] int32: the whole table (row, position) -> KV slot
+    req_slots: torch.Tensor  # [B] int32: each request's row of req_to_token
     prefix_lens: torch.Tensor  # [B] int32: tokens already in the pool before this batch
     extend_lens: torch.Tensor  # [B] int32: new tokens in this batch
     seq_lens: torch.Tensor  # [B] int32: prefix_lens + extend_lens

@@ -1,8 +1,9 @@
 """The plain-PyTorch attention backend: the CPU default and the reference for the kernels.
 
 Store: the new K/V go to their slots with one index_copy_ per layer.
-Decode (one new token per request): prepare() turns kv_slots into a padded [B, Lmax] slot
-matrix once per batch (padding reads slot 0, which is zeros) plus a length mask; each
+Decode (one new token per request): prepare() copies the batch's rows of the request-to-slot
+table into a padded [B, Lmax] slot matrix once per batch (padding reads slot 0, which is
+zeros) plus a length mask; each
 layer then does one gather and one batched attention over the whole batch.
 Extend (prefill, possibly on top of a cached prefix): per request, scaled_dot_product_attention
 of its new rows over its whole context, the causal mask shifted by prefix_len:
@@ -53,29 +54,28 @@ class TorchBackend(AttentionBackend):
         seq_lens = meta.seq_lens.long()
         cols = torch.arange(meta.max_seq_len, device=seq_lens.device)[None, :]  # [1, Lmax]
         valid = cols < seq_lens[:, None]  # [B, Lmax]
-        idx = (meta.kv_indptr[:-1].long()[:, None] + cols).clamp_(
-            max=max(meta.kv_slots.numel() - 1, 0)
-        )
-        self._decode_slots = meta.kv_slots[idx].masked_fill_(~valid, 0)
+        # Whole row prefixes (memcpy each); positions past a request's length are masked.
+        rows = meta.req_to_token[:, : meta.max_seq_len].index_select(0, meta.req_slots.long())
+        self._decode_slots = rows.long().masked_fill_(~valid, 0)
         # Additive mask (0 / -inf) broadcast over heads; forward casts it to q's dtype once.
         mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         self._decode_mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
     def _prepare_extend(self, meta: AttentionMeta) -> None:
         qo = meta.qo_indptr.tolist()
-        kv = meta.kv_indptr.tolist()
         prefix = meta.prefix_lens.tolist()
+        req_rows = meta.req_slots.tolist()
+        dev = meta.req_to_token.device
         self._extend = []
         for b, p in enumerate(prefix):
-            n_new, seq_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+            n_new = qo[b + 1] - qo[b]
             if p == 0:
                 self._extend.append(_ExtendItem(qo[b], qo[b + 1], None, None))
                 continue
-            rows = torch.arange(n_new, device=meta.kv_slots.device)[:, None] + p
-            mask = torch.arange(seq_len, device=meta.kv_slots.device)[None, :] <= rows
-            self._extend.append(
-                _ExtendItem(qo[b], qo[b + 1], meta.kv_slots[kv[b] : kv[b + 1]], mask)
-            )
+            rows = torch.arange(n_new, device=dev)[:, None] + p
+            mask = torch.arange(p + n_new, device=dev)[None, :] <= rows
+            slots = meta.req_to_token[req_rows[b], : p + n_new].long()
+            self._extend.append(_ExtendItem(qo[b], qo[b + 1], slots, mask))
 
     # ---- per layer ------------------------------------------------------------------
 

@@ -59,15 +59,22 @@ class TritonAttentionBackend(AttentionBackend):
                 q.shape[0], self.num_kv_heads, q.device
             )
             return decode_attention(
-                q, k_pool, v_pool, meta.kv_indptr, meta.kv_slots, self.sm_scale, splits
+                q,
+                k_pool,
+                v_pool,
+                meta.req_to_token,
+                meta.req_slots,
+                meta.seq_lens,
+                self.sm_scale,
+                splits,
             )
         return extend_attention(
             q,
             k_pool,
             v_pool,
             meta.qo_indptr,
-            meta.kv_indptr,
-            meta.kv_slots,
+            meta.req_to_token,
+            meta.req_slots,
             meta.prefix_lens,
             self.sm_scale,
             meta.max_extend_len,
