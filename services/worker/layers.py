@@ -13,10 +13,16 @@ On CPU every projection is packed once after loading (``Linear.pack``): its weig
 into oneDNN's blocked layout (services/worker/cpu_linear.py), 1.2-1.9x faster than MKL's
 ``F.linear`` here from two rows up, and the dense weight is dropped (left as a meta tensor
 of its shape) so memory does not double.
+
+AWQ int4 checkpoints (services/worker/quant/awq.py) load into ``AwqLinear``: the packed
+weights as they are stored, fused shards side by side along the output columns
+(``shard_view``). CUDA runs them through the Triton dequant-GEMM; on CPU the loader turns
+them into float Linears once (``to_dense``), which are then packed like any other.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -26,6 +32,7 @@ from torch import nn
 
 from services.worker.cpu_linear import PackedLinear
 from services.worker.forward_context import ForwardContext
+from services.worker.quant.awq import PACK, dequantize, packed_shapes
 
 
 class RMSNorm(nn.Module):
@@ -71,6 +78,101 @@ class FusedLinear(Linear):
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = list(shard_sizes)
+
+    def shard_view(self, leaf: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+        """The rows of ``tensor`` (this module's ``leaf``: weight or bias) that checkpoint
+        shard ``shard`` fills."""
+        start = sum(self.shard_sizes[:shard])
+        return tensor[start : start + self.shard_sizes[shard]]
+
+
+class AwqLinear(nn.Module):
+    """A linear (or fused linears) holding AWQ's packed int4 weights (quant/awq.py).
+
+    Buffers in the checkpoint's own layout and dtypes: ``qweight`` [in, out/8] int32,
+    ``qzeros`` [in/group, out/8] int32, ``scales`` [in/group, out] float16; ``bias`` a
+    parameter in the compute dtype. Fused shards sit side by side along the output columns,
+    each with its own scales and zeros. On CUDA ``forward`` runs the Triton dequant-GEMM
+    (kernels/awq_gemm.py); elsewhere it dequantizes per call (the loader normally turns
+    these into float Linears on CPU once, ``to_dense``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: list[int],
+        bias: bool,
+        group_size: int,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, sum(shard_sizes)
+        self.shard_sizes, self.group_size = list(shard_sizes), group_size
+        self.dtype = dtype  # the compute dtype (of the bias, and of to_dense's weight)
+        shapes = packed_shapes(in_features, self.out_features, group_size)
+        self.qweight: torch.Tensor
+        self.qzeros: torch.Tensor
+        self.scales: torch.Tensor
+        self.register_buffer("qweight", torch.empty(shapes["qweight"], dtype=torch.int32))
+        self.register_buffer("qzeros", torch.empty(shapes["qzeros"], dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(shapes["scales"], dtype=torch.float16))
+        self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype)) if bias else None
+
+    @classmethod
+    def like(cls, linear: Linear, group_size: int) -> AwqLinear:
+        """The AWQ counterpart of a (Fused)Linear, on the same device, in its dtype."""
+        shards = getattr(linear, "shard_sizes", [linear.out_features])
+        with torch.device(linear.weight.device):
+            return cls(
+                linear.in_features,
+                shards,
+                linear.bias is not None,
+                group_size,
+                linear.weight.dtype,
+            )
+
+    def shard_view(self, leaf: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+        """The columns of ``tensor`` (``leaf``: qweight, qzeros, scales or bias) that
+        checkpoint shard ``shard`` fills; packed tensors hold 8 columns per int32."""
+        start, size = sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
+        if leaf == "bias":
+            return tensor[start : start + size]
+        if leaf == "scales":
+            return tensor[:, start : start + size]
+        return tensor[:, start // PACK : (start + size) // PACK]
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in ``dtype``: exact in float32, rounded once otherwise."""
+        w = dequantize(self.qweight, self.qzeros, self.scales, self.group_size)  # [in, out]
+        return w.t().contiguous().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            rows = x.reshape(-1, self.in_features)  # [T, in]
+            y = _awq_gemm()(rows, self.qweight, self.qzeros, self.scales, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
+    def to_dense(self) -> Linear:
+        """A float Linear (FusedLinear when fused) with the dequantized weight, same device."""
+        weight = self.dense_weight(self.dtype)
+        with torch.device("meta"):
+            bias = self.bias is not None
+            if len(self.shard_sizes) > 1:
+                dense: Linear = FusedLinear(self.in_features, self.shard_sizes, bias)
+            else:
+                dense = Linear(self.in_features, self.out_features, bias=bias)
+        dense.weight = nn.Parameter(weight, requires_grad=False)
+        if self.bias is not None:
+            dense.bias = nn.Parameter(self.bias.data, requires_grad=False)
+        return dense
+
+
+@functools.cache
+def _awq_gemm() -> Callable[..., torch.Tensor]:
+    """The Triton kernel, imported on first use: CPU-only workers never import Triton."""
+    from kernels.awq_gemm import awq_gemm
+
+    return awq_gemm
 
 
 # ---- rotary embedding ---------------------------------------------------------------

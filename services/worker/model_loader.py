@@ -4,6 +4,12 @@ config.json goes through transformers' AutoConfig; weights are read memory-mappe
 safetensors (one file, or shards listed in model.safetensors.index.json) and copied once
 into parameters of the target dtype and device. The model is built on the meta device
 first, so no time or memory goes into random initialisation.
+
+AWQ int4 checkpoints (config.json's ``quantization_config``, services/worker/quant/awq.py)
+load their packed tensors into AwqLinear modules. On CUDA they stay packed (the Triton
+dequant-GEMM reads them); elsewhere every one is dequantized once, right after loading,
+to a float Linear of the compute dtype (exact in float32), and the log states what that
+costs in memory. A quantization_config radixserve cannot serve is refused here, by name.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from services.worker.layers import AwqLinear
 from services.worker.models import get_model_class
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.quant.awq import AwqConfig, parse_quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +81,21 @@ def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str
 
 
 def num_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of the model as trained: an AWQ linear counts its in x out weights."""
+    awq = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, AwqLinear))
+    return sum(p.numel() for p in model.parameters()) + awq
+
+
+def weight_nbytes(model: torch.nn.Module) -> int:
+    """Bytes the weights take: parameters and buffers (AWQ's packed int4 weights)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.nbytes for t in tensors if not t.is_meta)
+
+
+def awq_config(config: PretrainedConfig) -> AwqConfig | None:
+    """The AWQ format of the checkpoint; None for float weights. ValueError names any
+    quantization_config that radixserve cannot serve."""
+    return parse_quantization_config(getattr(config, "quantization_config", None))
 
 
 def load_model(
@@ -82,17 +104,26 @@ def load_model(
     device: torch.device,
     config: PretrainedConfig | None = None,
     progress: bool = True,
+    dequantize: bool | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Builds the model class named in config.json and fills it from the safetensors.
 
-    Raises ValueError naming an unknown architecture, a missing tensor or a shape mismatch."""
+    dequantize (AWQ checkpoints): turn the packed linears into float ones at load; None
+    means everywhere but CUDA. Raises ValueError naming an unknown architecture, a missing
+    tensor, a shape mismatch or an unsupported quantization_config."""
     config = config if config is not None else load_config(model_path)
     cls = get_model_class(architecture_of(config))
+    quant = awq_config(config)
     files = safetensors_files(model_path)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if quant is not None:
+        model.use_awq(quant)  # after .to(dtype): the packed buffers keep their own dtypes
+    model = model.to_empty(device=device)
     model.load_weights(iter_tensors(files, progress))
+    if quant is not None and (dequantize if dequantize is not None else device.type != "cuda"):
+        _dequantize(model, dtype)
     model.eval()
     log.info(
         "loaded %s (%d parameters, %s) from %s",
@@ -102,6 +133,22 @@ def load_model(
         model_path,
     )
     return model, config
+
+
+def _dequantize(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """AWQ on CPU: float linears once, at load; the log says what the memory grew by."""
+    packed = weight_nbytes(model)
+    count = model.dequantize_awq()
+    dense = weight_nbytes(model)
+    log.info(
+        "AWQ: %d linears dequantized to %s at load: weights %.1f MiB packed -> %.1f MiB "
+        "(+%.1f MiB; the GPU path keeps them packed)",
+        count,
+        dtype,
+        packed / 2**20,
+        dense / 2**20,
+        (dense - packed) / 2**20,
+    )
 
 
 def eos_token_ids(model_path: str, config: PretrainedConfig) -> list[int]:

@@ -13,7 +13,7 @@ every layer takes ``(hidden, ctx)``, reaching its own slice of the pool by layer
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +25,14 @@ from services.worker.forward_context import ForwardContext
 from services.worker.kv_pool import KVPool
 from services.worker.layers import (
     Attention,
+    AwqLinear,
     FusedLinear,
     GatedMLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
 )
+from services.worker.quant.awq import AwqConfig, check_linear
 
 # Checkpoint tensors that land in a fused parameter: (fused name, checkpoint name, shard).
 _STACKED = (
@@ -176,29 +178,41 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------
 
-    def checkpoint_names(self) -> dict[str, torch.Size]:
-        """Every tensor the checkpoint must hold, with its shape."""
-        names: dict[str, torch.Size] = {}
+    def checkpoint_tensors(self) -> dict[str, tuple[torch.Size, torch.dtype | None]]:
+        """Every tensor the checkpoint must hold: its shape, and its dtype where only one
+        will do (AWQ's packed buffers; None: any float dtype, converted on load)."""
+        names: dict[str, tuple[torch.Size, torch.dtype | None]] = {}
         modules = dict(self.named_modules())
-        for name, param in self.named_parameters():
+        for name, tensor, is_buffer in self._tensors():
             module_name, _, leaf = name.rpartition(".")
             module = modules[module_name]
-            if isinstance(module, FusedLinear):
-                for fused, ckpt, shard in _STACKED:
-                    if module_name.endswith("." + fused):
-                        rows = module.shard_sizes[shard]
-                        ckpt_name = module_name[: -len(fused)] + ckpt + "." + leaf
-                        names[ckpt_name] = torch.Size([rows, *param.shape[1:]])
-            else:
-                names[name] = param.shape
+            dtype = tensor.dtype if is_buffer else None
+            shards = _shards_of(module_name) if isinstance(module, FusedLinear | AwqLinear) else []
+            for ckpt_module, shard in shards:
+                view = module.shard_view(leaf, tensor, shard)
+                names[ckpt_module + "." + leaf] = (view.shape, dtype)
+            if not shards:
+                names[name] = (tensor.shape, dtype)
         return names
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors into the parameters (converting dtype and device).
+    def checkpoint_names(self) -> dict[str, torch.Size]:
+        """Every tensor the checkpoint must hold, with its shape."""
+        return {name: shape for name, (shape, _) in self.checkpoint_tensors().items()}
 
-        Raises ValueError naming a missing tensor or one whose shape differs."""
-        expected = self.checkpoint_names()
-        params = dict(self.named_parameters())
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """(name, tensor, is_buffer) of every parameter and buffer (AWQ's packed weights)."""
+        for name, p in self.named_parameters():
+            yield name, p, False
+        for name, b in self.named_buffers():
+            yield name, b, True
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors into the parameters and buffers (float ones converted to
+        the model's dtype, all moved to its device).
+
+        Raises ValueError naming a missing tensor or one whose shape (or packed dtype) differs."""
+        expected = self.checkpoint_tensors()
+        own = {name: t for name, t, _ in self._tensors()}
         seen: set[str] = set()
         for name, tensor in tensors:
             if name.endswith(_IGNORED_SUFFIXES) or (
@@ -207,30 +221,81 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in expected:
                 continue  # extra tensors (e.g. another head) are harmless
-            if tuple(tensor.shape) != tuple(expected[name]):
+            shape, dtype = expected[name]
+            if tuple(tensor.shape) != tuple(shape):
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(expected[name])}"
+                    f"the model expects {tuple(shape)}"
                 )
-            target = self._target(name, params)
-            target.copy_(tensor)
+            if dtype is not None and tensor.dtype != dtype:
+                raise ValueError(f"tensor {name!r} is {tensor.dtype}, the model expects {dtype}")
+            self._target(name, own).copy_(tensor)
             seen.add(name)
         missing = [n for n in expected if n not in seen]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}")
 
-    def _target(self, name: str, params: dict[str, nn.Parameter]) -> torch.Tensor:
-        """The parameter (or the rows of a fused one) a checkpoint tensor is copied into."""
+    def _target(self, name: str, own: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tensor (or the part of a fused one) a checkpoint tensor is copied into."""
         for fused, ckpt, shard in _STACKED:
             marker = "." + ckpt + "."
             if marker in name:
                 fused_name = name.replace(marker, "." + fused + ".")
-                module = self.get_submodule(fused_name.rpartition(".")[0])
-                assert isinstance(module, FusedLinear)
-                start = sum(module.shard_sizes[:shard])
-                return params[fused_name].data[start : start + module.shard_sizes[shard]]
-        return params[name].data
+                module_name, _, leaf = fused_name.rpartition(".")
+                module = self.get_submodule(module_name)
+                assert isinstance(module, FusedLinear | AwqLinear)
+                return module.shard_view(leaf, own[fused_name].data, shard)
+        return own[name].data
+
+    # ---- AWQ int4 ----------------------------------------------------------------------
+
+    def use_awq(self, cfg: AwqConfig) -> int:
+        """Before the weights load: every decoder projection the checkpoint holds quantized
+        becomes an AwqLinear (the lm_head and embeddings stay float, as AWQ leaves them).
+        A fused projection must be all quantized or all float (modules_to_not_convert).
+        Returns how many were replaced."""
+        replaced = 0
+        for name, module in list(self.named_modules()):
+            if not isinstance(module, Linear) or name == "lm_head":
+                continue
+            parts = [ckpt for ckpt, _ in _shards_of(name)] or [name]
+            kept = [p for p in parts if not cfg.converts(p)]
+            if len(kept) == len(parts):
+                continue
+            if kept:
+                raise ValueError(
+                    f"AWQ: quantization_config modules_to_not_convert "
+                    f"{list(cfg.modules_to_not_convert)} keeps {kept} float but not the rest of "
+                    f"{parts}, which radixserve runs as one fused linear"
+                )
+            sizes = getattr(module, "shard_sizes", [module.out_features])
+            for part, size in zip(parts, sizes, strict=True):
+                check_linear(part, module.in_features, size, cfg)
+            group = cfg.group_of(module.in_features)
+            parent, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(parent), leaf, AwqLinear.like(module, group))
+            replaced += 1
+        return replaced
+
+    def dequantize_awq(self) -> int:
+        """Every AwqLinear becomes a float Linear of the model's dtype (exact in float32),
+        ready for pack_linears. Returns how many."""
+        awq = [(n, m) for n, m in self.named_modules() if isinstance(m, AwqLinear)]
+        for name, module in awq:
+            parent, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(parent), leaf, module.to_dense())
+        return len(awq)
+
+
+def _shards_of(module_name: str) -> list[tuple[str, int]]:
+    """(checkpoint module name, shard) of each tensor stacked in a fused module; [] when the
+    module is not a fused one."""
+    out = []
+    for fused, ckpt, shard in _STACKED:
+        if module_name.endswith("." + fused):
+            out.append((module_name[: -len(fused)] + ckpt, shard))
+    return out
 
 
 def _dense_onednn_head(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,0 +1,1 @@
+"""Quantized checkpoint formats the worker loads (AWQ int4: awq.py)."""
