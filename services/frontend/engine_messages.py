@@ -34,6 +34,9 @@ def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:
     for name in _SAMPLING_OPTIONAL:
         if sp.HasField(name):
             setattr(out, name, getattr(sp, name))
+    kind = sp.WhichOneof("constraint")
+    if kind is not None:  # the same oneof member names on both sides
+        setattr(out.constraint, kind, getattr(sp, kind))
     return out
 
 

@@ -10,6 +10,7 @@ OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -73,8 +74,13 @@ def _param_of(field: str | None, input_param: str) -> str | None:
     if head in ("input", "text", "input_ids", "messages"):
         return input_param
     if head == "sampling":
-        return field.split(".", 1)[1].split("[", 1)[0]
+        name = field.split(".", 1)[1].split("[", 1)[0]
+        return _CONSTRAINT_PARAMS.get(name, name)
     return head
+
+
+# Constraint fields of SamplingParams -> the body parameter that set them.
+_CONSTRAINT_PARAMS = {"json_schema": "response_format", "json_object": "response_format"}
 
 
 def api_error(e: FrontendError, input_param: str) -> ApiError:
@@ -110,6 +116,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute; the body still says "schema".
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "text"  # text | json_object | json_schema
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -134,6 +157,10 @@ class _SamplingBody(BaseModel):
     request_id: str | None = None
     cache_salt: str | None = None
     priority: int = 0
+    # Constrained decoding: OpenAI's response_format, and vLLM's / SGLang's regex and ebnf.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -188,7 +215,43 @@ def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
     for name, value in optional.items():
         if value is not None:  # unset stays unset: the engine applies its own default
             setattr(sp, name, value)
+    _constrain(body, sp)
     return sp
+
+
+def _constrain(body: _SamplingBody, sp: pb.SamplingParams) -> None:
+    """response_format / regex / ebnf -> the one constraint of SamplingParams."""
+    given = [p for p in ("regex", "ebnf") if getattr(body, p) is not None]
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise ApiError(
+            400, f"at most one constraint per request, got {' and '.join(given)}", given[1]
+        )
+    if body.regex is not None:
+        sp.regex = body.regex
+    elif body.ebnf is not None:
+        sp.ebnf = body.ebnf
+    elif rf is not None:
+        _response_format(rf, sp)
+
+
+def _response_format(rf: ResponseFormat, sp: pb.SamplingParams) -> None:
+    if rf.type == "json_object":
+        sp.json_object = True
+    elif rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ApiError(
+                400, "response_format json_schema needs json_schema.schema", "response_format"
+            )
+        sp.json_schema = json.dumps(rf.json_schema.schema_)
+    elif rf.type != "text":
+        raise ApiError(
+            400,
+            f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
+            "response_format",
+        )
 
 
 def _request(body: _SamplingBody, sp: pb.SamplingParams) -> pb.GenerateRequest:

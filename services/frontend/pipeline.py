@@ -64,6 +64,17 @@ def _status_from_name(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
+def _engine_error(delta: engine_pb2.TokenDelta, sp: engine_pb2.SamplingParams) -> FrontendError:
+    """The engine refused or failed the request. Its only INVALID_ARGUMENT is a constraint
+    the grammar compiler refused: the error names that field."""
+    code = _status_from_name(delta.error_code)
+    message = delta.finish_message or delta.error_code
+    kind = sp.constraint.WhichOneof("kind") if sp.HasField("constraint") else None
+    if code == grpc.StatusCode.INVALID_ARGUMENT and kind is not None:
+        return FrontendError(code, f"sampling.{kind}: {message}", f"sampling.{kind}")
+    return FrontendError(code, message)
+
+
 @dataclass
 class _Progress:
     """Counts and timings of a request so far; the scheduler's last delta carries its totals."""
@@ -254,9 +265,7 @@ class Frontend:
         while True:
             delta: engine_pb2.TokenDelta = await queue.get()
             if delta.error_code:
-                raise FrontendError(
-                    _status_from_name(delta.error_code), delta.finish_message or delta.error_code
-                )
+                raise _engine_error(delta, sp)
             progress.delivered += len(delta.token_ids)
             progress.note(delta)
             text = stops.feed(detok.add(delta.token_ids))

@@ -7,6 +7,7 @@ the OpenAI parameter.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ from radixserve.v1 import generation_pb2 as pb
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_LEN = 256
+# A constraint's text at most (characters): past it a schema or grammar is refused before
+# the engine spends a compile on it.
+MAX_CONSTRAINT_CHARS = 128 * 1024
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 DEFAULT_MAX_TOKENS = 128
 
@@ -82,6 +86,38 @@ def validate_sampling(sp: pb.SamplingParams, vocab_size: int) -> None:
             f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}",
         )
     _check_token_ids("sampling.stop_token_ids", sp.stop_token_ids, vocab_size)
+    validate_constraint(sp)
+
+
+def validate_constraint(sp: pb.SamplingParams) -> None:
+    """What can be checked without the grammar compiler (the worker runs it, and answers a
+    constraint it refuses with INVALID_ARGUMENT and its message before any KV is used)."""
+    kind = sp.WhichOneof("constraint")
+    if kind is None:
+        return
+    field = f"sampling.{kind}"
+    if kind == "json_object":
+        if not sp.json_object:
+            raise ValidationError(field, "must be true when set (leave it unset for no constraint)")
+        return
+    text: str = getattr(sp, kind)
+    if not text.strip():
+        raise ValidationError(field, "is empty")
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValidationError(field, f"at most {MAX_CONSTRAINT_CHARS} characters, got {len(text)}")
+    if kind == "json_schema":
+        _check_schema_json(field, text)
+
+
+def _check_schema_json(field: str, text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValidationError(field, f"is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValidationError(
+            field, f"a JSON Schema is an object or a boolean, got {type(schema).__name__}"
+        )
 
 
 def validate_input(req: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int) -> None:

@@ -130,7 +130,8 @@ class PrefillBuilder:
         return Item.prefill(req, n)
 
     def _ordered_waiting(self) -> list[Req]:
-        waiting = list(self.queues.waiting)
+        # A request whose grammar is still compiling takes no KV yet (grammar_gate.py).
+        waiting = [r for r in self.queues.waiting if not r.grammar_wait]
         return schedule_policy.order(self.cfg.schedule_policy, waiting, self.kv.cache)
 
     def _shares_with(self, req: Req, admitted: list[Req]) -> bool:

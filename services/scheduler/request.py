@@ -48,6 +48,7 @@ class Req:
     error_code: str = ""
     matched_stop_token: int = -1
     num_retractions: int = 0
+    grammar_wait: bool = False  # constrained: not admitted until the worker compiled its grammar
     first_scheduled: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from services.scheduler import request_spans
 from services.scheduler.batch import Item
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.decode import DecodeBuilder
+from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outbox import Outbox
@@ -67,6 +68,7 @@ class Scheduler:
         self.decode = DecodeBuilder(self.queues, ratio, self.max_model_len, self.metrics, batch_log)
         self.link = WorkerLink(worker_sock, info, self.metrics)
         self.outbox = Outbox()
+        self.grammars = GrammarGate()
         self.commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self.snapshot = engine_pb2.SchedulerStats()
         self.dirty_since_check = False  # work done since the idle slot check
@@ -83,15 +85,16 @@ class Scheduler:
         """
         if not self.link.in_flight:
             items = self._next_batch()
-            if not items:
+            if not items and not self.grammars.waiting():
                 return False
             self.dirty_since_check = True
-            self.link.send(items)
+            # No items: a batch that only waits on grammars being compiled.
+            self.link.send(items, self.grammars.take_requests())
         current = self.link.in_flight[0]
-        if not self.cfg.disable_overlap_schedule and not self.queues.waiting:
+        if not self.cfg.disable_overlap_schedule and not self._admissible_waiting():
             ahead = self.decode.lookahead(current.items, self.link.next_batch_id)
             if ahead:
-                self.link.send(ahead)
+                self.link.send(ahead, self.grammars.take_requests())
         self._apply(current.items, self.link.recv())
         # Before this step's outputs go out, so a client that just got its last token
         # reads gauges that already count the KV its request left behind.
@@ -113,6 +116,11 @@ class Scheduler:
         decode = self.decode.build()
         return self.prefill.build(min(mixed, self.cfg.max_prefill_tokens)) + decode
 
+    def _admissible_waiting(self) -> bool:
+        """Whether a waiting request may be admitted next (one whose grammar still compiles
+        may not: the lookahead step need not make way for it)."""
+        return len(self.queues.waiting) > self.grammars.num_waiting()
+
     def has_requests(self) -> bool:
         return bool(self.queues.running or self.queues.waiting)
 
@@ -127,6 +135,7 @@ class Scheduler:
             self._emit(req)
             return
         self.queues.add(req)
+        self.grammars.add(req)
         self.metrics.on_arrival(req)
         request_spans.on_arrival(req)
 
@@ -171,6 +180,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results --
     def _apply(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
         """A batch came back: append each sampled token, stop or stream, cache prefills."""
+        self._settle_grammars(result.grammars)
         if result.error:
             self._fail(items, result)
             return
@@ -196,6 +206,9 @@ class Scheduler:
             self._append_token(req, tok, now)
 
     def _append_token(self, req: Req, tok: engine_pb2.SampledToken, now: float) -> None:
+        if tok.grammar_error:  # never expected: the mask allows only what the grammar does
+            self._end_running(req, "INTERNAL", f"constrained decoding failed: {tok.grammar_error}")
+            return
         req.output_ids.append(tok.token_id)
         if tok.HasField("logprob"):
             req.logprobs.append(tok.logprob)
@@ -203,11 +216,28 @@ class Scheduler:
             req.first_token_time = now
             request_spans.on_first_token(req)
         reason, matched = req.stop_reason(tok.token_id, self.max_model_len)
+        if not reason and tok.grammar_terminated:
+            reason = "stop"  # the grammar is complete (its end, not a stop token, ended it)
         if not reason:
             self._emit(req)
             return
         req.finish_reason, req.matched_stop_token = reason, matched
         self.queues.leave_running(req, cache_it=True)
+        self._finish(req)
+
+    def _settle_grammars(self, statuses: Iterable[engine_pb2.GrammarStatus]) -> None:
+        """Grammars the worker finished compiling: refused ones end their (waiting) request."""
+        for req, st in self.grammars.settle(list(statuses)):
+            self.queues.waiting.discard(req)
+            req.finish_reason, req.error_code = "abort", st.error_code or "INVALID_ARGUMENT"
+            req.finish_message = st.error
+            self._finish(req)
+
+    def _end_running(self, req: Req, code: str, message: str) -> None:
+        """A running request ends alone with an error (the rest of its batch goes on)."""
+        log.error("request %s: %s", req.rid, message)
+        self.queues.leave_running(req, cache_it=True)
+        req.finish_reason, req.error_code, req.finish_message = "abort", code, message
         self._finish(req)
 
     def _fail(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -49,9 +50,11 @@ class WorkerLink:
         """The id the next send() gives its batch."""
         return self._last_id + 1
 
-    def send(self, items: list[Item]) -> None:
+    def send(self, items: list[Item], grammars: Sequence[engine_pb2.GrammarCompile] = ()) -> None:
+        """Queues a batch; it may carry grammars to compile, or be only that (no items)."""
         self._last_id += 1
         batch = engine_pb2.ForwardBatch(batch_id=self._last_id, is_decode=is_decode(items))
+        batch.grammars.extend(grammars)
         batch.reqs.extend(forward_request(it) for it in items)
         parent, links = request_spans.batch_context([it.req for it in items])
         batch.trace_context.update(parent)

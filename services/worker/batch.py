@@ -16,6 +16,23 @@ from services.worker.sampling import SamplingSpec
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A grammar the request's tokens must follow; the key of the compiled-grammar cache."""
+
+    kind: str  # "json_schema" | "regex" | "ebnf" | "json_object"
+    text: str  # the schema, regex or grammar ("" for json_object)
+
+
+@dataclass(frozen=True)
+class GrammarStatus:
+    """A grammar asked for by a waiting request has settled: ready (error "") or refused."""
+
+    rid: str
+    error: str = ""
+    error_code: str = ""  # gRPC status name: INVALID_ARGUMENT, DEADLINE_EXCEEDED
+
+
+@dataclass(frozen=True)
 class SlotStart:
     """A request taking its request slot (new, or back after a retraction)."""
 
@@ -23,6 +40,7 @@ class SlotStart:
     sampling: SamplingSpec
     output_ids: np.ndarray  # int32: tokens generated so far (penalties, seeded draws)
     keep_last_sampled: bool  # overlap schedule: its input is the slot's last sampled token
+    constraint: Constraint | None = None  # constrained decoding (grammar/), None: free
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,9 @@ class ForwardOutput:
     token_ids: list[int]  # -1 where the request was not sampled
     logprobs: list[float | None]  # raw logprob of the chosen token; None where not asked
     top_logprobs: list[list[tuple[int, float]] | None]  # (token, logprob), best first
+    # Constrained requests (grammar/): the grammar completed with this token, or refused it.
+    grammar_terminated: list[bool] = field(default_factory=list)  # empty: none constrained
+    grammar_errors: list[str] = field(default_factory=list)  # "" per row, or empty
     cuda_graph: bool = False  # decode replayed a captured CUDA graph
     forward_time: float = 0.0  # seconds in the model forward + sampling
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +19,10 @@ from transformers import PretrainedConfig
 
 from services.common.config import WorkerConfig
 from services.worker.attention.base import AttentionBackend, AttentionMeta, get_backend
-from services.worker.batch import Batch, ForwardOutput, RunnerInfo
-from services.worker.cuda_graph import CudaGraphRunner
-from services.worker.kv_pool import KVPool, KVShape, pool_size_tokens
+from services.worker.batch import Batch, ForwardOutput, RunnerInfo, SlotStart
+from services.worker.cuda_graph import CudaGraphRunner, capture_sizes
+from services.worker.grammar import Grammars
+from services.worker.kv_pool import KVPool, KVShape, RuntimeReserve, pool_size_tokens
 from services.worker.model_loader import (
     architecture_of,
     eos_token_ids,
@@ -30,10 +30,12 @@ from services.worker.model_loader import (
     load_model,
     num_parameters,
     resolve_dtype,
+    weight_nbytes,
 )
 from services.worker.models.llama import head_dim_of
-from services.worker.req_table import ReqToTokenTable, segment_arange
+from services.worker.req_table import ReqToTokenTable
 from services.worker.sampling import Sampler
+from services.worker.step_inputs import StepStager
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +74,6 @@ def _context_length(cfg: WorkerConfig, c: PretrainedConfig) -> int:
     return int(length)
 
 
-def _host(values: Sequence[int] | np.ndarray) -> torch.Tensor:
-    """int64 host tensor: index arithmetic stays on the CPU, sizes known without a sync."""
-    return torch.from_numpy(np.asarray(values, dtype=np.int64))
-
-
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
@@ -98,10 +95,13 @@ class ModelRunner:
         backend = cls(c.num_attention_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.model.attach(backend, self.kv_pool)
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context, self.device)
+        self.stager = StepStager(self.device)
         self.sampler = Sampler(
             cfg.max_running_requests, self.vocab_size, self.device, cfg.random_seed
         )
         self.eos_token_ids = eos_token_ids(cfg.model_path, c)
+        # Constrained decoding: compile cache, requests waiting on a compile, matchers.
+        self.grammars = Grammars(cfg, self.vocab_size, list(self.eos_token_ids))
         self.graphs = self._capture_graphs(cfg)
         # The last token sampled per request slot: the input of an overlap-scheduled decode.
         self.last_sampled = np.full(cfg.max_running_requests, -1, dtype=np.int64)
@@ -119,7 +119,7 @@ class ModelRunner:
         """As many KV slots as the memory share allows (kv_pool.py), after the weights."""
         c, cfg = self.hf_config, self.cfg
         shape = KVShape(c.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        weight_bytes = weight_nbytes(self.model)  # parameters + AWQ's packed buffers
         num_slots = pool_size_tokens(
             shape,
             self.device,
@@ -127,8 +127,24 @@ class ModelRunner:
             cfg.mem_fraction_static,
             weight_bytes,
             cap_tokens=cfg.max_running_requests * self.max_context,
+            reserve=self._runtime_reserve(),
         )
         return KVPool(shape, num_slots, self.device)
+
+    def _runtime_reserve(self) -> RuntimeReserve:
+        """What the sampler, graphs and prefill activations take after the pool (kv_pool.py)."""
+        c, cfg = self.hf_config, self.cfg
+        graphs = self.device.type == "cuda" and not cfg.disable_cuda_graph
+        max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        return RuntimeReserve(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            qkv_size=(c.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim,
+            vocab_size=self.vocab_size,
+            dtype=self.dtype,
+            max_running_requests=cfg.max_running_requests,
+            graph_batch_rows=sum(capture_sizes(max_bs)) if graphs and max_bs >= 1 else 0,
+        )
 
     def _pack_linears(self, cfg: WorkerConfig) -> int:
         """CPU: the linears through oneDNN with prepacked weights (layers.Linear.pack).
@@ -146,7 +162,7 @@ class ModelRunner:
         if self.device.type != "cuda" or cfg.disable_cuda_graph or self.backend_name != "triton":
             return None
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
-        return CudaGraphRunner(self.model, max_bs, self.max_context, self.device)
+        return CudaGraphRunner(self.model, max_bs, self.table, self.device)
 
     # ---- info -----------------------------------------------------------------------
 
@@ -227,58 +243,51 @@ class ModelRunner:
             if r.start is None:
                 continue
             self.sampler.reset_slot(r.req_slot, r.start.sampling, r.start.output_ids)
+            self._start_grammar(r.req_slot, r.start)
             if not r.start.keep_last_sampled:  # a new owner of the slot: forget the old token
                 self.last_sampled[r.req_slot] = -1
+
+    def _start_grammar(self, slot: int, start: SlotStart) -> None:
+        """The slot's matcher, fed the tokens generated so far (after a retraction), and
+        under the overlap schedule the one sampled but not yet seen by the scheduler."""
+        replay = start.output_ids.tolist()
+        if start.keep_last_sampled and self.last_sampled[slot] >= 0:
+            replay.append(int(self.last_sampled[slot]))
+        self.grammars.slots.start(slot, start.constraint, replay)
 
     def _prepare(
         self, batch: Batch, ids: list[np.ndarray]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
-        """Writes the table rows and builds the batch's tensors (vectorised over tokens).
-
-        Index arithmetic runs on the host (no device sync for sizes); only the results move."""
-        dev = self.device
-        req_slots = _host([r.req_slot for r in batch.reqs])  # [B]
-        prefix_lens = _host([r.prefix_len for r in batch.reqs])  # [B]
-        extend_lens = _host([len(i) for i in ids])  # [B]
-        seq_lens = prefix_lens + extend_lens  # [B]
-        self._write_prefixes(batch, req_slots, prefix_lens)
-        out_slots = _host(np.concatenate([r.out_slots for r in batch.reqs])).to(dev)  # [T]
-        self.table.write(req_slots, prefix_lens, extend_lens, out_slots)
-        zero = torch.zeros(1, dtype=torch.int64)
+        """Writes the table rows and builds the batch's tensors: one host-to-device copy of
+        O(new tokens + requests) integers (step_inputs.py); the attention reads each
+        request's context straight from the table."""
+        self._write_prefixes(batch)
+        step = self.stager.stage(
+            ids,
+            [r.out_slots for r in batch.reqs],
+            [r.req_slot for r in batch.reqs],
+            [r.prefix_len for r in batch.reqs],
+        )
+        self.table.write_tokens(step.token_rows, step.positions, step.out_slots)
         meta = AttentionMeta(
             is_decode=batch.is_decode,
-            out_slots=out_slots,
-            qo_indptr=torch.cat([zero, torch.cumsum(extend_lens, 0)]).int().to(dev),
-            kv_indptr=torch.cat([zero, torch.cumsum(seq_lens, 0)]).int().to(dev),
-            kv_slots=self.table.gather(req_slots, seq_lens),
-            prefix_lens=prefix_lens.int().to(dev),
-            extend_lens=extend_lens.int().to(dev),
-            seq_lens=seq_lens.int().to(dev),
-            max_seq_len=int(seq_lens.max()),
-            max_extend_len=int(extend_lens.max()),
+            out_slots=step.out_slots,
+            qo_indptr=step.qo_indptr,
+            req_to_token=self.table.table,
+            req_slots=step.req_slots,
+            prefix_lens=step.prefix_lens,
+            extend_lens=step.extend_lens,
+            seq_lens=step.seq_lens,
+            max_seq_len=step.max_seq_len,
+            max_extend_len=step.max_extend_len,
         )
-        input_ids = _host(np.concatenate(ids)).to(dev)  # [T]
-        positions = segment_arange(extend_lens, prefix_lens).to(dev)  # [T]
-        return input_ids, positions, meta
+        return step.input_ids, step.positions, meta
 
-    def _write_prefixes(
-        self, batch: Batch, req_slots: torch.Tensor, prefix_lens: torch.Tensor
-    ) -> None:
+    def _write_prefixes(self, batch: Batch) -> None:
         """Table rows [0, prefix_len) of the requests taking their slot on a cached prefix."""
-        new = [
-            (i, r.start.prefix_slots)
-            for i, r in enumerate(batch.reqs)
-            if r.start is not None and r.prefix_len > 0
-        ]
-        if not new:
-            return
-        rows = [i for i, _ in new]
-        self.table.write(
-            req_slots[rows],
-            torch.zeros(len(rows), dtype=torch.int64),
-            prefix_lens[rows],
-            _host(np.concatenate([slots for _, slots in new])).to(self.device),
-        )
+        for r in batch.reqs:
+            if r.start is not None and r.prefix_len > 0:
+                self.table.write_prefix(r.req_slot, torch.tensor(r.start.prefix_slots))
 
     def _sampled_logits(
         self,
@@ -303,10 +312,25 @@ class ModelRunner:
         if not sampled:
             return out
         slots = [batch.reqs[i].req_slot for i in sampled]
+        constrained = self.grammars.slots.any_constrained(slots)
+        if constrained:
+            self.grammars.slots.mask(logits, slots)  # in place: forbidden tokens -> -inf
         got = self.sampler.sample(logits, slots)
+        if constrained:
+            self._advance_grammars(out, sampled, slots, got.token_ids)
         for j, i in enumerate(sampled):
             out.token_ids[i] = got.token_ids[j]
             out.logprobs[i] = got.logprobs[j]
             out.top_logprobs[i] = got.top_logprobs[j]
         self.last_sampled[slots] = got.token_ids
         return out
+
+    def _advance_grammars(
+        self, out: ForwardOutput, sampled: list[int], slots: list[int], tokens: list[int]
+    ) -> None:
+        """Each constrained row's matcher takes its token; terminated / rejected per row."""
+        terminated, errors = self.grammars.slots.advance(slots, tokens)
+        n = len(out.token_ids)
+        out.grammar_terminated, out.grammar_errors = [False] * n, [""] * n
+        for j, i in enumerate(sampled):
+            out.grammar_terminated[i], out.grammar_errors[i] = terminated[j], errors[j]

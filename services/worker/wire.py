@@ -13,6 +13,7 @@ go through ``forward`` below, so the tests exercise the path the server takes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol, TypeVar
 
@@ -20,7 +21,15 @@ import numpy as np
 
 from radixserve.internal.v1 import engine_pb2
 from services.common.transport import unpack_i32
-from services.worker.batch import Batch, ForwardOutput, ReqInput, RunnerInfo, SlotStart
+from services.worker.batch import (
+    Batch,
+    Constraint,
+    ForwardOutput,
+    GrammarStatus,
+    ReqInput,
+    RunnerInfo,
+    SlotStart,
+)
 from services.worker.sampling import SamplingSpec
 
 _T = TypeVar("_T")
@@ -53,12 +62,62 @@ class Limits:
         )
 
 
+class GrammarHost(Protocol):
+    """The runner's grammar side (services/worker/grammar): compiles for waiting requests."""
+
+    def prepare(self, rid: str, c: Constraint) -> None: ...
+
+    def settled(self, wait_s: float = 0.0) -> list[GrammarStatus]: ...
+
+
+# A batch with no requests (the scheduler only waits on grammars) is answered when a
+# grammar settles or after this long, so the scheduler neither spins nor sleeps long.
+GRAMMAR_POLL_WAIT_S = 0.02
+
+
 def forward(runner: Runner, msg: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
-    """One batch through ``runner``. Raises ValueError (nothing written) when malformed."""
+    """One batch through ``runner``. Raises ValueError (nothing written) when malformed.
+
+    Grammars the batch asks for start compiling first; those settled by the end ride on
+    the result (a runner without grammar support refuses them)."""
+    grammars: GrammarHost | None = getattr(runner, "grammars", None)
+    refused = _prepare_grammars(grammars, msg.grammars)
     if not msg.reqs:
-        return engine_pb2.ForwardResult(batch_id=msg.batch_id)
-    batch = decode_batch(msg, Limits.of(runner.info()))
-    return encode_result(msg.batch_id, runner.forward(batch))
+        result = engine_pb2.ForwardResult(batch_id=msg.batch_id)
+    else:
+        batch = decode_batch(msg, Limits.of(runner.info()))
+        result = encode_result(msg.batch_id, runner.forward(batch))
+    wait = 0.0 if msg.reqs else GRAMMAR_POLL_WAIT_S
+    settled = grammars.settled(wait) if grammars is not None else []
+    result.grammars.extend(encode_grammar_status(st) for st in refused + settled)
+    return result
+
+
+def _prepare_grammars(
+    grammars: GrammarHost | None, reqs: Sequence[engine_pb2.GrammarCompile]
+) -> list[GrammarStatus]:
+    """Starts the compiles; the statuses of those refused outright."""
+    refused = []
+    for g in reqs:
+        c = constraint_of(g.constraint)
+        if c is None:
+            refused.append(GrammarStatus(g.rid, "empty constraint", "INVALID_ARGUMENT"))
+        elif grammars is None:
+            refused.append(GrammarStatus(g.rid, "this worker has no grammar support", "INTERNAL"))
+        else:
+            grammars.prepare(g.rid, c)
+    return refused
+
+
+def constraint_of(msg: engine_pb2.Constraint) -> Constraint | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    return Constraint(kind, "" if kind == "json_object" else getattr(msg, kind))
+
+
+def encode_grammar_status(st: GrammarStatus) -> engine_pb2.GrammarStatus:
+    return engine_pb2.GrammarStatus(rid=st.rid, error=st.error, error_code=st.error_code)
 
 
 # ---- ForwardBatch -> Batch ------------------------------------------------------------
@@ -88,11 +147,13 @@ def decode_request(msg: engine_pb2.ForwardRequest, is_decode: bool, limits: Limi
 
 
 def _slot_start(msg: engine_pb2.ForwardRequest) -> SlotStart:
+    sampling = msg.sampling if msg.HasField("sampling") else None
     return SlotStart(
         prefix_slots=unpack_i32(msg.prefix_slots),
-        sampling=sampling_spec(msg.sampling if msg.HasField("sampling") else None),
+        sampling=sampling_spec(sampling),
         output_ids=unpack_i32(msg.output_ids),
         keep_last_sampled=msg.use_last_sampled,
+        constraint=constraint_of(sampling.constraint) if sampling is not None else None,
     )
 
 
@@ -170,6 +231,8 @@ def encode_result(batch_id: int, out: ForwardOutput) -> engine_pb2.ForwardResult
         sampled_token(tid, lp, top)
         for tid, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
     ]
+    for i, (done, error) in enumerate(zip(out.grammar_terminated, out.grammar_errors, strict=True)):
+        tokens[i].grammar_terminated, tokens[i].grammar_error = done, error
     return engine_pb2.ForwardResult(
         batch_id=batch_id,
         tokens=tokens,

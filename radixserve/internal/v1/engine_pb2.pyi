@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "constraint")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -34,7 +35,20 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: bool
     top_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "regex", "ebnf", "json_object")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    ebnf: str
+    json_object: bool
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -162,7 +176,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, req_slot: _Optional[int] = ..., input_ids: _Optional[bytes] = ..., prefix_len: _Optional[int] = ..., out_slots: _Optional[bytes] = ..., is_new: _Optional[bool] = ..., prefix_slots: _Optional[bytes] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_ids: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rid: _Optional[str] = ..., use_last_sampled: _Optional[bool] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("batch_id", "is_decode", "reqs", "trace_context", "trace_links")
+    __slots__ = ("batch_id", "is_decode", "reqs", "trace_context", "trace_links", "grammars")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,36 +189,62 @@ class ForwardBatch(_message.Message):
     REQS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TRACE_LINKS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     is_decode: bool
     reqs: _containers.RepeatedCompositeFieldContainer[ForwardRequest]
     trace_context: _containers.ScalarMap[str, str]
     trace_links: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, batch_id: _Optional[int] = ..., is_decode: _Optional[bool] = ..., reqs: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ...) -> None: ...
+    grammars: _containers.RepeatedCompositeFieldContainer[GrammarCompile]
+    def __init__(self, batch_id: _Optional[int] = ..., is_decode: _Optional[bool] = ..., reqs: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., grammars: _Optional[_Iterable[_Union[GrammarCompile, _Mapping]]] = ...) -> None: ...
+
+class GrammarCompile(_message.Message):
+    __slots__ = ("rid", "constraint")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    constraint: Constraint
+    def __init__(self, rid: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class GrammarStatus(_message.Message):
+    __slots__ = ("rid", "error", "error_code")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    error: str
+    error_code: str
+    def __init__(self, rid: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("token_id", "logprob")
+    __slots__ = ("token_id", "logprob", "grammar_terminated", "grammar_error")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_TERMINATED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ERROR_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: TokenLogprob
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
+    grammar_terminated: bool
+    grammar_error: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., grammar_terminated: _Optional[bool] = ..., grammar_error: _Optional[str] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error", "worker_instance")
+    __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error", "worker_instance", "grammars")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_time: float
     cuda_graph: bool
     error: str
     worker_instance: str
-    def __init__(self, batch_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time: _Optional[float] = ..., cuda_graph: _Optional[bool] = ..., error: _Optional[str] = ..., worker_instance: _Optional[str] = ...) -> None: ...
+    grammars: _containers.RepeatedCompositeFieldContainer[GrammarStatus]
+    def __init__(self, batch_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time: _Optional[float] = ..., cuda_graph: _Optional[bool] = ..., error: _Optional[str] = ..., worker_instance: _Optional[str] = ..., grammars: _Optional[_Iterable[_Union[GrammarStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()

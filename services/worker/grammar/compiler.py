@@ -1,0 +1,176 @@
+"""Constraints compiled with xgrammar, off the forward step's path, once per distinct one.
+
+The cache maps (kind, text) to the compile's Future, so a second request for a grammar
+still compiling shares that compile, and a refused one is answered at once with the same
+message. It is a bounded LRU: the least recently asked-for entry goes when it is full
+(a request already decoding keeps its matcher, which holds its compiled grammar). Compiles
+run on a small thread pool: xgrammar releases the GIL while it compiles, so the worker's
+forward steps go on meanwhile (bench/bench_constrained.py measures the inter-token latency
+of running streams while a large schema compiles).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xgrammar as xgr
+
+from services.worker.batch import Constraint
+from services.worker.grammar.schema_support import unsupported_keyword
+
+log = logging.getLogger(__name__)
+
+KINDS = ("json_schema", "regex", "ebnf", "json_object")
+MAX_MESSAGE_CHARS = 600
+# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: " and sometimes an
+# internal "Check failed: (...) is false: ": neither helps the person who wrote the schema.
+_NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
+
+
+class GrammarError(ValueError):
+    """The compiler refused a constraint; the message is for the client."""
+
+
+def compiler_message(e: BaseException) -> str:
+    text = _NOISE.sub("", str(e).strip()).strip()
+    return text[:MAX_MESSAGE_CHARS] or type(e).__name__
+
+
+class TokenizerInfoSource:
+    """xgrammar's view of the vocabulary, built once on first use: it needs the model's
+    tokenizer, which a test model built without one does not have until it is asked for."""
+
+    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int]):
+        self.model_path, self.vocab_size, self.stop_token_ids = (
+            model_path,
+            vocab_size,
+            stop_token_ids,
+        )
+        self._info: xgr.TokenizerInfo | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> xgr.TokenizerInfo:
+        with self._lock:
+            if self._info is None:
+                from transformers import AutoTokenizer  # the worker only needs it here
+
+                tok = AutoTokenizer.from_pretrained(self.model_path)
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+            return self._info
+
+
+class GrammarCompiler:
+    """Compiles constraints on ``threads`` threads; keeps ``cache_size`` of them (LRU)."""
+
+    def __init__(self, tokenizer: TokenizerInfoSource, cache_size: int, threads: int):
+        self.tokenizer = tokenizer
+        self.cache_size = max(1, cache_size)
+        self._pool = ThreadPoolExecutor(
+            max(1, threads), thread_name_prefix="grammar", initializer=_yield_to_forward
+        )
+        self._cache: OrderedDict[Constraint, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._xgr: xgr.GrammarCompiler | None = None
+        self._xgr_lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def submit(self, c: Constraint) -> Future[xgr.CompiledGrammar]:
+        """The compile of ``c``: cached (done or running), or started now. Main thread only."""
+        fut = self._cache.get(c)
+        if fut is not None:
+            self._cache.move_to_end(c)
+            self.hits += 1
+            return fut
+        self.misses += 1
+        fut = self._pool.submit(self._compile, c)
+        self._cache[c] = fut
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)  # a compile still running finishes for its waiters
+        return fut
+
+    def cached(self, c: Constraint) -> bool:
+        return c in self._cache
+
+    def _compiler(self) -> xgr.GrammarCompiler:
+        with self._xgr_lock:
+            if self._xgr is None:
+                # One thread per compile (our pool runs several); our cache, not xgrammar's,
+                # bounds what is kept.
+                self._xgr = xgr.GrammarCompiler(
+                    self.tokenizer.get(), max_threads=1, cache_enabled=False
+                )
+            return self._xgr
+
+    def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
+        try:
+            compiler = self._compiler()
+        except Exception as e:  # no tokenizer: constrained decoding is not available here
+            log.error("grammar compiler unavailable: %s", e)
+            raise RuntimeError(f"constrained decoding is unavailable on this worker: {e}") from e
+        try:
+            return _compile_with(compiler, c)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar's RuntimeError: the user's constraint is at fault
+            raise GrammarError(compiler_message(e)) from None
+
+
+# Niceness of the compile threads: on a CPU worker they share the cores with the forward's
+# threads, and at equal priority a long compile slows every decode step (OpenMP waits at
+# each barrier for the thread that lost its core). At +10 the scheduler gives the forward
+# ~90% of a contended core; on a GPU worker it changes nothing.
+COMPILE_NICENESS = 10
+
+
+def _yield_to_forward() -> None:
+    """Lowers the calling (compile) thread's CPU priority; Linux schedules threads alone."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at full priority
+        pass
+
+
+def _compile_with(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGrammar:
+    if c.kind in ("json_schema", "json_object"):
+        if c.kind == "json_schema":
+            _check_schema(c.text)
+        text, strict = (c.text, True) if c.kind == "json_schema" else ('{"type": "object"}', False)
+        # One line with ", " and ": ": free whitespace lets a model pad forever.
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict)
+        return compiler.compile_grammar(json_safe(grammar))
+    if c.kind == "regex":
+        return compiler.compile_regex(c.text)
+    if c.kind == "ebnf":
+        return compiler.compile_grammar(c.text)
+    raise GrammarError(f"unknown constraint kind {c.kind!r}; one of {', '.join(KINDS)}")
+
+
+# xgrammar 0.2.9 writes the characters of a string with minLength / maxLength as
+# [^"\\\r\n], which lets raw control characters (U+0000..U+001F) into the string: not JSON
+# (json.loads refuses it). The same class without them is what its other strings use.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_safe(grammar: xgr.Grammar) -> xgr.Grammar:
+    """The grammar with every JSON string character class excluding control characters."""
+    text = str(grammar)
+    fixed = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
+def _check_schema(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+    if problem := unsupported_keyword(schema):
+        raise GrammarError(problem)

@@ -1,0 +1,68 @@
+"""Requests waiting for their grammar, by request id, and what to tell the scheduler.
+
+The scheduler keeps a constrained request out of every batch (it holds no KV) until the
+worker reports its grammar settled: ready, refused by the compiler (INVALID_ARGUMENT with
+its message) or still compiling after --grammar-compile-timeout (DEADLINE_EXCEEDED). A
+timed-out compile is not cancelled: it finishes in the background and its grammar is
+cached like any other, so a timeout never marks a grammar as invalid.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import xgrammar as xgr
+
+from services.worker.batch import Constraint, GrammarStatus
+from services.worker.grammar.compiler import GrammarCompiler, GrammarError
+
+
+class CompileWaits:
+    def __init__(self, compiler: GrammarCompiler, timeout_s: float):
+        self.compiler = compiler
+        self.timeout_s = timeout_s
+        self._waits: dict[str, tuple[Future[xgr.CompiledGrammar], float]] = {}
+
+    def add(self, rid: str, c: Constraint) -> None:
+        """Starts (or joins) the compile of ``c`` for request ``rid``."""
+        self._waits[rid] = (self.compiler.submit(c), time.monotonic() + self.timeout_s)
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    def settled(self, wait_s: float = 0.0) -> list[GrammarStatus]:
+        """Statuses of the waits that settled (each reported once). With ``wait_s``, waits
+        that long at most for a first one when none has settled yet."""
+        if wait_s > 0 and self._waits and not self._any_settled():
+            deadline = min(d for _, d in self._waits.values())
+            timeout = max(0.0, min(wait_s, deadline - time.monotonic()))
+            wait([f for f, _ in self._waits.values()], timeout, FIRST_COMPLETED)
+        now = time.monotonic()
+        out: list[GrammarStatus] = []
+        for rid, (fut, deadline) in list(self._waits.items()):
+            status = _status(rid, fut) if fut.done() else None
+            if status is None and now >= deadline:
+                status = GrammarStatus(
+                    rid,
+                    f"the grammar did not compile within --grammar-compile-timeout "
+                    f"({self.timeout_s:g} s); it keeps compiling and a later request with "
+                    "the same constraint may find it ready",
+                    "DEADLINE_EXCEEDED",
+                )
+            if status is not None:
+                del self._waits[rid]
+                out.append(status)
+        return out
+
+    def _any_settled(self) -> bool:
+        now = time.monotonic()
+        return any(f.done() or now >= d for f, d in self._waits.values())
+
+
+def _status(rid: str, fut: Future[xgr.CompiledGrammar]) -> GrammarStatus:
+    e = fut.exception()
+    if e is None:
+        return GrammarStatus(rid)
+    code = "INVALID_ARGUMENT" if isinstance(e, GrammarError) else "INTERNAL"
+    return GrammarStatus(rid, str(e), code)
