@@ -1,21 +1,28 @@
-"""The frontend's side of the engines: one ZeroMQ DEALER per scheduler, plus gRPC control.
+"""The frontend's side of the engines: a pool of replicas that follows discovery and health.
 
-Each scheduler socket has a background task that reads SchedulerToFrontend messages and
-hands every TokenDelta to the asyncio queue of its request (by rid). Requests are routed
-across engine replicas by *rendezvous hashing* of (cache_salt, first ROUTING_PREFIX_TOKENS
-prompt ids): requests that share a prefix (a system prompt, a few-shot header) land on the
-same replica, whose radix tree already holds that prefix's KV; adding or removing a
-replica moves only the prefixes that hashed to it. Load is not considered (simple, stable).
+Per engine replica: one ZeroMQ DEALER to its scheduler (a background task hands every
+TokenDelta to the asyncio queue of its request, by rid) and a gRPC control stub. Two loops
+keep the pool true to the world:
 
-Readiness: until every scheduler answers GetStats the client is not ready (engines may start
-after the frontend under Kubernetes); a background task keeps asking, then keeps polling so
-that health follows the engines.
+- discovery (engine_discovery.py): a replica that appears is connected and probed; one that
+  disappears drains (no new requests; it is closed once its requests end);
+- health: every replica is asked GetStats every HEALTH_INTERVAL_S. One that refuses the
+  connection (or misses MISSES_TO_DOWN answers in a row) is down at once: its requests that
+  already streamed tokens fail fast with UNAVAILABLE, those still waiting for their first
+  token are sent to another replica whole, and new requests go elsewhere. Its socket is
+  replaced, so nothing queued for it is delivered late; when it answers again it serves again.
+
+Routing (router.py) is cache-aware and load-aware: rendezvous hashing on the prompt's prefix
+with bounded loads, where an engine's load is the larger of this frontend's requests on it
+and the running + waiting requests it reported last (which counts the other frontends' too).
+
+The frontend is ready while at least one replica serves (readiness); it stays alive
+regardless (liveness is the process itself, see main.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,13 +34,15 @@ import zmq.asyncio
 
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
 from services.common import transport
+from services.frontend.engine_discovery import Endpoint, Resolver
+from services.frontend.router import DEFAULT_LOAD_FACTOR, pick, prefix_key, ranking
 
 log = logging.getLogger(__name__)
 
-ROUTING_PREFIX_TOKENS = 32
-PROBE_INTERVAL_S = 0.5  # while the engines are not ready yet
-HEALTH_INTERVAL_S = 5.0  # once they are
-CONTROL_TIMEOUT_S = 5.0
+PROBE_INTERVAL_S = 0.5  # while no engine serves
+HEALTH_INTERVAL_S = 1.0  # once one does: how fast a dead engine is noticed
+CONTROL_TIMEOUT_S = 2.0
+MISSES_TO_DOWN = 3  # unanswered probes (timeouts) before a replica counts as down
 
 
 class DuplicateRequestError(KeyError):
@@ -42,7 +51,7 @@ class DuplicateRequestError(KeyError):
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the engines told us (the first replica's worker speaks for all of them)."""
+    """What the engines told us (the first serving replica's worker speaks for all of them)."""
 
     worker: engine_pb2.WorkerInfo
     page_size: int
@@ -52,73 +61,103 @@ class EngineInfo:
 
 
 def route(cache_salt: str, input_ids: Sequence[int], num_engines: int) -> int:
-    """Rendezvous hash: the engine whose hash with the request's prefix key is highest."""
-    if num_engines == 1:
-        return 0
-    key = cache_salt.encode() + b"\0" + transport.pack_i32(list(input_ids[:ROUTING_PREFIX_TOKENS]))
+    """The replica (by index) a prefix prefers when no engine is loaded: routing's first pick."""
+    names = [str(i) for i in range(num_engines)]
+    return int(ranking(prefix_key(cache_salt, input_ids), names)[0])
 
-    def score(i: int) -> bytes:
-        return hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest()
 
-    return max(range(num_engines), key=score)
+class _Engine:
+    """One replica as this frontend sees it."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.sock: zmq.asyncio.Socket | None = None
+        self.receiver: asyncio.Task | None = None
+        self.channel = grpc.aio.insecure_channel(ep.control_addr) if ep.control_addr else None
+        self.stub = engine_pb2_grpc.SchedulerControlStub(self.channel) if self.channel else None
+        self.serving = self.stub is None  # nothing to ask: trust the configuration
+        self.draining = False  # gone from discovery: finishes its requests, takes no new ones
+        self.stats: engine_pb2.SchedulerStats | None = None
+        self.misses = 0
+        self.rids: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return self.ep.name
+
+    @property
+    def routable(self) -> bool:
+        return self.serving and not self.draining and self.sock is not None
+
+    @property
+    def load(self) -> int:
+        reported = self.stats.num_running_reqs + self.stats.num_queue_reqs if self.stats else 0
+        return max(len(self.rids), reported)
+
+
+@dataclass
+class _Pending:
+    """A request in flight, kept whole until its first token so it can move to another engine."""
+
+    req: engine_pb2.TokenizedRequest
+    key: bytes
+    queue: asyncio.Queue[engine_pb2.TokenDelta]
+    engine: _Engine | None = None
+    answered: bool = False
 
 
 class EngineClient:
     def __init__(
         self,
-        scheduler_addrs: Sequence[str],
-        control_addrs: Sequence[str],
+        resolver: Resolver,
         max_model_len: int = 0,
         on_health: Callable[[bool], Awaitable[None]] | None = None,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
     ) -> None:
-        if not scheduler_addrs:
-            raise ValueError("no scheduler address given (--scheduler-addrs)")
-        if control_addrs and len(control_addrs) != len(scheduler_addrs):
-            raise ValueError("--scheduler-control-addrs must list one address per scheduler")
-        self._addrs = list(scheduler_addrs)
-        self._control_addrs = list(control_addrs)
+        self._resolver = resolver
         self._max_model_len = max_model_len
         self._on_health = on_health
+        self._load_factor = load_factor
         self._ctx = zmq.asyncio.Context()
-        self._socks: list[zmq.asyncio.Socket] = []
-        self._channels: list[grpc.aio.Channel] = []
-        self._stubs: list[engine_pb2_grpc.SchedulerControlStub] = []
+        self._name = f"frontend-{uuid.uuid4().hex[:12]}"
+        self._sockets_made = 0
+        self._engines: dict[str, _Engine] = {}  # by ZeroMQ address
+        self._requests: dict[str, _Pending] = {}
         self._tasks: list[asyncio.Task] = []
-        self._queues: dict[str, asyncio.Queue[engine_pb2.TokenDelta]] = {}
-        self._engine_of: dict[str, int] = {}
+        self._closers: set[asyncio.Task] = set()
+        self._closing = False
         self.info: EngineInfo | None = None
         self.healthy = False
 
     @property
     def num_engines(self) -> int:
-        return len(self._addrs)
+        """Replicas taking requests now."""
+        return sum(e.routable for e in self._engines.values())
 
     @property
     def ready(self) -> bool:
-        """Every engine answered the last probe (new requests are refused otherwise)."""
+        """At least one engine serves (new requests are refused otherwise)."""
         return self.healthy and self.info is not None
 
+    def loads(self) -> dict[str, int]:
+        """Load of every replica taking requests, by name."""
+        return {e.name: e.load for e in self._engines.values() if e.routable}
+
     async def start(self) -> None:
-        identity = f"frontend-{uuid.uuid4().hex[:12]}".encode()
-        for addr in self._addrs:
-            sock = transport.dealer(self._ctx, addr, identity=identity)
-            assert isinstance(sock, zmq.asyncio.Socket)  # an asyncio context makes asyncio sockets
-            self._socks.append(sock)
-        for addr in self._control_addrs:
-            channel = grpc.aio.insecure_channel(addr)
-            self._channels.append(channel)
-            self._stubs.append(engine_pb2_grpc.SchedulerControlStub(channel))
-        self._tasks = [asyncio.create_task(self._receive(s)) for s in self._socks]
-        self._tasks.append(asyncio.create_task(self._watch_engines()))
+        # Resolve once before serving, so a static list is connected at once.
+        await self._reconcile(await self._resolver.resolve())
+        self._tasks = [
+            asyncio.create_task(self._discover()),
+            asyncio.create_task(self._watch_engines()),
+        ]
 
     async def close(self) -> None:
+        self._closing = True  # what is in flight now fails; nothing moves to another engine
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for channel in self._channels:
-            await channel.close()
-        for sock in self._socks:
-            sock.close(linger=0)
+        for engine in list(self._engines.values()):
+            await self._remove(engine)
         self._ctx.term()
 
     # ---- requests ----------------------------------------------------------------
@@ -127,67 +166,205 @@ class EngineClient:
         self, req: engine_pb2.TokenizedRequest, input_ids: Sequence[int]
     ) -> asyncio.Queue[engine_pb2.TokenDelta]:
         """Sends the request to its engine; returns the queue its TokenDeltas arrive on."""
-        if req.rid in self._queues:
+        if req.rid in self._requests:
             raise DuplicateRequestError(req.rid)
-        engine = route(req.cache_salt, input_ids, self.num_engines)
         queue: asyncio.Queue[engine_pb2.TokenDelta] = asyncio.Queue()
-        self._queues[req.rid] = queue
-        self._engine_of[req.rid] = engine
-        self._send(engine, engine_pb2.FrontendToScheduler(generate=req))
+        pending = _Pending(req, prefix_key(req.cache_salt, input_ids), queue)
+        self._requests[req.rid] = pending
+        self._dispatch(pending)
         return queue
 
     def abort(self, rid: str, reason: str) -> None:
         """Tells the request's scheduler to stop it now (no waiting: also called on cancel)."""
-        engine = self._engine_of.get(rid)
-        if engine is not None:
+        pending = self._requests.get(rid)
+        if pending is not None and pending.engine is not None:
             abort = engine_pb2.AbortRequest(rid=rid, reason=reason)
-            self._send(engine, engine_pb2.FrontendToScheduler(abort=abort))
+            self._send(pending.engine, engine_pb2.FrontendToScheduler(abort=abort))
 
     def release(self, rid: str) -> None:
         """Forgets a finished request; later deltas for it are dropped."""
-        self._queues.pop(rid, None)
-        self._engine_of.pop(rid, None)
+        pending = self._requests.pop(rid, None)
+        if pending is not None and pending.engine is not None:
+            engine = pending.engine
+            engine.rids.discard(rid)
+            if engine.draining and not engine.rids:  # its last request: close it now
+                task = asyncio.get_running_loop().create_task(self._remove(engine))
+                self._closers.add(task)  # the loop keeps only a weak reference
+                task.add_done_callback(self._closers.discard)
 
-    def _send(self, engine: int, msg: engine_pb2.FrontendToScheduler) -> None:
+    def _dispatch(self, pending: _Pending) -> None:
+        engines = {e.name: e for e in self._engines.values() if e.routable}
+        if not engines:
+            self._fail(pending, "no engine is serving; retry shortly")
+            return
+        loads = {name: e.load for name, e in engines.items()}
+        engine = engines[pick(pending.key, loads, self._load_factor)]
+        pending.engine = engine
+        engine.rids.add(pending.req.rid)
+        self._send(engine, engine_pb2.FrontendToScheduler(generate=pending.req))
+
+    def _fail(self, pending: _Pending, message: str) -> None:
+        pending.engine = None
+        error = engine_pb2.TokenDelta(
+            rid=pending.req.rid, finish_reason="abort", error_code="UNAVAILABLE"
+        )
+        error.finish_message = message
+        pending.queue.put_nowait(error)
+
+    def _send(self, engine: _Engine, msg: engine_pb2.FrontendToScheduler) -> None:
+        if engine.sock is None:
+            return
         # With unbounded HWM the send completes at once; the future only reports errors.
-        fut = transport.send(self._socks[engine], msg)
+        fut = transport.send(engine.sock, msg)
         fut.add_done_callback(_log_send_error)
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+    async def _receive(self, engine: _Engine, sock: zmq.asyncio.Socket) -> None:
         while True:
             msg = await transport.arecv(sock, engine_pb2.SchedulerToFrontend)
             for delta in msg.outputs:
-                queue = self._queues.get(delta.rid)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                pending = self._requests.get(delta.rid)
+                # Only the engine the request is on now: one it left may still be talking.
+                if pending is not None and pending.engine is engine:
+                    pending.answered = True
+                    pending.queue.put_nowait(delta)
 
-    # ---- control -----------------------------------------------------------------
+    # ---- the pool ------------------------------------------------------------------
 
-    async def get_stats(self) -> list[engine_pb2.SchedulerStats]:
+    def _connect(self, engine: _Engine) -> None:
+        """A fresh socket: whatever the old one still queued for a dead peer is dropped."""
+        self._disconnect(engine)
+        # A new identity each time: the scheduler may not have dropped the old connection yet,
+        # and a ROUTER ignores a peer whose identity is still in use.
+        self._sockets_made += 1
+        identity = f"{self._name}-{self._sockets_made}".encode()
+        sock = transport.dealer(self._ctx, engine.ep.zmq_addr, identity=identity)
+        assert isinstance(sock, zmq.asyncio.Socket)  # an asyncio context makes asyncio sockets
+        engine.sock = sock
+        engine.receiver = asyncio.get_running_loop().create_task(self._receive(engine, sock))
+
+    def _disconnect(self, engine: _Engine) -> None:
+        if engine.receiver is not None:
+            engine.receiver.cancel()
+            engine.receiver = None
+        if engine.sock is not None:
+            engine.sock.close(linger=0)
+            engine.sock = None
+
+    async def _remove(self, engine: _Engine) -> None:
+        if self._engines.get(engine.ep.zmq_addr) is not engine:
+            return
+        del self._engines[engine.ep.zmq_addr]
+        self._lose(engine, f"engine {engine.name} left the pool")
+        self._disconnect(engine)
+        if engine.channel is not None:
+            await engine.channel.close()
+        log.info("engine %s removed (%d serving)", engine.name, self.num_engines)
+
+    def _lose(self, engine: _Engine, message: str) -> None:
+        """The engine cannot finish its requests: move the unstarted ones, fail the others."""
+        for rid in sorted(engine.rids):
+            pending = self._requests.get(rid)
+            if pending is None:
+                continue
+            if pending.answered or self._closing:
+                self._fail(pending, message)
+            else:
+                pending.engine = None
+                self._dispatch(pending)
+        engine.rids.clear()
+
+    async def _reconcile(self, endpoints: list[Endpoint] | None) -> None:
+        if endpoints is None:  # the lookup failed: keep what we have
+            return
+        wanted = {ep.zmq_addr: ep for ep in endpoints}
+        for addr, ep in wanted.items():
+            engine = self._engines.get(addr)
+            if engine is None:
+                engine = self._engines[addr] = _Engine(ep)
+                self._connect(engine)
+                log.info("engine %s joined (%s)", ep.name, ep.zmq_addr)
+            elif engine.draining:
+                engine.draining = False
+                log.info("engine %s is back", ep.name)
+        for addr, engine in list(self._engines.items()):
+            if addr not in wanted and not engine.draining:
+                engine.draining = True
+                log.info(
+                    "engine %s left discovery: draining %d requests", engine.name, len(engine.rids)
+                )
+                if not engine.rids:
+                    await self._remove(engine)
+        await self._refresh()
+
+    async def _discover(self) -> None:
+        interval = self._resolver.interval_s
+        while interval is not None:
+            await asyncio.sleep(interval)
+            await self._reconcile(await self._resolver.resolve())
+
+    # ---- health ------------------------------------------------------------------
+
+    async def _probe(self) -> None:
+        engines = [e for e in self._engines.values() if e.stub is not None]
         calls = [
-            s.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs
-        ]
-        return list(await asyncio.gather(*calls))
-
-    async def flush_cache(self) -> engine_pb2.FlushReply:
-        """Flushes every engine; flushed only if all did, else their refusal reasons."""
-        if not self._stubs:
-            return engine_pb2.FlushReply(
-                flushed=False, message="no scheduler control address configured"
-            )
-        calls = [
-            s.FlushCache(engine_pb2.FlushRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs
+            e.stub.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S)
+            for e in engines
+            if e.stub is not None
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        reasons = []
-        for i, res in enumerate(results):
+        for engine, res in zip(engines, results, strict=True):
+            if self._engines.get(engine.ep.zmq_addr) is not engine:
+                continue  # removed while we asked
             if isinstance(res, BaseException):
-                reasons.append(f"engine {i}: {_error_text(res)}")
-            elif not res.flushed:
-                reasons.append(f"engine {i}: {res.message}" if len(results) > 1 else res.message)
-        if reasons:
-            return engine_pb2.FlushReply(flushed=False, message="; ".join(reasons))
-        return engine_pb2.FlushReply(flushed=True, message="Cache flushed.")
+                await self._on_probe_error(engine, res)
+            else:
+                self._on_stats(engine, res)
+
+    def _on_stats(self, engine: _Engine, stats: engine_pb2.SchedulerStats) -> None:
+        engine.stats, engine.misses = stats, 0
+        if not engine.serving:
+            engine.serving = True
+            if engine.sock is None and not engine.draining:
+                self._connect(engine)
+            log.info("engine %s serving", engine.name)
+
+    async def _on_probe_error(self, engine: _Engine, err: BaseException) -> None:
+        engine.misses += 1
+        refused = (
+            isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
+        )
+        if engine.serving and (refused or engine.misses >= MISSES_TO_DOWN):
+            engine.serving = False
+            message = f"engine {engine.name} is not answering ({_error_text(err)})"
+            log.warning("%s: routing around it", message)
+            self._lose(engine, message)
+            self._connect(engine)  # fresh socket for when it is back; nothing stale delivered
+        if engine.draining and not engine.serving:
+            await self._remove(engine)
+
+    async def _refresh(self) -> None:
+        """Recomputes what the engines say about themselves and whether we are ready."""
+        serving = sorted((e for e in self._engines.values() if e.routable), key=lambda e: e.name)
+        stats = [e.stats for e in serving if e.stats is not None]
+        if stats:
+            self.info = self._info_from(stats)
+        elif serving:  # only engines with nothing to ask: trust the configuration
+            worker = engine_pb2.WorkerInfo(max_model_len=self._max_model_len)
+            self.info = EngineInfo(worker, 1, 0, self._max_model_len, len(serving))
+        elif self.info is not None:
+            self.info = EngineInfo(
+                self.info.worker,
+                self.info.page_size,
+                self.info.max_total_num_tokens,
+                self.info.max_model_len,
+                0,
+            )
+        healthy = bool(serving)
+        if healthy != self.healthy:
+            self.healthy = healthy
+            log.info("engines %s", "ready" if healthy else "none serving")
+            if self._on_health is not None:
+                await self._on_health(healthy)
 
     def _info_from(self, stats: list[engine_pb2.SchedulerStats]) -> EngineInfo:
         lens = [s.worker.max_model_len for s in stats if s.worker.max_model_len > 0]
@@ -199,50 +376,51 @@ class EngineClient:
             num_engines=self.num_engines,
         )
 
-    async def _probe(self) -> bool:
-        if not self._stubs:
-            # Nothing to ask: trust the configuration.
-            if self.info is None:
-                worker = engine_pb2.WorkerInfo(max_model_len=self._max_model_len)
-                self.info = EngineInfo(worker, 1, 0, self._max_model_len, self.num_engines)
-            return True
-        calls = [
-            s.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S) for s in self._stubs
-        ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        stats = [r for r in results if not isinstance(r, BaseException)]
-        down = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
-        if down:
-            first = next(iter(down))
-            log.debug("engines %s not answering: %s", list(down), _error_text(down[first]))
-            for i, err in down.items():
-                self._fail_requests(i, f"engine {i} is not answering ({_error_text(err)})")
-            return False
-        self.info = self._info_from(stats)
-        return True
-
-    def _fail_requests(self, engine: int, message: str) -> None:
-        """Ends the requests of an engine that went away, instead of letting them hang."""
-        for rid, e in list(self._engine_of.items()):
-            if e == engine:
-                self._queues[rid].put_nowait(
-                    engine_pb2.TokenDelta(
-                        rid=rid,
-                        finish_reason="abort",
-                        error_code="UNAVAILABLE",
-                        finish_message=message,
-                    )
-                )
-
     async def _watch_engines(self) -> None:
         while True:
-            healthy = await self._probe()
-            if healthy != self.healthy:
-                self.healthy = healthy
-                log.info("engines %s", "ready" if healthy else "not answering")
-                if self._on_health is not None:
-                    await self._on_health(healthy)
-            await asyncio.sleep(HEALTH_INTERVAL_S if healthy else PROBE_INTERVAL_S)
+            await self._probe()
+            await self._refresh()
+            await asyncio.sleep(HEALTH_INTERVAL_S if self.healthy else PROBE_INTERVAL_S)
+
+    # ---- control -----------------------------------------------------------------
+
+    def _controlled(self) -> list[_Engine]:
+        return sorted(
+            (e for e in self._engines.values() if e.routable and e.stub is not None),
+            key=lambda e: e.name,
+        )
+
+    async def get_stats(self) -> list[engine_pb2.SchedulerStats]:
+        calls = [
+            e.stub.GetStats(engine_pb2.StatsRequest(), timeout=CONTROL_TIMEOUT_S)
+            for e in self._controlled()
+            if e.stub is not None
+        ]
+        return list(await asyncio.gather(*calls))
+
+    async def flush_cache(self) -> engine_pb2.FlushReply:
+        """Flushes every serving engine; flushed only if all did, else their refusal reasons."""
+        engines = self._controlled()
+        if not engines:
+            return engine_pb2.FlushReply(
+                flushed=False, message="no engine with a control address is serving"
+            )
+        calls = [
+            e.stub.FlushCache(engine_pb2.FlushRequest(), timeout=CONTROL_TIMEOUT_S)
+            for e in engines
+            if e.stub is not None
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        reasons = []
+        for engine, res in zip(engines, results, strict=True):
+            if isinstance(res, BaseException):
+                reasons.append(f"engine {engine.name}: {_error_text(res)}")
+            elif not res.flushed:
+                many = len(results) > 1
+                reasons.append(f"engine {engine.name}: {res.message}" if many else res.message)
+        if reasons:
+            return engine_pb2.FlushReply(flushed=False, message="; ".join(reasons))
+        return engine_pb2.FlushReply(flushed=True, message="Cache flushed.")
 
 
 def _error_text(e: BaseException) -> str:

@@ -8,11 +8,13 @@ import os
 import signal
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from services.common import tracing
 from services.common.config import FrontendConfig
 from services.common.grpc_util import add_health_and_reflection, aset_serving
 from services.frontend.engine_client import EngineClient
+from services.frontend.engine_discovery import make_resolver
 from services.frontend.http_api import HttpServer
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.pipeline import Frontend
@@ -20,6 +22,10 @@ from services.frontend.server import SERVICE_NAME, add_generation_servicer
 from services.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("radixserve.frontend")
+
+# A health service name for liveness: SERVING while the process runs, whatever the engines do
+# (readiness is "" and the Generation service: at least one engine serving).
+LIVENESS_SERVICE = "liveness"
 
 
 def model_id_of(cfg: FrontendConfig) -> str:
@@ -48,11 +54,22 @@ class FrontendServer:
         self._health = add_health_and_reflection(self._grpc, [SERVICE_NAME])
         # NOT_SERVING until the engines answer (they may start after us).
         await aset_serving(self._health, [SERVICE_NAME], False)
-        self.engines = EngineClient(
+        assert isinstance(self._health, health.aio.HealthServicer)  # an aio server's kind
+        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        resolver = make_resolver(
             cfg.scheduler_addrs,
             cfg.scheduler_control_addrs,
+            cfg.engine_dns_name,
+            cfg.engine_zmq_port,
+            cfg.engine_control_port,
+            cfg.engine_resolve_interval,
+            cfg.engine_dns_server,
+        )
+        self.engines = EngineClient(
+            resolver,
             cfg.max_model_len,
             on_health=self._on_engine_health,
+            load_factor=cfg.routing_load_factor,
         )
         metrics = FrontendMetrics(model_id_of(cfg))
         frontend = Frontend(tokenizer, self.engines, model_id_of(cfg), metrics)

@@ -29,10 +29,13 @@ __all__ = ["HelmError", "HelmValuesError", "render", "manifests", "lint", "valid
 
 
 def render(
-    values: dict[str, Any] | None = None, release: str = "rs", namespace: str = "ns"
+    values: dict[str, Any] | None = None,
+    release: str = "rs",
+    namespace: str = "ns",
+    chart_dir: Path = CHART_DIR,
 ) -> dict[str, str]:
     """Template path -> rendered text (NOTES.txt included), as `helm template` would print."""
-    chart = helm_chart.Chart.load(CHART_DIR)
+    chart = helm_chart.Chart.load(chart_dir)
     return chart.render(values or {}, name=release, namespace=namespace, is_install=True)
 
 

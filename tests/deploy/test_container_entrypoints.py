@@ -1,8 +1,9 @@
 """The three services started exactly as their containers would start them, on loopback.
 
 Commands, flags and environment come from the rendered Helm chart (gpu.mode=none) and the
-Dockerfile's ENTRYPOINTs; only what a laptop cannot have is replaced: cluster DNS names and
-0.0.0.0 become 127.0.0.1, fixed ports become free ones, /models/ becomes the repo's models/.
+Dockerfile's ENTRYPOINTs; only what a laptop cannot have is replaced: cluster DNS names (the
+engines' headless Service name the frontend resolves included) and 0.0.0.0 become 127.0.0.1,
+fixed ports become free ones, /models/ becomes the repo's models/.
 The frontend and scheduler run with torch and triton made unimportable, as in their images.
 Then the kubelet's gRPC probes, one Generate over gRPC, the `helm test` pod's script and
 the Prometheus ports are checked.
@@ -127,7 +128,10 @@ def _start(stack_dir: Path) -> Stack:
     )
     docs = hr.manifests(VALUES, release=RELEASE, namespace=NAMESPACE)
     local = Localizer({p: free_port() for p in CHART_PORTS})
-    configmap = hr.find(docs, "ConfigMap", "-env")["data"]
+    configmaps = {
+        kind: hr.find(docs, "ConfigMap", suffix)["data"]
+        for kind, suffix in (("StatefulSet", "-engine-env"), ("Deployment", "-frontend-env"))
+    }
     stages = hr.dockerfile_targets()
     blocker = _write_torch_blocker(stack_dir / "no-torch")
     stack = Stack(docs, local, {}, {}, {}, stack_dir)
@@ -137,7 +141,7 @@ def _start(stack_dir: Path) -> Stack:
         argv = [str(VENV_BIN / entry[0]), *entry[1:], *map(local, c.get("args", []))]
         env = {
             **_base_env(stack_dir / f"home-{name}", has_torch, blocker),
-            **_env_of(c, configmap, POD_NAMES[kind], local),
+            **_env_of(c, configmaps[kind], POD_NAMES[kind], local),
         }
         (stack_dir / f"home-{name}").mkdir(exist_ok=True)
         stack.logs[name] = stack_dir / f"{name}.log"

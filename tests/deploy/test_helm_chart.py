@@ -19,7 +19,38 @@ from services.common import config as rs_config
 from tests.deploy import helm_render as hr
 
 K8S_VERSION = "1.34.0"  # resource.k8s.io/v1 (DRA) is GA from 1.34
-GPU_MODES = ["dra", "device-plugin", "none"]
+GPU_MODES = ["device-plugin", "dra", "none"]
+MODEL_SOURCES = ["pvc", "image", "hf"]
+HF = {"repo": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"}
+
+
+def _pod_extras(name: str) -> dict:
+    return {
+        "podLabels": {"team": "llm"},
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": name}},
+            }
+        ],
+        "priorityClassName": "high",
+        "extraVolumes": [{"name": "extra", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+        "initContainers": [{"name": "wait", "image": "busybox:1.36", "command": ["true"]}],
+        "pdb": {"enabled": True},
+    }
+
+
+# The optional objects and switches of the issue's value names, all on.
+OPTIONS_ON = {
+    "engine": {"pdb": {"enabled": True}},
+    "frontend": {"pdb": {"enabled": True}},
+    "networkPolicy": {"enabled": True},
+    "grafana": {"dashboard": {"enabled": True}},
+    "keda": {"enabled": True},
+}
 # Everything optional switched on, so every branch of every template is rendered.
 EVERYTHING_ON = {
     "engine": {
@@ -27,27 +58,35 @@ EVERYTHING_ON = {
         "runtimeClassName": "nvidia",
         "worker": {"extraArgs": ["--disable-cuda-graph"]},
         "scheduler": {"extraEnv": [{"name": "FOO", "value": "bar"}]},
+        **_pod_extras("engine"),
     },
     "frontend": {
         "replicas": 2,
         "extraArgs": ["--max-model-len=512"],
         "extraEnv": [{"name": "A", "value": "b"}],
+        **_pod_extras("frontend"),
     },
     "model": {
+        "source": "hf",
         "servedName": "zen",
-        "pvc": {"existingClaim": "models", "accessModes": ["ReadWriteMany"]},
+        "hf": {**HF, "tokenSecret": "hf-token"},
+        "pvc": {"storageClassName": "local-path"},
         "hfCache": {"enabled": True, "existingClaim": "hf"},
     },
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     "tracing": {"jaeger": {"enabled": True}},
     "gpu": {
-        "count": 2,
+        "mode": "dra",
+        "count": 1,
         "dra": {"selectors": ['device.attributes["gpu.nvidia.com"].productName == "H100"']},
     },
+    "networkPolicy": {"enabled": True, "frontend": {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}},
+    "grafana": {"dashboard": {"enabled": True}},
+    "keda": {"enabled": True},
     "imagePullSecrets": [{"name": "regcred"}],
 }
 # Kinds with no schema in the Kubernetes API (CRDs of other projects).
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "ScaledObject": "keda.sh/v1alpha1"}
 # Fields the chart sets itself (ports, addresses, model, device, metrics, tracing), not via config.
 CHART_FIXED = {
     "host",
@@ -56,6 +95,9 @@ CHART_FIXED = {
     "metrics_port",
     "scheduler_addrs",
     "scheduler_control_addrs",
+    "engine_dns_name",
+    "engine_zmq_port",
+    "engine_control_port",
     "scheduler_addr",
     "worker_addr",
     "control_port",
@@ -99,13 +141,24 @@ def _camel(snake: str) -> str:
     return head + "".join(w.capitalize() for w in rest)
 
 
-def _configmap_env(docs: list[dict]) -> dict[str, str]:
-    return hr.find(docs, "ConfigMap", "-env")["data"]
+def _configmap_env(docs: list[dict], component: str = "engine") -> dict[str, str]:
+    return hr.find(docs, "ConfigMap", f"-{component}-env")["data"]
 
 
-@pytest.mark.parametrize("mode", GPU_MODES)
-def test_strict_lint_is_clean_for_each_gpu_mode(mode: str) -> None:
-    assert hr.lint({"gpu": {"mode": mode}}) == []
+def _values(mode: str, source: str) -> dict:
+    model: dict = {"source": source}
+    if source == "hf":
+        model["hf"] = HF
+    return {"gpu": {"mode": mode}, "model": model}
+
+
+COMBINATIONS = [(m, s) for m in GPU_MODES for s in MODEL_SOURCES]
+
+
+@pytest.mark.parametrize("mode, source", COMBINATIONS)
+def test_strict_lint_is_clean_for_each_gpu_mode_and_model_source(mode: str, source: str) -> None:
+    assert hr.lint(_values(mode, source)) == []
+    assert hr.lint({**_values(mode, source), **OPTIONS_ON}) == []
 
 
 def test_strict_lint_is_clean_with_every_option_on() -> None:
@@ -114,15 +167,19 @@ def test_strict_lint_is_clean_with_every_option_on() -> None:
 
 @pytest.mark.parametrize(
     "values",
-    [{"gpu": {"mode": m}} for m in GPU_MODES] + [EVERYTHING_ON],
-    ids=GPU_MODES + ["everything-on"],
+    [_values(m, s) for m, s in COMBINATIONS]
+    + [{**_values(m, s), **OPTIONS_ON} for m, s in COMBINATIONS]
+    + [EVERYTHING_ON],
+    ids=[f"{m}-{s}" for m, s in COMBINATIONS]
+    + [f"{m}-{s}-options" for m, s in COMBINATIONS]
+    + ["everything-on"],
 )
 def test_rendered_objects_match_the_kubernetes_schemas(values: dict) -> None:
     docs = hr.manifests(values)
     checked = 0
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
-            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            assert doc["apiVersion"] == CRD_KINDS[doc["kind"]]
             continue
         # strict: an unknown field (a typo, a field at the wrong level) is an error too.
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -131,14 +188,15 @@ def test_rendered_objects_match_the_kubernetes_schemas(values: dict) -> None:
 
 
 def test_gpu_through_dra() -> None:
-    docs = hr.manifests({"gpu": {"mode": "dra", "count": 2}})
-    rct = hr.find(docs, "ResourceClaimTemplate", "-gpu")
+    docs = hr.manifests({"gpu": {"mode": "dra"}})
+    rct = hr.find(docs, "ResourceClaimTemplate")
     assert rct["apiVersion"] == "resource.k8s.io/v1"
+    assert re.fullmatch(r"rs-radixserve-gpu-[0-9a-f]{8}", rct["metadata"]["name"])
     (request,) = rct["spec"]["spec"]["devices"]["requests"]
     assert request["exactly"] == {
         "deviceClassName": "gpu.nvidia.com",
         "allocationMode": "ExactCount",
-        "count": 2,
+        "count": 1,
     }
     pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
     assert pod["resourceClaims"] == [
@@ -153,10 +211,10 @@ def test_gpu_through_dra() -> None:
 
 
 def test_gpu_through_the_device_plugin() -> None:
-    docs = hr.manifests({"gpu": {"mode": "device-plugin", "count": 4}})
+    docs = hr.manifests()  # the default mode
     assert not [d for d in docs if d["kind"] == "ResourceClaimTemplate"]
     worker = hr.container(docs, "StatefulSet", "worker")
-    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert worker["resources"]["limits"]["memory"] == "64Gi"  # the values' limits are kept
     assert "claims" not in worker["resources"]
     assert (
@@ -173,6 +231,8 @@ def test_no_gpu_runs_the_worker_on_cpu() -> None:
 
 
 def test_frontends_find_every_engine_through_the_headless_service() -> None:
+    """No engine list is rendered: the frontend re-resolves the headless Service's name, so
+    `kubectl scale` changes what it routes to without touching the frontend."""
     docs = hr.manifests({"engine": {"replicas": 3}}, release="prod", namespace="llm")
     sts = hr.find(docs, "StatefulSet", "-engine")
     svc = hr.find(docs, "Service", "-engine-headless")
@@ -181,14 +241,16 @@ def test_frontends_find_every_engine_through_the_headless_service() -> None:
     )
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
-    args = dict(a.split("=", 1) for a in hr.container(docs, "Deployment", "frontend")["args"])
-    hosts = [
-        f"prod-radixserve-engine-{i}.prod-radixserve-engine-headless.llm.svc.cluster.local"
-        for i in range(3)
-    ]
-    assert args["--scheduler-addrs"] == ",".join(f"tcp://{h}:30100" for h in hosts)
-    assert args["--scheduler-control-addrs"] == ",".join(f"{h}:30101" for h in hosts)
+    frontend = hr.container(docs, "Deployment", "frontend")
+    args = dict(a.split("=", 1) for a in frontend["args"])
+    assert args["--engine-dns-name"] == "prod-radixserve-engine-headless.llm.svc.cluster.local"
+    assert (args["--engine-zmq-port"], args["--engine-control-port"]) == ("30100", "30101")
+    assert {p["port"] for p in svc["spec"]["ports"]} >= {30100, 30101}
+    assert "--scheduler-addrs" not in args and "--scheduler-control-addrs" not in args
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    # The rendered frontend is the same for any number of engines.
+    one = hr.manifests({"engine": {"replicas": 1}}, release="prod", namespace="llm")
+    assert hr.container(one, "Deployment", "frontend") == frontend
 
 
 def test_fixed_ports_and_flags_of_each_container() -> None:
@@ -224,7 +286,7 @@ def test_fixed_ports_and_flags_of_each_container() -> None:
     } in env
 
 
-def test_every_flag_is_reachable_through_one_configmap() -> None:
+def test_every_flag_is_reachable_through_the_configmaps() -> None:
     """Each config field is set by the chart or is a key of `config` with the right type."""
     schema_config = _schema()["properties"]["config"]["properties"]
     fields = _config_fields()
@@ -250,48 +312,116 @@ def test_config_values_become_env_vars_every_container_reads(
     }
     config["attentionBackend"] = "torch"
     config["maxTotalTokens"] = 1_000_000  # must reach the service as 1000000, never 1e+06
+    config["engineDnsServer"] = "10.43.0.10:53"
+    config["routingLoadFactor"] = 1.5
     docs = hr.manifests({"config": config})
-    env = _configmap_env(docs)
-    cm_name = hr.find(docs, "ConfigMap", "-env")["metadata"]["name"]
-    for kind, name in PROBE_PORTS:
+    services = {
+        "frontend": (rs_config.FrontendConfig,),
+        "engine": (rs_config.WorkerConfig, rs_config.SchedulerConfig),
+    }
+    for (kind, name), component in zip(PROBE_PORTS, ["frontend", "engine", "engine"], strict=True):
+        cm_name = hr.find(docs, "ConfigMap", f"-{component}-env")["metadata"]["name"]
         assert hr.container(docs, kind, name)["envFrom"] == [{"configMapRef": {"name": cm_name}}]
-    # What each service parses from that environment (no flags) is what the values said.
-    for var, raw in env.items():
-        monkeypatch.setenv(var, raw)
-    for cls in (rs_config.WorkerConfig, rs_config.SchedulerConfig, rs_config.FrontendConfig):
-        parser = argparse.ArgumentParser()
-        rs_config.add_dataclass_args(parser, cls)
-        parsed = rs_config.from_args(cls, parser.parse_args([]))
-        for key, value in config.items():
-            name = re.sub(r"([A-Z])", r"_\1", key).lower()
-            if hasattr(parsed, name):
-                assert getattr(parsed, name) == value, (cls.__name__, name)
+    for component, classes in services.items():
+        # What each service parses from its component's environment (no flags) is what the
+        # values said, and a key reaches exactly the components that have its flag.
+        with monkeypatch.context() as m:
+            env = _configmap_env(docs, component)
+            for var, raw in env.items():
+                m.setenv(var, raw)
+            for cls in classes:
+                parser = argparse.ArgumentParser()
+                rs_config.add_dataclass_args(parser, cls)
+                parsed = rs_config.from_args(cls, parser.parse_args([]))
+                for key, value in config.items():
+                    name = re.sub(r"([A-Z])", r"_\1", key).lower()
+                    if hasattr(parsed, name):
+                        assert getattr(parsed, name) == value, (cls.__name__, name)
+            flags = {f.name for cls in classes for f in dataclasses.fields(cls)}
+            for key in config:
+                name = re.sub(r"([A-Z])", r"_\1", key).lower()
+                assert (f"RADIXSERVE_{name.upper()}" in env) == (name in flags), (component, key)
+
+
+def test_a_frontend_only_flag_does_not_restart_the_engines() -> None:
+    def checksums(values: dict) -> tuple[str, str]:
+        docs = hr.manifests(values)
+        return tuple(  # type: ignore[return-value]
+            hr.find(docs, kind, suffix)["spec"]["template"]["metadata"]["annotations"][
+                "checksum/config"
+            ]
+            for kind, suffix in (("Deployment", "-frontend"), ("StatefulSet", "-engine"))
+        )
+
+    front, engine = checksums({})
+    front2, engine2 = checksums({"config": {"routingLoadFactor": 2.0, "maxModelLen": 256}})
+    assert front2 != front and engine2 == engine
+    front3, engine3 = checksums({"config": {"pageSize": 16}})
+    assert front3 == front and engine3 != engine
+    front4, engine4 = checksums({"config": {"logLevel": "debug"}})  # both have it
+    assert front4 != front and engine4 != engine
+
+
+def test_pod_templates_carry_no_chart_version_label() -> None:
+    docs = hr.manifests(EVERYTHING_ON)
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            assert "helm.sh/chart" not in labels, d["metadata"]["name"]
+            assert labels.items() >= d["spec"]["selector"]["matchLabels"].items()
+            assert "helm.sh/chart" in d["metadata"]["labels"]
 
 
 def test_left_out_config_keeps_the_services_defaults() -> None:
-    env = _configmap_env(hr.manifests())
-    assert set(env) == {
-        "RADIXSERVE_ENABLE_METRICS",
-        "RADIXSERVE_OTLP_TRACES_ENDPOINT",
-        "RADIXSERVE_LOG_LEVEL",
-    }
-    assert (
-        env["RADIXSERVE_ENABLE_METRICS"] == "true" and env["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == ""
-    )
+    docs = hr.manifests()
+    for component in ("frontend", "engine"):
+        env = _configmap_env(docs, component)
+        assert set(env) == {
+            "RADIXSERVE_ENABLE_METRICS",
+            "RADIXSERVE_OTLP_TRACES_ENDPOINT",
+            "RADIXSERVE_LOG_LEVEL",
+        }
+        assert env["RADIXSERVE_ENABLE_METRICS"] == "true"
+        assert env["RADIXSERVE_OTLP_TRACES_ENDPOINT"] == ""
 
 
 def test_grpc_probes_and_a_patient_startup() -> None:
     docs = hr.manifests()
+    budgets = {}
     for (kind, name), port in PROBE_PORTS.items():
         c = hr.container(docs, kind, name)
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"] == {"port": port}, (name, probe)
+        if name == "frontend":
+            # Ready = at least one engine serving; alive = the process (never restarted
+            # because an engine is down).
+            assert c["readinessProbe"]["grpc"] == {
+                "port": port,
+                "service": "radixserve.v1.Generation",
+            }
+            for probe in ("startupProbe", "livenessProbe"):
+                assert c[probe]["grpc"] == {"port": port, "service": "liveness"}, probe
+        else:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["grpc"] == {"port": port}, (name, probe)
         startup = c["startupProbe"]
-        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, name
+        budgets[name] = startup["periodSeconds"] * startup["failureThreshold"]
+        assert budgets[name] >= 600, name
+    assert budgets["frontend"] >= max(budgets["scheduler"], budgets["worker"])
+
+
+def test_graceful_shutdown_budgets() -> None:
+    docs = hr.manifests()
+    frontend_pod = hr.find(docs, "Deployment", "-frontend")["spec"]["template"]["spec"]
+    c = hr.container(docs, "Deployment", "frontend")
+    sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep" and sleep >= 5
+    # preStop, then the server's drain (FrontendServer.stop), within the grace period.
+    assert frontend_pod["terminationGracePeriodSeconds"] >= sleep + 10
+    engine_pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    assert engine_pod["terminationGracePeriodSeconds"] >= 30
 
 
 def test_pods_are_locked_down() -> None:
-    docs = hr.manifests(EVERYTHING_ON)
+    docs = hr.manifests({**EVERYTHING_ON, "engine": {}, "frontend": {}})
     pods = [
         d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
     ]
@@ -300,7 +430,7 @@ def test_pods_are_locked_down() -> None:
     for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
-        for c in pod["containers"]:
+        for c in pod["containers"] + pod.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
@@ -390,6 +520,14 @@ def test_notes_tell_how_to_reach_the_server() -> None:
     [
         ({"gpu": {"mode": "tpu"}}, "/gpu/mode"),
         ({"gpu": {"count": 0}}, "/gpu/count"),
+        ({"gpu": {"count": 2}}, "/gpu/count"),  # one device per worker until TP exists
+        ({"model": {"source": "hf"}}, "/model/hf/repo"),
+        ({"model": {"hf": {"repo": "not a repo"}}}, "/model/hf/repo"),
+        ({"model": {"hf": {"storage": "s3"}}}, "/model/hf/storage"),
+        ({"config": {"routingLoadFactor": 0.5}}, "/config/routingLoadFactor"),
+        ({"keda": {"enabled": True, "prometheus": {"serverAddress": "prom:9090"}}}, "/keda"),
+        ({"networkPolicy": {"enable": True}}, "enable"),
+        ({"engine": {"pdb": {"enabled": "yes"}}}, "/engine/pdb/enabled"),
         ({"config": {"radixEvictionPolicy": "fifo"}}, "/config/radixEvictionPolicy"),
         ({"config": {"schedulePolicy": "sjf"}}, "/config/schedulePolicy"),
         ({"config": {"pageSize": 0}}, "/config/pageSize"),

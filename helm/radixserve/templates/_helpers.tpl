@@ -4,16 +4,21 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* The release name when it already says "radixserve", else <release>-radixserve. */}}
+{{/*
+The release name when it already says "radixserve", else <release>-radixserve; at most 42
+characters, so the longest derived names fit in a 63-character DNS label:
+<fullname>-engine-headless (+16), models-<fullname>-engine-<ordinal> (+15 up to ordinal 99),
+and the StatefulSet's controller-revision-hash label <fullname>-engine-<10 chars> (+18).
+*/}}
 {{- define "radixserve.fullname" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | trunc 42 | trimSuffix "-" -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
 {{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 42 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 42 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -24,6 +29,19 @@ app.kubernetes.io/name: {{ include "radixserve.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/*
+Labels of a pod template: the selector's plus version and podLabels, but not helm.sh/chart,
+so that a chart version bump alone never restarts pods (GPU engines reload their model).
+Call with (dict "ctx" $ "component" "engine" "extra" .Values.engine.podLabels).
+*/}}
+{{- define "radixserve.podLabels" -}}
+{{ include "radixserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{/* Selector labels of one component: call with (dict "ctx" $ "component" "frontend"). */}}
@@ -50,20 +68,71 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-engine-headless" (include "radixserve.fullname" .) -}}
 {{- end -}}
 
-{{/* host names of every engine replica, comma separated, no port. */}}
-{{- define "radixserve.engineHosts" -}}
-{{- $full := include "radixserve.fullname" . -}}
-{{- $svc := include "radixserve.engineHeadless" . -}}
-{{- $hosts := list -}}
-{{- range $i := until (int .Values.engine.replicas) -}}
-{{- $hosts = append $hosts (printf "%s-engine-%d.%s.%s.svc.%s" $full $i $svc $.Release.Namespace $.Values.clusterDomain) -}}
-{{- end -}}
-{{- join "," $hosts -}}
+{{/* The DNS name whose A records are every engine pod (what frontends re-resolve). */}}
+{{- define "radixserve.engineDnsName" -}}
+{{- printf "%s.%s.svc.%s" (include "radixserve.engineHeadless" .) .Release.Namespace .Values.clusterDomain -}}
 {{- end -}}
 
+{{/*
+Which ConfigMap a `config` key goes to: keys of frontend-only flags to the frontend's, the
+shared ones to both, every other key (scheduler and worker flags) to the engines'.
+tests/deploy/test_helm_chart.py checks these lists against services/common/config.py.
+*/}}
+{{- define "radixserve.frontendOnlyKeys" -}}
+maxModelLen engineResolveInterval engineDnsServer routingLoadFactor
+{{- end -}}
+{{- define "radixserve.sharedKeys" -}}
+logLevel
+{{- end -}}
+
+{{/* The RuntimeClass of engine pods: "auto" is nvidia in device-plugin mode. */}}
+{{- define "radixserve.runtimeClassName" -}}
+{{- $rc := .Values.engine.runtimeClassName -}}
+{{- if eq $rc "auto" -}}
+{{- if eq .Values.gpu.mode "device-plugin" -}}nvidia{{- end -}}
+{{- else -}}
+{{- $rc -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The spec of the engines' GPU claim (gpu.mode=dra). */}}
+{{- define "radixserve.gpuClaimSpec" -}}
+devices:
+  requests:
+    - name: gpu
+      exactly:
+        deviceClassName: {{ .Values.gpu.dra.deviceClassName }}
+        allocationMode: ExactCount
+        count: {{ .Values.gpu.count }}
+        {{- with .Values.gpu.dra.selectors }}
+        selectors:
+          {{- range . }}
+          - cel:
+              expression: {{ . | quote }}
+          {{- end }}
+        {{- end }}
+{{- end -}}
+
+{{/*
+A ResourceClaimTemplate's spec is immutable: its name carries a hash of the spec, so an
+upgrade that changes the spec creates a new template (and rolls the engines onto it) instead
+of failing on an update Kubernetes refuses.
+*/}}
+{{- define "radixserve.gpuClaimName" -}}
+{{- printf "%s-gpu-%s" (include "radixserve.fullname" .) (include "radixserve.gpuClaimSpec" . | sha256sum | trunc 8) -}}
+{{- end -}}
+
+{{/* Whether the frontend downloads its tokenizer from the Hub rather than mounting the PVC. */}}
+{{- define "radixserve.frontendDownloads" -}}
+{{- if or (eq .Values.model.source "hf") (and (eq .Values.model.source "pvc") .Values.model.hf.repo) -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where the model folder is; with source hf, /models/<repo name> (model.path is for pvc). */}}
 {{- define "radixserve.modelPath" -}}
 {{- if eq .Values.model.source "image" -}}
 /opt/radixserve/models/radixserve-zen
+{{- else if eq .Values.model.source "hf" -}}
+{{- printf "/models/%s" (.Values.model.hf.repo | splitList "/" | last) -}}
 {{- else -}}
 {{- printf "/models/%s" (trimPrefix "/" .Values.model.path) -}}
 {{- end -}}
@@ -97,19 +166,33 @@ whole numbers without an exponent (values arrive as float64, and 1000000 would p
 {{- end -}}
 {{- end -}}
 
-{{/* Volumes that hold the model, the HF cache, /dev/shm and the writable scratch dirs. */}}
+{{/*
+Volumes that hold the model, the HF cache and the writable scratch dirs; call with
+(dict "ctx" $ "component" "engine"|"frontend"). The engines' hf download lives in their
+volumeClaimTemplate (storage pvc) or an emptyDir; the frontend's tokenizer in an emptyDir.
+*/}}
 {{- define "radixserve.modelVolumes" -}}
-{{- if eq .Values.model.source "pvc" }}
+{{- $v := .ctx.Values -}}
+{{- $download := or (eq $v.model.source "hf") (and (eq .component "frontend") (include "radixserve.frontendDownloads" .ctx)) -}}
+{{- if $download }}
+{{- if or (eq .component "frontend") (eq $v.model.hf.storage "emptyDir") }}
+- name: models
+  emptyDir: {}
+{{- end }}
+- name: fetch-model
+  configMap:
+    name: {{ include "radixserve.fullname" .ctx }}-fetch-model
+{{- else if eq $v.model.source "pvc" }}
 - name: models
   persistentVolumeClaim:
-    claimName: {{ include "radixserve.modelClaim" . }}
+    claimName: {{ include "radixserve.modelClaim" .ctx }}
     readOnly: true
 {{- end }}
-{{- if .Values.model.hfCache.enabled }}
+{{- if $v.model.hfCache.enabled }}
 - name: hf-cache
-  {{- if .Values.model.hfCache.existingClaim }}
+  {{- if $v.model.hfCache.existingClaim }}
   persistentVolumeClaim:
-    claimName: {{ .Values.model.hfCache.existingClaim }}
+    claimName: {{ $v.model.hfCache.existingClaim }}
   {{- else }}
   emptyDir: {}
   {{- end }}
@@ -121,7 +204,7 @@ whole numbers without an exponent (values arrive as float64, and 1000000 would p
 {{- end -}}
 
 {{- define "radixserve.modelMounts" -}}
-{{- if eq .Values.model.source "pvc" }}
+{{- if ne .Values.model.source "image" }}
 - name: models
   mountPath: /models
   readOnly: true
@@ -136,21 +219,79 @@ whole numbers without an exponent (values arrive as float64, and 1000000 would p
   mountPath: /tmp
 {{- end -}}
 
-{{/* The gRPC health probes of one container: (dict "port" N "startup" .Values.x.startupProbe). */}}
+{{/*
+The gRPC health probes of one container: (dict "port" N "startup" .Values.x.startupProbe),
+plus "ready" and "live", the health service names that readiness and startup/liveness ask
+("" when absent: the server's overall status).
+*/}}
 {{- define "radixserve.grpcProbes" -}}
 startupProbe:
-  grpc: {port: {{ .port }}}
+  grpc: {port: {{ .port }}{{ with .live }}, service: {{ . }}{{ end }}}
   periodSeconds: {{ .startup.periodSeconds }}
   failureThreshold: {{ .startup.failureThreshold }}
   timeoutSeconds: 5
 readinessProbe:
-  grpc: {port: {{ .port }}}
-  periodSeconds: 10
-  failureThreshold: 3
+  grpc: {port: {{ .port }}{{ with .ready }}, service: {{ . }}{{ end }}}
+  periodSeconds: 5
+  failureThreshold: 2
   timeoutSeconds: 5
 livenessProbe:
-  grpc: {port: {{ .port }}}
+  grpc: {port: {{ .port }}{{ with .live }}, service: {{ . }}{{ end }}}
   periodSeconds: 15
   failureThreshold: 4
   timeoutSeconds: 5
+{{- end -}}
+
+{{/*
+The init container that downloads the model (engines) or only its tokenizer files (frontend)
+from the Hugging Face Hub into /models/<path>, skipping what is already there.
+Call with (dict "ctx" $ "image" .Values.images.worker "tokenizerOnly" true|false).
+*/}}
+{{- define "radixserve.fetchModel" -}}
+{{- $v := .ctx.Values -}}
+- name: fetch-model
+  image: {{ include "radixserve.image" (dict "ctx" .ctx "image" .image) }}
+  imagePullPolicy: {{ .image.pullPolicy }}
+  command: [python, /fetch/fetch_model.py]
+  args:
+    - --repo={{ required "model.hf.repo is required with model.source=hf" $v.model.hf.repo }}
+    - --revision={{ $v.model.hf.revision }}
+    - --dest={{ include "radixserve.modelPath" .ctx }}
+    {{- if .tokenizerOnly }}
+    - --tokenizer-only
+    {{- end }}
+  env:
+    - {name: HF_HOME, value: /tmp/hf-home}
+    - {name: HF_HUB_DISABLE_TELEMETRY, value: "1"}
+    {{- with $v.model.hf.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ . }}, key: {{ $v.model.hf.tokenSecretKey }}}
+    {{- end }}
+  resources:
+    {{- toYaml $v.model.hf.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $v.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - {name: models, mountPath: /models}
+    - {name: fetch-model, mountPath: /fetch, readOnly: true}
+    - {name: tmp, mountPath: /tmp}
+{{- end -}}
+
+{{/* The RADIXSERVE_* variables of one component: (dict "ctx" $ "component" "frontend"). */}}
+{{- define "radixserve.componentConfig" -}}
+{{- $v := .ctx.Values -}}
+{{- $frontOnly := splitList " " (include "radixserve.frontendOnlyKeys" .ctx) -}}
+{{- $shared := splitList " " (include "radixserve.sharedKeys" .ctx) -}}
+RADIXSERVE_ENABLE_METRICS: {{ ternary "true" "false" $v.metrics.enabled | quote }}
+RADIXSERVE_OTLP_TRACES_ENDPOINT: {{ include "radixserve.otlpEndpoint" .ctx | quote }}
+{{- with $v.model.servedName }}
+RADIXSERVE_SERVED_MODEL_NAME: {{ . | quote }}
+{{- end }}
+{{- range $key, $value := $v.config }}
+{{- $wanted := or (has $key $shared) (eq (has $key $frontOnly) (eq $.component "frontend")) }}
+{{- if and $wanted (not (kindIs "invalid" $value)) }}
+RADIXSERVE_{{ snakecase $key | upper }}: {{ include "radixserve.envValue" $value | quote }}
+{{- end }}
+{{- end }}
 {{- end -}}
