@@ -66,6 +66,15 @@ class WorkerConfig:
         "(F.linear, MKL)",
         choices=["packed", "hybrid", "plain"],
     )
+    grammar_compile_timeout: float = _opt(
+        10.0,
+        "seconds a constrained request waits for its grammar to compile before it fails "
+        "(the compile goes on, and its result is cached for the next request)",
+    )
+    grammar_cache_size: int = _opt(
+        128, "compiled grammars kept (LRU, keyed by constraint kind + text)"
+    )
+    grammar_compile_threads: int = _opt(2, "threads compiling grammars beside the forward steps")
     worker_addr: str = _opt(
         "", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)"
     )
@@ -139,6 +148,22 @@ class FrontendConfig:
     )
     scheduler_control_addrs: list[str] = _opt(
         [], "gRPC control addresses of the schedulers, same order"
+    )
+    engine_dns_name: str = _opt(
+        "",
+        "DNS name whose A records are the engine replicas (a headless Service), re-resolved "
+        "to follow scaling; replaces --scheduler-addrs",
+    )
+    engine_dns_server: str = _opt(
+        "", "DNS server (host:port) to ask for --engine-dns-name (default: the system resolver)"
+    )
+    engine_zmq_port: int = _opt(30100, "ZeroMQ port of every discovered engine's scheduler")
+    engine_control_port: int = _opt(30101, "gRPC control port of every discovered engine")
+    engine_resolve_interval: float = _opt(5.0, "seconds between two lookups of --engine-dns-name")
+    routing_load_factor: float = _opt(
+        1.25,
+        "bounded loads: an engine takes new requests while its load is under this factor "
+        "times the mean (>= 1; larger keeps shared prefixes on one engine longer)",
     )
     max_model_len: int = _opt(0, "context length (0: asked from the engines)")
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")

@@ -13,6 +13,7 @@ Nothing here pickles: every payload is ``message.SerializeToString()``.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import uuid
 from typing import TypeVar
@@ -25,10 +26,26 @@ from google.protobuf.message import Message
 M = TypeVar("M", bound=Message)
 
 
+def private_ipc_dir() -> str:
+    """This user's folder for ipc sockets: created 0700; an existing one must be ours and
+    closed to others, or another local user could plant or read our sockets."""
+    folder = os.path.join(tempfile.gettempdir(), f"radixserve-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{folder} is not a directory owned by uid {os.getuid()}; refusing")
+    if info.st_mode & 0o077:
+        raise PermissionError(
+            f"{folder} is open to other users (mode {stat.S_IMODE(info.st_mode):o}); "
+            "refusing to put sockets there (chmod 700 it or remove it)"
+        )
+    return folder
+
+
 def new_ipc_addr(name: str) -> str:
-    """A fresh per-instance ipc:// address, so two servers can share a machine."""
-    folder = os.path.join(tempfile.gettempdir(), "radixserve")
-    os.makedirs(folder, exist_ok=True)
+    """A fresh per-instance ipc:// address, so two servers can share a machine. libzmq
+    removes the socket file when the binding socket closes."""
+    folder = private_ipc_dir()
     return f"ipc://{folder}/{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
 
 
