@@ -153,12 +153,17 @@ def _decode_merge_kernel(
 
 
 def _launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of stage 1: memory bound, so several K/V tiles in
-    flight, but float32 tiles of wide heads are halved: a [32, 128] float32 K tile plus the
-    accumulator spills registers on sm_90."""
+    """(BLOCK_N, num_warps, num_stages) of stage 1 for this device (tile_config on CUDA)."""
     if device.type != "cuda":
         return 32, 4, 1
     major = sm_major(device.index if device.index is not None else torch.cuda.current_device())
+    return tile_config(head_dim, dtype, major)
+
+
+def tile_config(head_dim: int, dtype: torch.dtype, major: int) -> tuple[int, int, int]:
+    """Memory bound, so several K/V tiles in flight; float32 tiles of wide heads are halved:
+    a [32, 128] float32 K tile plus the accumulator spills on sm_90 (BLOCK_N 16 does not:
+    tests/unit/test_kernels_compile.py)."""
     if major < 8:
         return 32, 4, 1
     if dtype.itemsize >= 4:

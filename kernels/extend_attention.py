@@ -223,16 +223,23 @@ def _extend_kernel(
 def _launch_config(
     head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): tiles and pipeline depth that fit shared
-    memory (Hopper ~227 KiB, Ampere ~164 KiB, older far less) and registers: float32 tiles
-    are smaller (a 128-row float32 tile at D=64 needs 255 registers and spills on sm_90)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this device (tile_config on CUDA)."""
     if device.type != "cuda":
         return 32, 32, 4, 1  # interpreter: bigger tiles mean fewer slow Python steps
     major = sm_major(device.index if device.index is not None else torch.cuda.current_device())
+    return tile_config(head_dim, dtype, major)
+
+
+def tile_config(head_dim: int, dtype: torch.dtype, major: int) -> tuple[int, int, int, int]:
+    """Tiles and pipeline depth that fit shared memory (Hopper ~227 KiB, Ampere ~164 KiB)
+    and registers. float32 ("ieee" dots run on FMA units, not tensor cores) needs far smaller
+    tiles: ptxas for sm_90 spills KBs at 128x64 (D=64) or 32x32 (D=128); these compile with
+    no spills (tests/unit/test_kernels_compile.py). 16-bit D=128 at 128x64 spills 184 bytes,
+    kept for the larger tile's reuse of K/V."""
     if major < 8:
         return 64, 32, 4, 1
     if dtype.itemsize >= 4:
-        return (32, 32, 4, 1) if head_dim > 64 else (64, 32, 4, 2)
+        return (16, 16, 4, 1) if head_dim > 64 else (64, 32, 8, 1)
     if head_dim > 128:  # 16-bit D=256: half the tile
         return 64, 32, 4, 2
     return 128, 64, 8, (3 if major >= 9 else 2)
