@@ -166,6 +166,12 @@ class FrontendConfig:
         "times the mean (>= 1; larger keeps shared prefixes on one engine longer)",
     )
     max_model_len: int = _opt(0, "context length (0: asked from the engines)")
+    max_request_bytes: int = _opt(
+        8 << 20, "HTTP request bodies larger than this are refused with 413 before parsing"
+    )
+    request_body_timeout: float = _opt(
+        30.0, "seconds an HTTP client has to send its whole body (then 408)"
+    )
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
     metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
     otlp_traces_endpoint: str = _opt(

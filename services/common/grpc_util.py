@@ -19,6 +19,17 @@ from grpc_reflection.v1alpha import reflection
 
 HealthServicer: TypeAlias = health.HealthServicer | health.aio.HealthServicer
 
+# Messages larger than this are refused with RESOURCE_EXHAUSTED before they are parsed (a
+# 128k-token prompt as ids is ~0.7 MB); stated rather than left to grpc's default.
+MAX_MESSAGE_BYTES = 16 << 20
+# Every server: a port already bound fails instead of being silently shared (grpc enables
+# SO_REUSEPORT by default, so a second server on a port took a share of its connections).
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -58,3 +69,15 @@ async def aset_serving(
     """Sets "" and every name to SERVING or NOT_SERVING (aio servicer)."""
     for name, status in _statuses(service_names, serving):
         await servicer.set(name, status)
+
+
+def bind(server, host: str, port: int, what: str) -> int:
+    """add_insecure_port that fails loudly, naming the port: the bound port (port 0: a free
+    one). ``server`` must have been made with SERVER_OPTIONS (no port sharing)."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:  # grpc raises instead of returning 0 in some versions
+        raise OSError(f"{what}: cannot bind {host}:{port} ({e}); is the port in use?") from e
+    if not bound:
+        raise OSError(f"{what}: cannot bind {host}:{port}; is the port in use?")
+    return bound

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from services.frontend.http_completion import complete
+from services.frontend.http_limits import BodyLimit
 from services.frontend.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -113,8 +114,16 @@ class _UvicornInLoop(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, frontend: Frontend, host: str, port: int) -> None:
-        self._app = create_app(frontend)
+    def __init__(
+        self,
+        frontend: Frontend,
+        host: str,
+        port: int,
+        max_request_bytes: int = 8 << 20,
+        body_timeout_s: float = 30.0,
+    ) -> None:
+        # Bodies are bounded in size and time before FastAPI parses them (http_limits.py).
+        self._app = BodyLimit(create_app(frontend), max_request_bytes, body_timeout_s)
         self._host, self._port = host, port
         self._server: _UvicornInLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -126,7 +135,9 @@ class HttpServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port))
         port: int = sock.getsockname()[1]
-        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            self._app, interface="asgi3", log_level="warning", access_log=False, lifespan="off"
+        )
         self._server = _UvicornInLoop(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2
 
 from services.common import tracing
 from services.common.config import FrontendConfig
-from services.common.grpc_util import add_health_and_reflection, aset_serving
+from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, aset_serving, bind
 from services.frontend.engine_client import EngineClient
 from services.frontend.engine_discovery import make_resolver
 from services.frontend.http_api import HttpServer
@@ -50,7 +50,7 @@ class FrontendServer:
     async def start(self) -> None:
         cfg = self.cfg
         tokenizer = Tokenizer(cfg.model_path)
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
         self._health = add_health_and_reflection(self._grpc, [SERVICE_NAME])
         # NOT_SERVING until the engines answer (they may start after us).
         await aset_serving(self._health, [SERVICE_NAME], False)
@@ -74,13 +74,17 @@ class FrontendServer:
         metrics = FrontendMetrics(model_id_of(cfg))
         frontend = Frontend(tokenizer, self.engines, model_id_of(cfg), metrics)
         add_generation_servicer(self._grpc, frontend)
-        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC on {cfg.host}:{cfg.port}")
+        self.grpc_port = bind(self._grpc, cfg.host, cfg.port, "frontend gRPC (--port)")
         await self._grpc.start()
         await self.engines.start()
         if cfg.http_port != -1:
-            self._http = HttpServer(frontend, cfg.host, cfg.http_port)
+            self._http = HttpServer(
+                frontend,
+                cfg.host,
+                cfg.http_port,
+                max_request_bytes=cfg.max_request_bytes,
+                body_timeout_s=cfg.request_body_timeout,
+            )
             self.http_port = await self._http.start()
         http = f"{cfg.host}:{self.http_port}" if self._http else "off"
         extra = (

@@ -15,7 +15,7 @@ import zmq
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
 from services.common import tracing, transport
 from services.common.config import SchedulerConfig
-from services.common.grpc_util import add_health_and_reflection, set_serving
+from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
 from services.common.logs import setup_logging
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import Scheduler
@@ -63,13 +63,11 @@ def wait_for_worker(sock: zmq.Socket, addr: str) -> engine_pb2.WorkerInfo:
 
 
 def start_control_server(sched: Scheduler, host: str, port: int) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     engine_pb2_grpc.add_SchedulerControlServicer_to_server(ControlServicer(sched), server)
     health = add_health_and_reflection(server, [CONTROL_SERVICE])
     set_serving(health, [CONTROL_SERVICE], True)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise OSError(f"cannot bind the scheduler control port {host}:{port}")
+    bound = bind(server, host, port, "scheduler control gRPC (--control-port)")
     server.start()
     return server, bound
 

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from radixserve.internal.v1 import engine_pb2
 from services.common import tracing, transport
 from services.common.config import WorkerConfig
-from services.common.grpc_util import add_health_and_reflection
+from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
 from services.worker import wire
 from services.worker.batch import RunnerInfo
@@ -46,11 +46,9 @@ def set_cpu_threads(requested: int) -> None:
 
 def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
     """grpc.health.v1 + reflection: what Kubernetes probes and `radixserve serve` wait on."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_OPTIONS)
     add_health_and_reflection(server, [])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise OSError(f"cannot bind the worker gRPC port {host}:{port}")
+    bound = bind(server, host, port, "worker gRPC (--worker-grpc-port)")
     server.start()
     return server, bound
 

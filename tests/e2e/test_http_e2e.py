@@ -66,3 +66,16 @@ def test_http_bad_parameter_names_it(client):
             model=client.models.list().data[0].id, prompt="x", max_tokens=8, temperature=5000
         )
     assert "temperature" in str(err.value)
+
+
+def test_oversized_body_is_refused_with_413_and_the_server_keeps_serving(server, client):
+    import httpx
+
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    body = b'{"model": "m", "prompt": "' + b"a" * (9 << 20) + b'"}'
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    assert "--max-request-bytes" in r.json()["error"]["message"]
+    model = client.models.list().data[0].id
+    ok = client.completions.create(model=model, prompt="Beautiful is", max_tokens=2)
+    assert ok.choices[0].text is not None
