@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.frontend.http_completion import complete
 from services.frontend.http_limits import BodyLimit
@@ -43,6 +44,7 @@ def create_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="radixserve", description="OpenAI-compatible API of radixserve")
     app.exception_handler(ApiError)(_on_api_error)
     app.exception_handler(RequestValidationError)(_on_bad_body)
+    app.exception_handler(StarletteHTTPException)(_on_http_error)
     app.include_router(_service_routes(frontend))
     app.include_router(_openai_routes(frontend))
     return app
@@ -54,6 +56,14 @@ async def _on_api_error(request: Request, e: ApiError) -> JSONResponse:
 
 async def _on_bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
     return await _on_api_error(request, body_error(e.errors()))
+
+
+async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own errors (unknown route, wrong method, unreadable body) in OpenAI's shape
+    instead of {"detail": ...}."""
+    detail = e.detail if isinstance(e.detail, str) else "bad request"
+    error = ApiError(e.status_code, f"{detail}: {request.method} {request.url.path}")
+    return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
 
 def _service_routes(frontend: Frontend) -> APIRouter:

@@ -15,10 +15,10 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from radixserve.v1 import generation_pb2 as pb
 from services.frontend.pipeline import FrontendError
@@ -133,14 +133,45 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+# Integers the protobuf fields behind them hold: a larger one is a 400 naming the field, not
+# an overflow deep in the conversion (HTTP 500).
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+def _first_unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string that is not valid Unicode (a lone surrogate, which JSON's
+    \\ud800 escapes can carry and UTF-8 cannot encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict | list):
+        items: Any = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            found = _first_unencodable(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    return None
+
+
 class _SamplingBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        bad = _first_unencodable(data, "")
+        if bad:
+            raise ValueError(f"{bad}: invalid Unicode (a lone surrogate)")
+        return data
+
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int32 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -149,14 +180,14 @@ class _SamplingBody(BaseModel):
     presence_penalty: float | None = None
     user: str | None = None
     # Beyond OpenAI (as vLLM and SGLang accept them).
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     request_id: str | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Int32 = 0
     # Constrained decoding: OpenAI's response_format, and vLLM's / SGLang's regex and ebnf.
     response_format: ResponseFormat | None = None
     regex: str | None = None
@@ -169,8 +200,8 @@ class _SamplingBody(BaseModel):
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, description="top alternatives per token, [0, 20]")
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    logprobs: Int32 | None = Field(default=None, description="top alternatives per token, [0, 20]")
     echo: bool = False
 
 
@@ -183,9 +214,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
 
 
 # ---- OpenAI body -> GenerateRequest --------------------------------------------------

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from radixserve.v1 import generation_pb2 as pb
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # stop strings are matched against every streamed chunk
+MAX_CACHE_SALT_CHARS = 1024  # salts are kept in the radix tree, one per cached branch
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_LEN = 256
 # A constraint's text at most (characters): past it a schema or grammar is refused before
@@ -80,6 +82,10 @@ def validate_sampling(sp: pb.SamplingParams, vocab_size: int) -> None:
     for i, s in enumerate(sp.stop):
         if not s:
             raise ValidationError(f"sampling.stop[{i}]", "stop strings must be non-empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValidationError(
+                f"sampling.stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+            )
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValidationError(
             "sampling.stop_token_ids",
@@ -144,6 +150,10 @@ def validate_request(req: pb.GenerateRequest, vocab_size: int) -> None:
     """Everything that can be checked before tokenizing."""
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise ValidationError("request_id", f"at most {MAX_REQUEST_ID_LEN} characters")
+    if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValidationError(
+            "cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(req.cache_salt)}"
+        )
     validate_input(req, vocab_size)
     validate_sampling(req.sampling, vocab_size)
 

@@ -3,6 +3,7 @@ frontend and a scripted scheduler on loopback."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -210,3 +211,43 @@ def test_stream_disconnect_aborts_at_scheduler(frontend, fake):
     while not any(a.rid == "http-cancel" for a, _ in fake.aborts):
         assert time.monotonic() < deadline, "disconnect did not abort the request"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        ({"max_tokens": 2**40}, 400, "max_tokens", "less than or equal to 2147483647"),
+        ({"top_k": -(2**40)}, 400, "top_k", "greater than or equal"),
+        ({"prompt": [1, 2**33]}, 400, "prompt", "prompt"),
+        ({"cache_salt": "s" * 5000}, 400, "cache_salt", "at most 1024 characters"),
+        ({"stop": ["x" * 5000]}, 400, "stop", "at most 1024 characters"),
+        ({"prompt": "\ud800"}, 400, None, "invalid Unicode"),
+    ],
+)
+def test_hostile_values_get_400_in_openai_shape(frontend, body, status, param, words):
+    model = httpx.get(frontend.http_base + "/v1/models").json()["data"][0]["id"]
+    payload = {"model": model, "prompt": "hi", "max_tokens": 2, **body}
+    # json.dumps escapes a lone surrogate as \ud800, which is how a client sends one.
+    r = httpx.post(
+        frontend.http_base + "/v1/completions",
+        content=json.dumps(payload).encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    if param:
+        assert error["param"] == param
+
+
+def test_unknown_route_and_method_answer_in_openai_shape(frontend):
+    r = httpx.get(frontend.http_base + "/v1/nope")
+    assert r.status_code == 404 and "error" in r.json() and "detail" not in r.json()
+    r = httpx.get(frontend.http_base + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"].startswith("Method Not Allowed")
+    r = httpx.post(
+        frontend.http_base + "/v1/completions",
+        content=b'{"prompt": "\xff\xfe"}',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "error" in r.json()
