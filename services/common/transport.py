@@ -12,18 +12,51 @@ Nothing here pickles: every payload is ``message.SerializeToString()``.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
+import time
 import uuid
 from typing import TypeVar
 
 import numpy as np
 import zmq
 import zmq.asyncio
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 M = TypeVar("M", bound=Message)
+log = logging.getLogger(__name__)
+
+# A frame larger than this makes libzmq drop the peer's connection before anything is
+# parsed (the largest real message, a ForwardBatch of a full prefill, is a few MB).
+MAX_FRAME_BYTES = 256 << 20
+
+
+class BadFrame(ValueError):
+    """What a peer sent is not one well-formed message of the expected type."""
+
+
+class DropLog:
+    """Counts frames dropped at a socket; logs at most one line per ``every_s`` (a flood of
+    garbage must not become a flood of log lines)."""
+
+    def __init__(self, socket_name: str, every_s: float = 10.0):
+        self.socket_name, self.every_s = socket_name, every_s
+        self.dropped = 0
+        self._last_log = -float("inf")
+
+    def note(self, reason: object) -> None:
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self._last_log >= self.every_s:
+            self._last_log = now
+            log.warning(
+                "%s: dropped a malformed frame (%s); %d dropped so far",
+                self.socket_name,
+                reason,
+                self.dropped,
+            )
 
 
 def private_ipc_dir() -> str:
@@ -68,6 +101,7 @@ def dealer(ctx: zmq.Context, addr: str, identity: bytes | None = None) -> zmq.So
 def router(ctx: zmq.Context, addr: str) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     _configure(sock)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     # Fail loudly instead of dropping a reply to a peer that went away.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.bind(addr)
@@ -75,8 +109,12 @@ def router(ctx: zmq.Context, addr: str) -> zmq.Socket:
 
 
 def decode(cls: type[M], payload: bytes) -> M:
+    """Parses one message; BadFrame (never another exception) when it is not one."""
     msg = cls()
-    msg.ParseFromString(payload)
+    try:
+        msg.ParseFromString(payload)
+    except (DecodeError, RuntimeError, ValueError) as e:  # protobuf's C and Python parsers
+        raise BadFrame(f"not a {cls.__name__}: {e}") from e
     return msg
 
 
@@ -94,8 +132,12 @@ def recv(sock: zmq.Socket, cls: type[M], flags: int = 0) -> M:
 
 
 def recv_routed(sock: zmq.Socket, cls: type[M], flags: int = 0) -> tuple[bytes, M]:
-    """Receives (identity, message) on a synchronous ROUTER."""
-    identity, payload = sock.recv_multipart(flags=flags)
+    """Receives (identity, message) on a synchronous ROUTER; BadFrame for anything but
+    one identity frame plus one parseable message."""
+    frames = sock.recv_multipart(flags=flags)
+    if len(frames) != 2:
+        raise BadFrame(f"{len(frames)} frames, expected identity + one message")
+    identity, payload = frames
     return identity, decode(cls, payload)
 
 

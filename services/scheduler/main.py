@@ -72,6 +72,9 @@ def start_control_server(sched: Scheduler, host: str, port: int) -> tuple[grpc.S
     return server, bound
 
 
+FRONTEND_DROPS = transport.DropLog("scheduler frontend socket")
+
+
 def drain_frontends(sched: Scheduler, sock: zmq.Socket, timeout_ms: int) -> None:
     """Takes every message waiting on the frontend socket (waits up to timeout_ms for the first)."""
     if not sock.poll(timeout_ms):
@@ -82,10 +85,15 @@ def drain_frontends(sched: Scheduler, sock: zmq.Socket, timeout_ms: int) -> None
         except zmq.Again:
             sched.publish_stats()  # control calls see new and aborted requests at once
             return
+        except transport.BadFrame as e:  # garbage never ends the loop
+            FRONTEND_DROPS.note(e)
+            continue
         if msg.HasField("generate"):
             sched.add_request(identity, msg.generate)
         elif msg.HasField("abort"):
             sched.abort(msg.abort.rid, msg.abort.reason)
+        else:
+            FRONTEND_DROPS.note("a FrontendToScheduler with no message set")
 
 
 def main(cfg: SchedulerConfig) -> None:

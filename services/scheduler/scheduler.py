@@ -41,6 +41,7 @@ from services.scheduler.radix_cache import check_slot_integrity
 from services.scheduler.req_queues import ReqQueues
 from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
+from services.scheduler.request_checks import request_problem
 from services.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger("radixserve.scheduler")
@@ -127,11 +128,18 @@ class Scheduler:
     # ------------------------------------------------------------------ admission --
     def add_request(self, identity: bytes, msg: engine_pb2.TokenizedRequest) -> None:
         req = self._new_req(identity, msg)
-        problem = self._reject_reason(req)
-        if problem or req.rid in self.queues.by_rid:
-            code = "RESOURCE_EXHAUSTED" if problem else "ALREADY_EXISTS"
+        invalid = request_problem(msg, unpack_i32(msg.input_ids), self.info.vocab_size)
+        problem = "" if invalid else self._reject_reason(req)
+        if invalid or problem or req.rid in self.queues.by_rid:
+            code = (
+                "INVALID_ARGUMENT"
+                if invalid
+                else "RESOURCE_EXHAUSTED"
+                if problem
+                else "ALREADY_EXISTS"
+            )
             req.error_code, req.finish_reason = code, "abort"
-            req.finish_message = problem or f"request_id {req.rid!r} is already running"
+            req.finish_message = invalid or problem or f"request_id {req.rid!r} is already running"
             self._emit(req)
             return
         self.queues.add(req)

@@ -125,14 +125,25 @@ def serve(sock: zmq.Socket, runner: ModelRunner, metrics: WorkerMetrics | None) 
     instance = uuid.uuid4().hex
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    drops = transport.DropLog("worker socket")
     while not stop.is_set():
         if not sock.poll(POLL_MS):
             continue
-        identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
+        try:
+            identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
+        except transport.BadFrame as e:  # garbage never ends the loop
+            drops.note(e)
+            continue
+        if not (msg.HasField("info") or msg.HasField("forward")):
+            drops.note("a SchedulerToWorker with no message set")
+            continue
         reply = handle(runner, msg, instance)
         if metrics and reply.HasField("result"):
             metrics.observe(msg.forward, reply.result)
-        transport.send(sock, reply, identity)
+        try:
+            transport.send(sock, reply, identity)
+        except zmq.ZMQError as e:  # the scheduler went away (kill -9): serve the next one
+            log.warning("worker: reply to a scheduler that is gone dropped (%s)", e)
 
 
 def _log_ready(cfg: WorkerConfig, info: RunnerInfo, where: str) -> None:
