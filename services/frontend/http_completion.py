@@ -10,6 +10,8 @@ needs only its own Renderer.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol
@@ -24,6 +26,8 @@ from services.frontend.pipeline import Frontend, FrontendError
 from services.frontend.spans import carrier_from
 
 Responses = AsyncGenerator[pb.GenerateResponse, None]
+# How often a non-streaming request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.5
 
 
 class Renderer(Protocol):
@@ -58,8 +62,28 @@ async def complete(
     responses = _open(frontend, req, renderer.input_param, http)
     if stream:
         return StreamingResponse(_events(responses, renderer), media_type="text/event-stream")
-    text, lps, final = await _collect(responses, renderer.input_param)
-    return JSONResponse(_payload(renderer.whole(text, lps, final)))
+    collected = await _collect_while_connected(responses, renderer.input_param, http)
+    if collected is None:  # nobody is left to read it
+        return Response(status_code=499)
+    return JSONResponse(_payload(renderer.whole(*collected)))
+
+
+async def _collect_while_connected(
+    responses: Responses, input_param: str, http: Request
+) -> tuple[str, list[pb.TokenLogprob], pb.GenerateResponse] | None:
+    """_collect, unless the client hangs up first: then the request is aborted (its KV freed
+    at once, not after generating max_tokens for nobody) and None is returned."""
+    task = asyncio.ensure_future(_collect(responses, input_param))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await http.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, FrontendError, ApiError):
+                await task
+            await responses.aclose()  # the pipeline aborts the request on close
+            return None
 
 
 def _open(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -268,3 +270,28 @@ def test_ctrl_c_stops_everything():
     alive = [p for p in kids if _alive(p)]
     s.close()
     assert len(kids) == 3 and not alive
+
+
+def test_non_streaming_http_clients_that_hang_up_free_their_kv(server):
+    """32 non-streaming clients ask for 500 tokens each and disconnect after 1 s: every
+    request is aborted (nothing left running within a few seconds) and the pool is whole."""
+    import httpx
+
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    model = httpx.get(f"http://127.0.0.1:{server.http_port}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Now is better than", "max_tokens": 500, "ignore_eos": True}
+
+    async def hang_up() -> None:
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            with contextlib.suppress(httpx.TimeoutException):
+                await client.post(url, json=body)
+
+    async def all_of_them() -> None:
+        await asyncio.gather(*(hang_up() for _ in range(32)))
+
+    asyncio.run(all_of_them())
+    deadline = time.monotonic() + 10
+    while scrape_metrics(server.sched_metrics)["radixserve:num_running_reqs"] > 0:
+        assert time.monotonic() < deadline, "disconnected requests kept generating"
+        time.sleep(0.1)
+    idle_pool_is_whole(server)
