@@ -59,7 +59,7 @@ async def complete(
     (ApiError) even when it asked to stream; later failures end the stream with an error
     event, as OpenAI's clients expect.
     """
-    responses = _open(frontend, req, renderer.input_param, http)
+    responses = await _open(frontend, req, renderer.input_param, http)
     if stream:
         return StreamingResponse(_events(responses, renderer), media_type="text/event-stream")
     collected = await _collect_while_connected(responses, renderer.input_param, http)
@@ -86,12 +86,12 @@ async def _collect_while_connected(
             return None
 
 
-def _open(
+async def _open(
     frontend: Frontend, req: pb.GenerateRequest, input_param: str, http: Request
 ) -> Responses:
     """Submits under the caller's W3C trace headers, so the request's spans join its trace."""
     try:
-        return frontend.open(req, carrier_from(http.headers.items()))
+        return await frontend.open(req, carrier_from(http.headers.items()))
     except FrontendError as e:
         raise api_error(e, input_param) from e
 

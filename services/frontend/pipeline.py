@@ -36,6 +36,7 @@ from services.frontend.validation import (
     validate_input,
     validate_length,
     validate_request,
+    validate_text_size,
 )
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class Frontend:
     def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
         try:
             validate_input(req, self.vocab_size)
+            validate_text_size(req, self.max_model_len)
             ids = self._encode(req)
         except ValidationError as e:
             raise _invalid(e) from e
@@ -177,6 +179,7 @@ class Frontend:
         self._require_ready()
         try:
             validate_request(req, self.vocab_size)
+            validate_text_size(req, self.max_model_len)  # before paying for tokenizing it
             ids = self._encode(req)
             validate_length(len(ids), req.sampling, self.max_model_len)
         except ValidationError as e:
@@ -192,19 +195,21 @@ class Frontend:
         )
         return treq, ids
 
-    def open(
+    async def open(
         self, req: pb.GenerateRequest, caller_trace: Mapping[str, str] | None = None
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Validates and submits now (raising FrontendError); returns the response stream.
 
         The caller must iterate the stream (or ``aclose`` it): its end releases the request.
         ``caller_trace`` is the caller's W3C context (traceparent, tracestate), if any.
+        Tokenizing (and the chat template) runs on a worker thread: a huge prompt must not
+        stall every other stream on the event loop.
         """
         arrival = time.time()
         span = RequestSpan(self.model_id, caller_trace)
         try:
             with span.child("tokenize"):
-                treq, ids = self._prepare(req, arrival)
+                treq, ids = await asyncio.to_thread(self._prepare, req, arrival)
             treq.trace_context.update(span.carrier())
             queue = self._submit(treq, ids)
         except FrontendError as e:
@@ -225,7 +230,7 @@ class Frontend:
         self, req: pb.GenerateRequest, caller_trace: Mapping[str, str] | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Streams the responses; raises FrontendError for a bad or failed request."""
-        async for resp in self.open(req, caller_trace):
+        async for resp in await self.open(req, caller_trace):
             yield resp
 
     async def _run(

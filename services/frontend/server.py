@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -34,7 +35,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        return await _unary(context, lambda: self._fe.tokenize(request))
+        return await _unary(context, lambda: self._fe.tokenize(request), in_thread=True)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -47,10 +48,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return await self._fe.flush_cache()
 
 
-async def _unary(context: grpc.aio.ServicerContext, call: Callable[[], _T]) -> _T:
-    """The answer of ``call``, or its FrontendError as the call's gRPC status."""
+async def _unary(
+    context: grpc.aio.ServicerContext, call: Callable[[], _T], in_thread: bool = False
+) -> _T:
+    """The answer of ``call`` (on a worker thread when it may be slow: tokenizing), or its
+    FrontendError as the call's gRPC status."""
     try:
-        return call()
+        return await asyncio.to_thread(call) if in_thread else call()
     except FrontendError as e:
         await context.abort(e.code, e.message)
         raise  # not reached: abort raises, but its stub does not say so

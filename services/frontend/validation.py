@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from radixserve.v1 import generation_pb2 as pb
 
 MAX_STOP_STRINGS = 16
+# A token is rarely more than a few characters; one of more than this many would be
+# pathological. A prompt longer than max_model_len * this cannot fit the context, so it is
+# refused by its size before tokenizing (which costs seconds for megabytes of text).
+MAX_CHARS_PER_TOKEN = 64
 MAX_STOP_STRING_CHARS = 1024  # stop strings are matched against every streamed chunk
 MAX_CACHE_SALT_CHARS = 1024  # salts are kept in the radix tree, one per cached branch
 MAX_STOP_TOKEN_IDS = 64
@@ -175,4 +179,24 @@ def validate_length(prompt_len: int, sp: pb.SamplingParams, max_model_len: int) 
             "sampling.max_tokens",
             f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) "
             f"exceeds max_model_len {max_model_len}",
+        )
+
+
+def validate_text_size(req: pb.GenerateRequest | pb.TokenizeRequest, max_model_len: int) -> None:
+    """Text (or chat content) too long to fit the context at any plausible token length."""
+    if max_model_len <= 0:
+        return
+    kind = req.WhichOneof("input")
+    if kind == "text":
+        size, field = len(req.text), "text"
+    elif kind == "messages":
+        size, field = sum(len(m.content) for m in req.messages.messages), "messages"
+    else:
+        return
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if size > limit:
+        raise ValidationError(
+            field,
+            f"{size} characters cannot fit max_model_len {max_model_len} tokens "
+            f"(at most {limit} characters are tokenized)",
         )

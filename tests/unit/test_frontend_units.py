@@ -256,3 +256,24 @@ def test_health_and_reflection_on_sync_server():
             assert status("") == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         server.stop(0)
+
+
+def test_text_too_long_for_the_context_is_refused_before_tokenizing():
+    from radixserve.v1 import generation_pb2 as pb
+    from services.frontend.validation import (
+        MAX_CHARS_PER_TOKEN,
+        ValidationError,
+        validate_text_size,
+    )
+
+    ok = pb.GenerateRequest(text="x" * (128 * MAX_CHARS_PER_TOKEN))
+    validate_text_size(ok, max_model_len=128)
+    too_long = pb.GenerateRequest(text="x" * (128 * MAX_CHARS_PER_TOKEN + 1))
+    with pytest.raises(ValidationError, match="cannot fit max_model_len 128"):
+        validate_text_size(too_long, max_model_len=128)
+    chat = pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="y" * 10**6)])
+    )
+    with pytest.raises(ValidationError) as e:
+        validate_text_size(chat, max_model_len=128)
+    assert e.value.field == "messages"
