@@ -172,6 +172,11 @@ class FrontendConfig:
     request_body_timeout: float = _opt(
         30.0, "seconds an HTTP client has to send its whole body (then 408)"
     )
+    shutdown_grace_period: float = _opt(
+        30.0,
+        "on SIGTERM: NOT_SERVING and no new requests at once, then running gRPC and HTTP "
+        "streams get this many seconds to finish",
+    )
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
     metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
     otlp_traces_endpoint: str = _opt(

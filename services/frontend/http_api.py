@@ -9,6 +9,7 @@ completion path in http_completion.py, on the same Frontend as the gRPC API.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,7 +157,9 @@ class HttpServer:
             await asyncio.sleep(0.01)
         return port
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Stops listening at once; open requests get ``grace_s`` to finish, then are cut."""
         if self._server is not None and self._task is not None:
+            self._server.config.timeout_graceful_shutdown = math.ceil(grace_s)
             self._server.should_exit = True
             await self._task

@@ -94,13 +94,18 @@ class FrontendServer:
         )
         log.info("frontend: gRPC on %s:%d, HTTP on %s%s", cfg.host, self.grpc_port, http, extra)
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING and no new calls at once; running gRPC and HTTP streams drain together
+        for up to ``grace_s`` (--shutdown-grace-period), then whatever is left is cut."""
+        grace = self.cfg.shutdown_grace_period if grace_s is None else grace_s
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        drains = []
         if self._http is not None:
-            await self._http.stop()
+            drains.append(self._http.stop(grace))
         if self._grpc is not None:
-            await self._grpc.stop(grace_s)
+            drains.append(self._grpc.stop(grace))
+        await asyncio.gather(*drains)
         if self.engines is not None:
             await self.engines.close()
 

@@ -414,8 +414,9 @@ def test_graceful_shutdown_budgets() -> None:
     c = hr.container(docs, "Deployment", "frontend")
     sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep" and sleep >= 5
-    # preStop, then the server's drain (FrontendServer.stop), within the grace period.
-    assert frontend_pod["terminationGracePeriodSeconds"] >= sleep + 10
+    # preStop, then the server's drain (--shutdown-grace-period), within the grace period.
+    drain = rs_config.FrontendConfig().shutdown_grace_period
+    assert frontend_pod["terminationGracePeriodSeconds"] >= sleep + drain
     engine_pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
     assert engine_pod["terminationGracePeriodSeconds"] >= 30
 

@@ -432,3 +432,37 @@ def test_engine_going_away_fails_its_requests(model_dir, tok, monkeypatch):
             assert _health(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         fe.stop()
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_ones(model_dir, tok):
+    """stop(): NOT_SERVING and no new calls at once, while a running stream (3 s here, longer
+    than the old 2 s cut) still ends normally within --shutdown-grace-period."""
+    import asyncio
+
+    slow = FakeScheduler(tok.encode(SCRIPT_TEXT), tok.vocab_size, step_s=0.15).start()
+    fe = FrontendThread(frontend_config(model_dir, [slow])).start()
+    channel = grpc.insecure_channel(fe.grpc_target)
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    try:
+        deadline = time.monotonic() + 10
+        health = health_pb2_grpc.HealthStub(channel)
+        while health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stream = stub.Generate(
+            pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=200)), timeout=30
+        )
+        first = next(stream)
+        assert first.token_ids
+        stopping = asyncio.run_coroutine_threadsafe(fe.server.stop(10.0), fe.loop)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(text="late"), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)
+        assert rest[-1].finish_reason in ("stop", "length")
+        stopping.result(20)
+    finally:
+        channel.close()
+        fe.loop.call_soon_threadsafe(fe.loop.stop)
+        slow.stop()
