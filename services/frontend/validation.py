@@ -8,10 +8,9 @@ the OpenAI parameter.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 
 from radixserve.v1 import generation_pb2 as pb
+from services.common.sampling_limits import sampling_bound_problem
 
 MAX_STOP_STRINGS = 16
 # A token is rarely more than a few characters; one of more than this many would be
@@ -35,30 +34,6 @@ class ValidationError(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True)
-class _Range:
-    lo: float
-    hi: float
-    lo_open: bool = False  # (lo, ...] instead of [lo, ...]
-
-    def holds(self, x: float) -> bool:
-        above = x > self.lo if self.lo_open else x >= self.lo
-        return math.isfinite(x) and above and x <= self.hi
-
-    def text(self) -> str:
-        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
-
-
-_FLOAT_RANGES = {
-    "temperature": _Range(0, 100),
-    "top_p": _Range(0, 1, lo_open=True),
-    "min_p": _Range(0, 1),
-    "repetition_penalty": _Range(0, 2, lo_open=True),
-    "frequency_penalty": _Range(-2, 2),
-    "presence_penalty": _Range(-2, 2),
-}
-
-
 def _check_token_ids(field: str, ids, vocab_size: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
@@ -68,17 +43,9 @@ def _check_token_ids(field: str, ids, vocab_size: int) -> None:
 
 
 def validate_sampling(sp: pb.SamplingParams, vocab_size: int) -> None:
-    if sp.HasField("max_tokens") and sp.max_tokens < 1:
-        raise ValidationError("sampling.max_tokens", f"must be >= 1, got {sp.max_tokens}")
-    for name, rng in _FLOAT_RANGES.items():
-        if sp.HasField(name) and not rng.holds(getattr(sp, name)):
-            raise ValidationError(
-                f"sampling.{name}", f"must be in {rng.text()}, got {getattr(sp, name):g}"
-            )
-    if sp.HasField("top_k") and sp.top_k < 0:
-        raise ValidationError("sampling.top_k", f"must be >= 0 (0 = off), got {sp.top_k}")
-    if sp.HasField("top_logprobs") and not 0 <= sp.top_logprobs <= 20:
-        raise ValidationError("sampling.top_logprobs", f"must be in [0, 20], got {sp.top_logprobs}")
+    bound = sampling_bound_problem(sp)
+    if bound is not None:
+        raise ValidationError(*bound)
     if len(sp.stop) > MAX_STOP_STRINGS:
         raise ValidationError(
             "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}"

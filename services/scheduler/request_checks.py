@@ -8,13 +8,10 @@ row fails the whole forward). A request that fails here ends alone, before any K
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from radixserve.internal.v1 import engine_pb2
-
-MAX_TOP_LOGPROBS = 20
+from services.common.sampling_limits import sampling_bound_problem
 
 
 def token_problem(ids: np.ndarray, vocab_size: int, field: str) -> str:
@@ -25,35 +22,9 @@ def token_problem(ids: np.ndarray, vocab_size: int, field: str) -> str:
 
 
 def sampling_problem(sp: engine_pb2.SamplingParams) -> str:
-    """The bounds the frontend enforces, as far as the worker depends on them."""
-    checks = [
-        (sp.HasField("max_tokens") and sp.max_tokens < 1, "max_tokens must be >= 1"),
-        (
-            sp.HasField("temperature")
-            and not (math.isfinite(sp.temperature) and 0 <= sp.temperature <= 100),
-            "temperature must be in [0, 100]",
-        ),
-        (sp.HasField("top_p") and not 0 < sp.top_p <= 1, "top_p must be in (0, 1]"),
-        (sp.HasField("top_k") and sp.top_k < 0, "top_k must be >= 0"),
-        (sp.HasField("min_p") and not 0 <= sp.min_p <= 1, "min_p must be in [0, 1]"),
-        (
-            sp.HasField("repetition_penalty") and not 0 < sp.repetition_penalty <= 2,
-            "repetition_penalty must be in (0, 2]",
-        ),
-        (
-            sp.HasField("frequency_penalty") and not -2 <= sp.frequency_penalty <= 2,
-            "frequency_penalty must be in [-2, 2]",
-        ),
-        (
-            sp.HasField("presence_penalty") and not -2 <= sp.presence_penalty <= 2,
-            "presence_penalty must be in [-2, 2]",
-        ),
-        (
-            sp.HasField("top_logprobs") and not 0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS,
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-        ),
-    ]
-    return next((f"sampling.{msg}" for bad, msg in checks if bad), "")
+    """The bounds the frontend enforces (services/common/sampling_limits.py)."""
+    bound = sampling_bound_problem(sp)
+    return "" if bound is None else f"{bound[0]}: {bound[1]}"
 
 
 def request_problem(msg: engine_pb2.TokenizedRequest, ids: np.ndarray, vocab_size: int) -> str:
