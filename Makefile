@@ -8,6 +8,13 @@ STAMP  := $(VENV)/.installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(PY) -m pip install -q --disable-pip-version-check $(FIND_LINKS)
 PYTEST_ARGS ?=
+# SGLang's frontend language, for the tests that run SGLang programs against radixserve
+# (tests/e2e/test_sglang_programs.py). Without its dependencies: 0.5.x requires SGLang's
+# whole server (torch 2.14 for CUDA, flashinfer, ...), and even this release lists packages
+# its client never imports; the modules its `lang` package does import are in pyproject's
+# dev extras. 0.4.10.post2 because its client imports with just those, and its
+# RuntimeEndpoint speaks the same /generate wire as the newest client.
+SGLANG_CLIENT := 'sglang==0.4.10.post2'
 
 .PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean
 
@@ -18,6 +25,7 @@ $(STAMP): pyproject.toml
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps $(SGLANG_CLIENT)
 	touch $(STAMP)
 
 run: $(STAMP)

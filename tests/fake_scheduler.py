@@ -154,6 +154,11 @@ class FakeScheduler:
         """Emits one token; True when the request is done."""
         sp = r.req.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 128
+        if max_tokens == 0:  # prefill only: one delta, no token
+            delta = engine_pb2.TokenDelta(rid=r.req.rid, finish_reason="length")
+            _with_prompt_logprobs(delta, r.req)
+            self._send(r.identity, _with_totals(delta, r))
+            return True
         slow = r.req.cache_salt == "slow"
         token = (
             self.script[r.emitted % len(self.script)]
@@ -172,6 +177,8 @@ class FakeScheduler:
             delta.finish_reason = "length"
         if delta.finish_reason:
             _with_totals(delta, r)
+        if r.emitted == 1:
+            _with_prompt_logprobs(delta, r.req)
         self._send(r.identity, delta)
         r.next_at = time.monotonic() + r.step_s
         return bool(delta.finish_reason)
@@ -180,6 +187,25 @@ class FakeScheduler:
         transport.send(
             self._sock, engine_pb2.SchedulerToFrontend(outputs=[delta]), identity=identity
         )
+
+
+def fake_prompt_logprob(position: int) -> float:
+    """What the fake scheduler reports as the logprob of the prompt token at position."""
+    return -0.25 * position
+
+
+def _with_prompt_logprobs(delta: engine_pb2.TokenDelta, req: engine_pb2.TokenizedRequest) -> None:
+    """On the first delta, as the real scheduler sends them: from max(start, 1) on."""
+    sp = req.sampling
+    if not sp.prompt_logprobs:
+        return
+    ids = transport.unpack_i32(req.input_ids).tolist()
+    start = max(sp.prompt_logprobs_start if sp.HasField("prompt_logprobs_start") else 0, 1)
+    for q in range(start, len(ids)):
+        lp = delta.prompt_logprobs.add(token_id=ids[q], logprob=fake_prompt_logprob(q))
+        for _ in range(sp.top_logprobs if sp.HasField("top_logprobs") else 0):
+            lp.top.add(token_id=ids[q], logprob=fake_prompt_logprob(q))
+    delta.prompt_logprobs_start = start
 
 
 def _with_totals(delta: engine_pb2.TokenDelta, r: _Running) -> engine_pb2.TokenDelta:

@@ -25,6 +25,16 @@ def next_token(context: list[int]) -> int:
     return int.from_bytes(digest, "little") % (VOCAB - 1)  # never EOS: lengths stay predictable
 
 
+def fake_logprob(context: list[int]) -> float:
+    """The fake "logprob" of whatever follows context (prompt logprobs)."""
+    return -next_token(context) / VOCAB
+
+
+def expected_prompt_logprobs(prompt: list[int], start: int = 0) -> list[tuple[int, float]]:
+    """(token, fake logprob) of prompt[q] for q from max(start, 1) on."""
+    return [(prompt[q], fake_logprob(prompt[:q])) for q in range(max(start, 1), len(prompt))]
+
+
 def expected(prompt: list[int], max_tokens: int) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(max_tokens):
@@ -86,7 +96,11 @@ class FakeWorker:
             tok = next_token(context) if r.sample else -1
             if r.sample:
                 self.last[r.req_slot] = tok
-            result.tokens.add(token_id=tok)
+            scored = result.tokens.add(token_id=tok)
+            for k, target in enumerate(unpack_i32(r.prompt_logprob_targets).tolist()):
+                # Scored through the KV read back, like the sampled token.
+                end = r.prefix_len + r.prompt_logprob_row + k + 1
+                scored.prompt_logprobs.add(token_id=target, logprob=fake_logprob(context[:end]))
         return result
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 # Channel options of every client: generous message sizes, since a long prompt's token
 # ids or a large JSON Schema can pass gRPC's 4 MB default.
@@ -26,6 +29,8 @@ class CallSettings:
         timeout: float | None,
     ) -> CallSettings:
         pairs = list(metadata.items()) if isinstance(metadata, Mapping) else list(metadata)
+        if api_key is None:  # not given: the server's own variable, as the CLI reads it
+            api_key = os.environ.get(API_KEY_ENV) or None
         if api_key:
             pairs.append(("authorization", f"Bearer {api_key}"))
         # gRPC metadata keys are lower case; a capitalised one is refused at call time.

@@ -17,7 +17,8 @@ class GenerateOptions(TypedDict, total=False):
     """Keyword options of ``generate`` and ``stream``. Unset ones take the server's default
     (max_tokens 128, temperature 1.0, ...; see protos/radixserve/v1/generation.proto)."""
 
-    max_tokens: int
+    max_tokens: int  # 0: the prompt only (its prompt_logprobs, its KV in the cache)
+    min_tokens: int  # EOS and stop_token_ids cannot end the output before this many tokens
     temperature: float  # 0 = greedy
     top_p: float
     top_k: int
@@ -31,6 +32,8 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool
     logprobs: bool  # the logprob of each chosen token
     top_logprobs: int  # and this many alternatives (implies logprobs)
+    prompt_logprobs: bool  # the logprob of each prompt token (Completion.prompt_logprobs)
+    prompt_logprobs_start: int  # from this prompt position on (default 0, effectively 1)
     regex: str  # the output fully matches this regular expression
     ebnf: str  # the output follows this GBNF grammar (root rule "root")
     json_object: bool  # the output is some JSON object
@@ -42,6 +45,7 @@ class GenerateOptions(TypedDict, total=False):
 
 _SAMPLING_SCALARS = (
     "max_tokens",
+    "min_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -53,6 +57,8 @@ _SAMPLING_SCALARS = (
     "ignore_eos",
     "logprobs",
     "top_logprobs",
+    "prompt_logprobs",
+    "prompt_logprobs_start",
 )
 _KNOWN = frozenset(GenerateOptions.__optional_keys__)
 

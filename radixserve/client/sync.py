@@ -33,7 +33,8 @@ T = TypeVar("T")
 class Client:
     """A connection to a radixserve frontend (``host:port``, default port 30000).
 
-    ``api_key`` is sent as ``authorization: Bearer <key>``; ``metadata`` rides on every call;
+    ``api_key`` (default: env RADIXSERVE_API_KEY) is sent as ``authorization: Bearer <key>``;
+    ``metadata`` rides on every call;
     ``timeout`` (seconds, None = no limit) bounds every call unless the call gives its own;
     ``credentials`` (``grpc.ssl_channel_credentials()``) switch the channel to TLS. Use it as
     a context manager, or call ``close()``.

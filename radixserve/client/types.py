@@ -55,7 +55,8 @@ class Chunk:
     """One streamed message: the tokens and text new since the previous one.
 
     The last chunk has ``finish_reason`` ("stop", "length" or "abort"), ``usage`` and
-    ``timings``; on earlier ones they are None.
+    ``timings``; on earlier ones they are None. With ``prompt_logprobs=True`` the first chunk
+    carries them: entry k scores the prompt token at ``prompt_logprobs_start + k``.
     """
 
     request_id: str
@@ -66,6 +67,8 @@ class Chunk:
     matched_stop: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,10 @@ class Completion(Generic[T]):
     """A whole generation.
 
     ``parsed`` is the structured output (a dict, a pydantic model or dataclass instance, ...)
-    when ``structured_output=`` was given, else None. ``logprobs`` is empty unless asked for.
+    when ``structured_output=`` was given, else None. ``logprobs`` is empty unless asked for,
+    and so is ``prompt_logprobs``: the logprob of each prompt token from
+    ``prompt_logprobs_start`` on (at least 1: the first token has nothing before it), given
+    all the tokens before it, with ``top_logprobs`` alternatives each.
     """
 
     request_id: str
@@ -85,6 +91,8 @@ class Completion(Generic[T]):
     timings: Timings
     logprobs: tuple[TokenLogprob, ...] = ()
     parsed: T = field(default=None)  # type: ignore[assignment]
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,8 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
         matched_stop=msg.matched_stop or None,
         usage=_usage(msg) if last else None,
         timings=_timings(msg.timings) if last else None,
+        prompt_logprobs=tuple(_logprob(lp) for lp in msg.prompt_logprobs),
+        prompt_logprobs_start=msg.prompt_logprobs_start,
     )
 
 
@@ -134,11 +144,14 @@ def completion_from_chunks(chunks: Iterable[Chunk]) -> Completion[None]:
     ids: list[int] = []
     logprobs: list[TokenLogprob] = []
     last: Chunk | None = None
+    scored: Chunk | None = None  # the one chunk with the prompt logprobs
     for c in chunks:
         text.append(c.text)
         ids.extend(c.token_ids)
         logprobs.extend(c.logprobs)
         last = c
+        if c.prompt_logprobs_start:
+            scored = c
     if last is None or last.finish_reason is None or last.usage is None or last.timings is None:
         # The server always closes a stream with a finishing message; a stream without one
         # was cut, and a partial answer must not pass for a whole one.
@@ -152,6 +165,8 @@ def completion_from_chunks(chunks: Iterable[Chunk]) -> Completion[None]:
         usage=last.usage,
         timings=last.timings,
         logprobs=tuple(logprobs),
+        prompt_logprobs=scored.prompt_logprobs if scored else (),
+        prompt_logprobs_start=scored.prompt_logprobs_start if scored else 0,
     )
 
 
@@ -167,6 +182,8 @@ def with_parsed(c: Completion[None], parsed: T) -> Completion[T]:
         timings=c.timings,
         logprobs=c.logprobs,
         parsed=parsed,
+        prompt_logprobs=c.prompt_logprobs,
+        prompt_logprobs_start=c.prompt_logprobs_start,
     )
 
 

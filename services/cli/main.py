@@ -4,6 +4,7 @@ server, or benchmark any OpenAI-compatible server."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from services.common.config import (
     FrontendConfig,
     SchedulerConfig,
+    ServeConfig,
     WorkerConfig,
     add_dataclass_args,
     from_args,
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     seen: set[str] = set()
-    for config_cls in (FrontendConfig, SchedulerConfig, WorkerConfig):
+    for config_cls in (FrontendConfig, SchedulerConfig, WorkerConfig, ServeConfig):
         add_dataclass_args(serve, config_cls, seen)
     serve.add_argument(
         "--startup-timeout",
@@ -50,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     from services.bench.serving import add_bench_args
     from services.frontend.client import add_generate_args
 
+    keys = sub.add_parser("keys", help="CURVE keys of the internal links (--internal-keys-dir)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    gen = keys_sub.add_parser(
+        "generate", help="write frontend/scheduler/worker keypairs and a control token"
+    )
+    gen.add_argument("dir", help="folder to write them into (created 0700)")
     add_generate_args(sub.add_parser("generate", help="stream a completion from a running server"))
     add_bench_args(
         sub.add_parser(
@@ -71,9 +79,20 @@ def _service_main(name: str) -> Callable[[Any], None]:
         from services.scheduler.main import main as scheduler_main
 
         return scheduler_main
+    _passive_openmp()
     from services.worker.main import main as worker_main
 
     return worker_main
+
+
+def _passive_openmp() -> None:
+    """Before torch loads libgomp (it reads these once): the worker's OpenMP threads sleep at
+    a barrier instead of spinning (libgomp spins ~300k rounds by default). On 2 cores shared
+    with the frontend, the scheduler and the clients, a spinning thread holds the core its
+    partner (or the frontend) needs: decode-size linears ran 4-15x slower under load
+    (issue 18, docs/benchmarks.md). An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         from services.cli.serve import serve
 
         return serve(ns)
+    if ns.command == "keys":
+        from services.common.curve import generate_keys
+
+        generate_keys(ns.dir)
+        print(f"radixserve: keys written to {ns.dir} (give it as --internal-keys-dir)")
+        return 0
     if ns.command == "generate":
         from services.frontend.client import run_generate
 

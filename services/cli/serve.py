@@ -1,8 +1,12 @@
 """`radixserve serve`: the three services as three OS processes, started in order and supervised.
 
 Internal addresses default to per-instance ipc paths and free ports, so two servers given
-different --port values run side by side. If one process dies, the others are stopped
-with a message naming which and why; Ctrl-C or SIGTERM stops all of them; children get
+different --port values run side by side. A process that dies after start-up is restarted
+as a container runtime would (same flags and addresses; exponential backoff; more than
+--max-restarts in --restart-window stops everything, naming it); its peers fail their
+in-flight requests fast and serve again once it is back. `--on-child-exit stop` stops all
+three instead. A process that dies during start-up stops all (a configuration error).
+Ctrl-C or SIGTERM stops all of them (each drains for --shutdown-grace-period); children get
 SIGTERM from the kernel should this process die without cleaning up (no orphans).
 """
 
@@ -11,6 +15,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,13 +29,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import (
     FrontendConfig,
     SchedulerConfig,
+    ServeConfig,
     WorkerConfig,
     from_args,
+    secret_env,
     to_argv,
 )
+from services.common.curve import ephemeral_keys
 from services.common.transport import new_ipc_addr
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # beyond the children's own --shutdown-grace-period (their drain)
+MAX_BACKOFF_S = 30.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,6 +62,8 @@ class Child:
     name: str
     proc: subprocess.Popen
     health_addr: str
+    restarts: list[float] = dataclasses.field(default_factory=list)  # when (monotonic)
+    restart_at: float | None = None  # dead, to be started again at this time
 
 
 def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, FrontendConfig]:
@@ -84,7 +96,8 @@ def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, Fronten
 
 def spawn(name: str, cfg) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", name, *to_argv(cfg)]
-    return subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+    env = {**os.environ, **secret_env(cfg)}  # API keys by environment, never in argv
+    return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
 
 
 def healthy(addr: str, timeout: float = 1.0) -> bool:
@@ -99,11 +112,11 @@ def healthy(addr: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def stop_all(children: list[Child]) -> None:
+def stop_all(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
     for c in children:
         if c.proc.poll() is None:
             c.proc.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for c in children:
         try:
             c.proc.wait(max(0.1, deadline - time.monotonic()))
@@ -116,10 +129,55 @@ def first_dead(children: list[Child]) -> Child | None:
     return next((c for c in children if c.proc.poll() is not None), None)
 
 
-def _describe(c: Child) -> str:
+def _how(c: Child) -> str:
     rc = c.proc.returncode
-    how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-    return f"radixserve: the {c.name} process {how}; its log is above. Stopping the others."
+    return f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+
+
+def _describe(c: Child) -> str:
+    return f"radixserve: the {c.name} process {_how(c)}; its log is above. Stopping the others."
+
+
+def _say(text: str) -> None:
+    print(f"radixserve: {text}", file=sys.stderr, flush=True)
+
+
+def supervise(children: list[Child], configs: dict[str, object], policy: ServeConfig) -> int:
+    """After start-up: a child that dies is started again (same flags, same addresses, so
+    its peers find it), after a backoff that doubles with each restart in the window; more
+    than policy.max_restarts in policy.restart_window (a crash loop), or --on-child-exit
+    stop, stops everything. Returns the exit code (only ever on a failure)."""
+    while True:
+        now = time.monotonic()
+        for c in children:
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    c.restart_at = None
+                    c.proc = spawn(c.name, configs[c.name])
+                    _say(f"the {c.name} process restarted (pid {c.proc.pid})")
+                continue
+            if c.proc.poll() is None:
+                continue
+            if policy.on_child_exit == "stop":
+                print(_describe(c), file=sys.stderr, flush=True)
+                return 1
+            c.restarts = [t for t in c.restarts if now - t < policy.restart_window]
+            if len(c.restarts) >= policy.max_restarts:
+                _say(
+                    f"the {c.name} process {_how(c)} again: {len(c.restarts)} restarts within "
+                    f"{policy.restart_window:g} s (--max-restarts {policy.max_restarts}) is a "
+                    "crash loop; its log is above. Stopping the others."
+                )
+                return 1
+            delay = min(MAX_BACKOFF_S, policy.restart_backoff * 2 ** len(c.restarts))
+            c.restarts.append(now)
+            c.restart_at = now + delay
+            _say(
+                f"the {c.name} process {_how(c)}; restarting it in {delay:g} s (restart "
+                f"{len(c.restarts)} of at most {policy.max_restarts} within "
+                f"{policy.restart_window:g} s)"
+            )
+        time.sleep(0.2)
 
 
 def wait_healthy(children: list[Child], timeout: float) -> Child | None:
@@ -142,6 +200,16 @@ def _interrupt(signum, frame) -> None:
 
 
 def serve(ns: argparse.Namespace) -> int:
+    try:
+        policy = from_args(ServeConfig, ns)
+    except ValueError as e:
+        raise SystemExit(f"radixserve serve: {e}") from None
+    # tcp:// links between the children get fresh CURVE keys unless keys were given.
+    own_keys = ephemeral_keys(
+        [ns.worker_addr, ns.scheduler_addr], ns.internal_keys_dir, ns.insecure_internal
+    )
+    if own_keys:
+        ns.internal_keys_dir = own_keys
     worker, sched, front = plan(ns)
     host = ns.host
     children: list[Child] = []
@@ -166,8 +234,8 @@ def serve(ns: argparse.Namespace) -> int:
                 f"{host}:{front.port}{http}. Ctrl-C stops.",
                 flush=True,
             )
-            while (dead := first_dead(children)) is None:
-                time.sleep(0.2)
+            configs = {"worker": worker, "scheduler": sched, "frontend": front}
+            return supervise(children, configs, policy)
         print(_describe(dead), file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
@@ -177,4 +245,6 @@ def serve(ns: argparse.Namespace) -> int:
         print(f"radixserve: {e}. Stopping.", file=sys.stderr, flush=True)
         return 1
     finally:
-        stop_all(children)
+        stop_all(children, ns.shutdown_grace_period + STOP_GRACE_S)
+        if own_keys:
+            shutil.rmtree(own_keys, ignore_errors=True)

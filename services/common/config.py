@@ -32,6 +32,23 @@ def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _secret(help: str):
+    """A secret field (an API key): never in repr (log lines), --help or a child's argv
+    (``ps`` shows argv to every local user); the flag wins over RADIXSERVE_<NAME>."""
+    return field(default="", repr=False, metadata={"help": help, "secret": True})
+
+
+# Internal-link authentication: the same two flags in every service (services/common/curve.py).
+_KEYS_DIR_HELP = (
+    "folder of CURVE keys and the control token of the internal links (`radixserve keys "
+    "generate DIR`); empty: ipc links only, unauthenticated inside the private 0700 folder"
+)
+_INSECURE_HELP = (
+    "allow tcp:// internal links without --internal-keys-dir (anyone who reaches the port "
+    "can send frames: for tests and trusted networks only)"
+)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model_path: str = _opt(
@@ -79,6 +96,13 @@ class WorkerConfig:
         "", "ZeroMQ address the worker binds for its scheduler (default: a per-instance ipc path)"
     )
     worker_grpc_port: int = _opt(0, "gRPC info/health port of the worker (0: a free port)")
+    shutdown_grace_period: float = _opt(
+        30.0,
+        "on SIGTERM the worker keeps running its scheduler's batches (the scheduler drains) "
+        "and exits once none came for a second, or after this many seconds",
+    )
+    internal_keys_dir: str = _opt("", _KEYS_DIR_HELP)
+    insecure_internal: bool = _opt(False, _INSECURE_HELP)
     host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
     metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
@@ -122,6 +146,19 @@ class SchedulerConfig:
     )
     worker_addr: str = _opt("", "ZeroMQ address of the worker to drive")
     control_port: int = _opt(0, "gRPC control port (flush, stats, health) (0: a free port)")
+    worker_result_timeout: float = _opt(
+        120.0,
+        "seconds a connected worker may take to answer one batch before its requests fail "
+        "UNAVAILABLE and the scheduler reconnects (a dead worker is noticed at once: socket "
+        "monitor and ZeroMQ heartbeats)",
+    )
+    shutdown_grace_period: float = _opt(
+        30.0,
+        "on SIGTERM: NOT_SERVING and new requests refused (UNAVAILABLE) at once; running "
+        "requests get this many seconds to finish, then fail UNAVAILABLE",
+    )
+    internal_keys_dir: str = _opt("", _KEYS_DIR_HELP)
+    insecure_internal: bool = _opt(False, _INSECURE_HELP)
     host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
     decode_log_interval: int = _opt(40, "log a decode line every N decode steps")
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
@@ -172,6 +209,21 @@ class FrontendConfig:
     request_body_timeout: float = _opt(
         30.0, "seconds an HTTP client has to send its whole body (then 408)"
     )
+    api_key: str = _secret(
+        "key every public HTTP route and gRPC call must send as `Authorization: Bearer <key>` "
+        "(health probes excepted); empty: no authentication. Env: RADIXSERVE_API_KEY"
+    )
+    admin_api_key: str = _secret(
+        "key of the admin routes and RPCs (flush cache); empty: they take --api-key. "
+        "Env: RADIXSERVE_ADMIN_API_KEY"
+    )
+    metrics_auth: bool = _opt(
+        True,
+        "the HTTP port's /metrics needs the API key too, when one is set (the separate "
+        "--metrics-port listener never does: keep it off the public network)",
+    )
+    internal_keys_dir: str = _opt("", _KEYS_DIR_HELP)
+    insecure_internal: bool = _opt(False, _INSECURE_HELP)
     shutdown_grace_period: float = _opt(
         30.0,
         "on SIGTERM: NOT_SERVING and no new requests at once, then running gRPC and HTTP "
@@ -183,6 +235,34 @@ class FrontendConfig:
         "", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)"
     )
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`radixserve serve` only: how it supervises its three children."""
+
+    on_child_exit: str = _opt(
+        "restart",
+        "when a service dies after start-up: restart it (its in-flight requests fail fast "
+        "with UNAVAILABLE) or stop all three (the old behaviour)",
+        choices=["restart", "stop"],
+    )
+    max_restarts: int = _opt(
+        5, "crash-loop limit: more restarts than this within --restart-window stops all"
+    )
+    restart_window: float = _opt(60.0, "seconds over which --max-restarts is counted")
+    restart_backoff: float = _opt(
+        1.0, "delay before a restart, doubled for each earlier restart in the window (max 30 s)"
+    )
+
+    def __post_init__(self) -> None:
+        for flag, value, ok, limit in (
+            ("--max-restarts", self.max_restarts, self.max_restarts >= 0, ">= 0"),
+            ("--restart-window", self.restart_window, self.restart_window > 0, "> 0"),
+            ("--restart-backoff", self.restart_backoff, self.restart_backoff >= 0, ">= 0"),
+        ):
+            if not ok:
+                raise ValueError(f"{flag} must be {limit}, got {value}")
 
 
 def _base_type(tp) -> type:
@@ -229,7 +309,8 @@ def add_dataclass_args(
             default = f.default_factory()
         else:
             raise TypeError(f"{cls.__name__}.{f.name} has no default")
-        default = _env_default(f.name, default, tp)
+        if not f.metadata.get("secret"):  # a secret's env is read in from_args, off --help
+            default = _env_default(f.name, default, tp)
         flag = "--" + f.name.replace("_", "-")
         kw = {"help": f.metadata.get("help", ""), "default": default}
         if tp is bool:
@@ -246,14 +327,29 @@ def from_args(cls: type, ns: argparse.Namespace, **overrides):
     """Builds ``cls`` from parsed arguments (fields it lacks are ignored)."""
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in vars(ns).items() if k in names}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("secret") and not values.get(f.name):
+            values[f.name] = os.environ.get(ENV_PREFIX + f.name.upper(), "")
     values.update(overrides)
     return cls(**values)
+
+
+def secret_env(cfg) -> dict[str, str]:
+    """The secrets of ``cfg`` as the environment of a child process (to_argv leaves them
+    out: a process's argv is visible to every local user)."""
+    return {
+        ENV_PREFIX + f.name.upper(): getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.metadata.get("secret") and getattr(cfg, f.name)
+    }
 
 
 def to_argv(cfg) -> list[str]:
     """The flags that rebuild ``cfg`` in a child process (inverse of from_args)."""
     argv: list[str] = []
     for f in dataclasses.fields(cfg):
+        if f.metadata.get("secret"):
+            continue  # through secret_env instead
         value = getattr(cfg, f.name)
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

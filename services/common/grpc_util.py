@@ -32,6 +32,13 @@ SERVER_OPTIONS = [
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Liveness, apart from readiness ("" and the application services): SERVING while the
+# process runs, whatever its peers do, so an orchestrator restarts only a process that hangs
+# or died, never one whose peer is down (the chart's liveness probes ask this name).
+LIVENESS_SERVICE = "liveness"
+# How a scheduler's GetStats refusal starts while it drains after SIGTERM: frontends send it
+# nothing new but keep what runs there (unlike UNAVAILABLE: gone, its requests failed).
+DRAINING = "draining"
 
 
 def add_health_and_reflection(server, service_names: list[str]) -> HealthServicer:
@@ -49,6 +56,7 @@ def add_health_and_reflection(server, service_names: list[str]) -> HealthService
     reflection.enable_server_reflection(names, server)
     if not is_aio:
         set_serving(servicer, service_names, True)
+        servicer.set(LIVENESS_SERVICE, _SERVING)
     return servicer
 
 

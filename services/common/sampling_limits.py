@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 128  # the engine's max_tokens when a request leaves it unset
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ FLOAT_RANGES = {
 def sampling_bound_problem(sp: Any) -> tuple[str, str] | None:
     """(field, what is wrong) for the first set field out of bounds, else None. ``sp`` is
     either proto's SamplingParams (the same names on both)."""
-    if sp.HasField("max_tokens") and sp.max_tokens < 1:
-        return "sampling.max_tokens", f"must be >= 1, got {sp.max_tokens}"
+    if sp.HasField("max_tokens") and sp.max_tokens < 0:
+        # 0 is valid: prefill only (prompt logprobs, cache warming); nothing is sampled.
+        return "sampling.max_tokens", f"must be >= 0 (0 = prefill only), got {sp.max_tokens}"
     for name, rng in FLOAT_RANGES.items():
         if sp.HasField(name) and not rng.holds(getattr(sp, name)):
             return f"sampling.{name}", f"must be in {rng.text()}, got {getattr(sp, name):g}"
@@ -53,5 +55,38 @@ def sampling_bound_problem(sp: Any) -> tuple[str, str] | None:
         return (
             "sampling.top_logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {sp.top_logprobs}",
+        )
+    if sp.HasField("min_tokens"):
+        problem = _min_tokens_problem(
+            sp.min_tokens, sp.max_tokens if sp.HasField("max_tokens") else None
+        )
+        if problem:
+            return "sampling.min_tokens", problem
+    if sp.HasField("prompt_logprobs_start") and sp.prompt_logprobs_start < 0:
+        return (
+            "sampling.prompt_logprobs_start",
+            f"must be >= 0, got {sp.prompt_logprobs_start}",
+        )
+    return None
+
+
+def _min_tokens_problem(min_tokens: int, max_tokens: int | None) -> str:
+    """The floor must fit under the ceiling (the engine's default when max_tokens is unset)."""
+    if min_tokens < 0:
+        return f"must be >= 0, got {min_tokens}"
+    limit = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if min_tokens > limit:
+        which = "max_tokens" if max_tokens is not None else "the default max_tokens"
+        return f"must be <= {which} ({limit}), got {min_tokens}"
+    return ""
+
+
+def prompt_logprobs_start_problem(sp: Any, prompt_len: int) -> tuple[str, str] | None:
+    """The start must name a prompt position (checked once the prompt is tokenized)."""
+    start = sp.prompt_logprobs_start if sp.HasField("prompt_logprobs_start") else 0
+    if start >= prompt_len:
+        return (
+            "sampling.prompt_logprobs_start",
+            f"must be < the prompt length ({prompt_len} tokens), got {start}",
         )
     return None

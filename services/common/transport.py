@@ -18,6 +18,7 @@ import stat
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
@@ -89,18 +90,31 @@ def _configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
-def dealer(ctx: zmq.Context, addr: str, identity: bytes | None = None) -> zmq.Socket:
+def dealer(
+    ctx: zmq.Context,
+    addr: str,
+    identity: bytes | None = None,
+    setup: Callable[[zmq.Socket], None] | None = None,
+) -> zmq.Socket:
+    """``setup`` (CURVE keys, services/common/curve.py) runs before the socket connects."""
     sock = ctx.socket(zmq.DEALER)
     _configure(sock)
     if identity:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if setup is not None:
+        setup(sock)
     sock.connect(addr)
     return sock
 
 
-def router(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def router(
+    ctx: zmq.Context, addr: str, setup: Callable[[zmq.Socket], None] | None = None
+) -> zmq.Socket:
+    """``setup`` (CURVE keys and ZAP, services/common/curve.py) runs before the socket binds."""
     sock = ctx.socket(zmq.ROUTER)
     _configure(sock)
+    if setup is not None:
+        setup(sock)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     # Fail loudly instead of dropping a reply to a peer that went away.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

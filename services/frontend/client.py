@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -73,7 +74,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     with grpc.insecure_channel(ns.target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            for resp in stub.Generate(build_request(ns), timeout=ns.timeout):
+            # The server's API key, from the environment only (argv is visible in ps).
+            key = os.environ.get("RADIXSERVE_API_KEY", "")
+            metadata = [("authorization", f"Bearer {key}")] if key else None
+            for resp in stub.Generate(build_request(ns), timeout=ns.timeout, metadata=metadata):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 final = resp

@@ -34,6 +34,9 @@ import zmq.asyncio
 
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
 from services.common import transport
+from services.common.bearer import aio_channel
+from services.common.curve import InternalKeys, connect_securely
+from services.common.grpc_util import DRAINING
 from services.frontend.engine_discovery import Endpoint, Resolver
 from services.frontend.router import DEFAULT_LOAD_FACTOR, pick, prefix_key, ranking
 
@@ -69,14 +72,15 @@ def route(cache_salt: str, input_ids: Sequence[int], num_engines: int) -> int:
 class _Engine:
     """One replica as this frontend sees it."""
 
-    def __init__(self, ep: Endpoint) -> None:
+    def __init__(self, ep: Endpoint, control_token: str = "") -> None:
         self.ep = ep
         self.sock: zmq.asyncio.Socket | None = None
         self.receiver: asyncio.Task | None = None
-        self.channel = grpc.aio.insecure_channel(ep.control_addr) if ep.control_addr else None
+        self.channel = aio_channel(ep.control_addr, control_token) if ep.control_addr else None
         self.stub = engine_pb2_grpc.SchedulerControlStub(self.channel) if self.channel else None
         self.serving = self.stub is None  # nothing to ask: trust the configuration
         self.draining = False  # gone from discovery: finishes its requests, takes no new ones
+        self.stopping = False  # said it drains after SIGTERM: the same, until it answers again
         self.stats: engine_pb2.SchedulerStats | None = None
         self.misses = 0
         self.rids: set[str] = set()
@@ -87,7 +91,7 @@ class _Engine:
 
     @property
     def routable(self) -> bool:
-        return self.serving and not self.draining and self.sock is not None
+        return self.serving and not (self.draining or self.stopping) and self.sock is not None
 
     @property
     def load(self) -> int:
@@ -113,8 +117,12 @@ class EngineClient:
         max_model_len: int = 0,
         on_health: Callable[[bool], Awaitable[None]] | None = None,
         load_factor: float = DEFAULT_LOAD_FACTOR,
+        keys: InternalKeys | None = None,
     ) -> None:
+        """``keys``: the internal links' CURVE keys and control token (services/common/curve.py)."""
         self._resolver = resolver
+        self._zmq_setup = connect_securely(keys, "frontend", "scheduler")
+        self._control_token = keys.control_token() if keys else ""
         self._max_model_len = max_model_len
         self._on_health = on_health
         self._load_factor = load_factor
@@ -237,7 +245,9 @@ class EngineClient:
         # and a ROUTER ignores a peer whose identity is still in use.
         self._sockets_made += 1
         identity = f"{self._name}-{self._sockets_made}".encode()
-        sock = transport.dealer(self._ctx, engine.ep.zmq_addr, identity=identity)
+        sock = transport.dealer(
+            self._ctx, engine.ep.zmq_addr, identity=identity, setup=self._zmq_setup
+        )
         assert isinstance(sock, zmq.asyncio.Socket)  # an asyncio context makes asyncio sockets
         engine.sock = sock
         engine.receiver = asyncio.get_running_loop().create_task(self._receive(engine, sock))
@@ -280,7 +290,7 @@ class EngineClient:
         for addr, ep in wanted.items():
             engine = self._engines.get(addr)
             if engine is None:
-                engine = self._engines[addr] = _Engine(ep)
+                engine = self._engines[addr] = _Engine(ep, self._control_token)
                 self._connect(engine)
                 log.info("engine %s joined (%s)", ep.name, ep.zmq_addr)
             elif engine.draining:
@@ -321,7 +331,7 @@ class EngineClient:
                 self._on_stats(engine, res)
 
     def _on_stats(self, engine: _Engine, stats: engine_pb2.SchedulerStats) -> None:
-        engine.stats, engine.misses = stats, 0
+        engine.stats, engine.misses, engine.stopping = stats, 0, False
         if not engine.serving:
             engine.serving = True
             if engine.sock is None and not engine.draining:
@@ -329,6 +339,11 @@ class EngineClient:
             log.info("engine %s serving", engine.name)
 
     async def _on_probe_error(self, engine: _Engine, err: BaseException) -> None:
+        if _is_draining(err):  # finishes what it runs there; new requests go elsewhere
+            if not engine.stopping:
+                engine.stopping = True
+                log.info("engine %s is shutting down: no new requests", engine.name)
+            return
         engine.misses += 1
         refused = (
             isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
@@ -421,6 +436,15 @@ class EngineClient:
         if reasons:
             return engine_pb2.FlushReply(flushed=False, message="; ".join(reasons))
         return engine_pb2.FlushReply(flushed=True, message="Cache flushed.")
+
+
+def _is_draining(e: BaseException) -> bool:
+    """The scheduler's answer while it drains after SIGTERM (services/scheduler/main.py)."""
+    return (
+        isinstance(e, grpc.aio.AioRpcError)
+        and e.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and (e.details() or "").startswith(DRAINING)
+    )
 
 
 def _error_text(e: BaseException) -> str:

@@ -23,13 +23,18 @@ _SAMPLING_OPTIONAL = (
     "frequency_penalty",
     "presence_penalty",
     "top_logprobs",
+    "prompt_logprobs_start",
+    "min_tokens",
 )
 
 
 def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:
     """The engine's copy of validated public sampling params (stop strings excluded)."""
     out = engine_pb2.SamplingParams(
-        stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, logprobs=sp.logprobs
+        stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs,
+        prompt_logprobs=sp.prompt_logprobs,
     )
     for name in _SAMPLING_OPTIONAL:
         if sp.HasField(name):

@@ -22,8 +22,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.frontend.auth import ApiKeyAuth, ApiKeys
 from services.frontend.http_completion import complete
 from services.frontend.http_limits import BodyLimit
+from services.frontend.http_native import native_routes
 from services.frontend.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -48,6 +50,7 @@ def create_app(frontend: Frontend) -> FastAPI:
     app.exception_handler(StarletteHTTPException)(_on_http_error)
     app.include_router(_service_routes(frontend))
     app.include_router(_openai_routes(frontend))
+    app.include_router(native_routes(frontend))  # SGLang's /generate etc. (http_native.py)
     return app
 
 
@@ -68,7 +71,8 @@ async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 
 def _service_routes(frontend: Frontend) -> APIRouter:
-    """Health for probes, metrics for Prometheus, and a cache flush for benchmarks."""
+    """Readiness (/health) and liveness (/livez) for probes, metrics for Prometheus, and a
+    cache flush for benchmarks."""
     router = APIRouter()
 
     @router.get("/health")
@@ -76,6 +80,12 @@ def _service_routes(frontend: Frontend) -> APIRouter:
         ok = frontend.engines.healthy
         status = {"status": "ok" if ok else "engines not ready"}
         return JSONResponse(status, status_code=200 if ok else 503)
+
+    @router.get("/livez")
+    async def livez() -> JSONResponse:
+        # Liveness only: this process answers. Readiness (/health) follows the engines, so a
+        # lost worker never makes Kubernetes restart a frontend that is fine.
+        return JSONResponse({"status": "alive"})
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -104,7 +114,7 @@ def _openai_routes(frontend: Frontend) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(body.model, frontend.model_id)
-        shape = CompletionShape(frontend.tokenizer, frontend.model_id, body.include_usage)
+        shape = CompletionShape.of(body, frontend.tokenizer, frontend.model_id)
         return await complete(frontend, completion_to_request(body), shape, http, body.stream)
 
     @router.post("/v1/chat/completions")
@@ -132,9 +142,12 @@ class HttpServer:
         port: int,
         max_request_bytes: int = 8 << 20,
         body_timeout_s: float = 30.0,
+        keys: ApiKeys | None = None,
     ) -> None:
-        # Bodies are bounded in size and time before FastAPI parses them (http_limits.py).
-        self._app = BodyLimit(create_app(frontend), max_request_bytes, body_timeout_s)
+        # The API key is checked first (auth.py), then bodies are bounded in size and time
+        # before FastAPI parses them (http_limits.py).
+        limited = BodyLimit(create_app(frontend), max_request_bytes, body_timeout_s)
+        self._app = ApiKeyAuth(limited, keys or ApiKeys())
         self._host, self._port = host, port
         self._server: _UvicornInLoop | None = None
         self._task: asyncio.Task[None] | None = None

@@ -46,7 +46,8 @@ class Renderer(Protocol):
     def whole(
         self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
     ) -> BaseModel:
-        """The answer to a request that did not ask to stream."""
+        """The answer to a request that did not ask to stream; ``final`` holds the whole
+        generation (see _collect)."""
         ...
 
 
@@ -99,19 +100,25 @@ async def _open(
 async def _collect(
     responses: AsyncIterator[pb.GenerateResponse], input_param: str
 ) -> tuple[str, list[pb.TokenLogprob], pb.GenerateResponse]:
-    """Runs a request to its end: its text, its token logprobs and its last response."""
+    """Runs a request to its end: its text, its token logprobs and the whole generation as
+    one response (every token id, logprob and prompt logprob, with the last response's
+    finish reason, counts and timings: repeated fields append, later scalars win)."""
     text: list[str] = []
     lps: list[pb.TokenLogprob] = []
-    final: pb.GenerateResponse | None = None
+    whole = pb.GenerateResponse()
+    seen = False
     try:
-        async for final in responses:
-            text.append(final.text)
-            lps.extend(final.logprobs)
+        async for resp in responses:
+            seen = True
+            text.append(resp.text)
+            lps.extend(resp.logprobs)
+            whole.MergeFrom(resp)
     except FrontendError as e:
         raise api_error(e, input_param) from e
-    if final is None:  # the pipeline always ends with a response or an error
+    if not seen:  # the pipeline always ends with a response or an error
         raise ApiError(500, "the generation ended without a response", kind="server_error")
-    return "".join(text), lps, final
+    whole.text = "".join(text)
+    return whole.text, lps, whole
 
 
 async def _events(responses: Responses, renderer: Renderer) -> AsyncIterator[str]:

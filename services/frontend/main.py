@@ -12,9 +12,12 @@ from grpc_health.v1 import health, health_pb2
 
 from services.common import tracing
 from services.common.config import FrontendConfig
+from services.common.curve import InsecureLink, InternalKeys, check_link, load_keys
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, aset_serving, bind
+from services.frontend.auth import ApiKeys
 from services.frontend.engine_client import EngineClient
 from services.frontend.engine_discovery import make_resolver
+from services.frontend.grpc_parse import ParseRequests
 from services.frontend.http_api import HttpServer
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.pipeline import Frontend
@@ -30,6 +33,15 @@ LIVENESS_SERVICE = "liveness"
 
 def model_id_of(cfg: FrontendConfig) -> str:
     return cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model_path))
+
+
+def internal_keys(cfg: FrontendConfig) -> InternalKeys | None:
+    """The keys of the links to the engines; a tcp:// link needs them (or --insecure-internal)."""
+    keys = load_keys(cfg.internal_keys_dir)
+    addrs = [f"tcp://{cfg.engine_dns_name}"] if cfg.engine_dns_name else cfg.scheduler_addrs
+    for addr in addrs:
+        check_link(addr, keys, cfg.insecure_internal, "the engines' address")
+    return keys
 
 
 class FrontendServer:
@@ -50,7 +62,10 @@ class FrontendServer:
     async def start(self) -> None:
         cfg = self.cfg
         tokenizer = Tokenizer(cfg.model_path)
-        self._grpc = grpc.aio.server(options=SERVER_OPTIONS)
+        keys = ApiKeys(cfg.api_key, cfg.admin_api_key, cfg.metrics_auth)
+        # The key first (nothing of an unauthenticated call is parsed), then our parsing.
+        interceptors = [keys.grpc_interceptor(), ParseRequests()]
+        self._grpc = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self._health = add_health_and_reflection(self._grpc, [SERVICE_NAME])
         # NOT_SERVING until the engines answer (they may start after us).
         await aset_serving(self._health, [SERVICE_NAME], False)
@@ -70,6 +85,7 @@ class FrontendServer:
             cfg.max_model_len,
             on_health=self._on_engine_health,
             load_factor=cfg.routing_load_factor,
+            keys=internal_keys(cfg),
         )
         metrics = FrontendMetrics(model_id_of(cfg))
         frontend = Frontend(tokenizer, self.engines, model_id_of(cfg), metrics)
@@ -84,6 +100,7 @@ class FrontendServer:
                 cfg.http_port,
                 max_request_bytes=cfg.max_request_bytes,
                 body_timeout_s=cfg.request_body_timeout,
+                keys=keys,
             )
             self.http_port = await self._http.start()
         http = f"{cfg.host}:{self.http_port}" if self._http else "off"
@@ -92,7 +109,15 @@ class FrontendServer:
             if cfg.enable_metrics
             else ""
         )
-        log.info("frontend: gRPC on %s:%d, HTTP on %s%s", cfg.host, self.grpc_port, http, extra)
+        auth = "API key required" if keys.enabled else "no API key (--api-key)"
+        log.info(
+            "frontend: gRPC on %s:%d, HTTP on %s%s; %s",
+            cfg.host,
+            self.grpc_port,
+            http,
+            extra,
+            auth,
+        )
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING and no new calls at once; running gRPC and HTTP streams drain together
@@ -136,6 +161,8 @@ def main(cfg: FrontendConfig) -> None:
     tracing.setup_tracing("radixserve-frontend", cfg.otlp_traces_endpoint)
     try:
         asyncio.run(_serve_until_signal(cfg))
+    except InsecureLink as e:
+        raise SystemExit(f"frontend: {e}") from None
     finally:
         tracing.shutdown()  # flush buffered spans
     log.info("frontend: stopped")

@@ -185,6 +185,8 @@ class _SamplingBody(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Int32] | None = None
+    # EOS and stop_token_ids cannot end the output before this many tokens (vLLM's name).
+    min_tokens: Int32 | None = None
     request_id: str | None = None
     cache_salt: str | None = None
     priority: Int32 = 0
@@ -202,6 +204,8 @@ class _SamplingBody(BaseModel):
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
     logprobs: Int32 | None = Field(default=None, description="top alternatives per token, [0, 20]")
+    # The prompt leads the choice's text (and, with logprobs, its lists); with max_tokens 0
+    # the answer scores the prompt alone (as lm-eval's loglikelihood does).
     echo: bool = False
 
 
@@ -234,6 +238,7 @@ def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
     )
     optional = {
         "max_tokens": max_tokens,
+        "min_tokens": body.min_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
@@ -314,13 +319,13 @@ def _one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | 
 
 
 def completion_to_request(body: CompletionRequest) -> pb.GenerateRequest:
-    """A completions body as the public request; ``logprobs: k`` asks for k alternatives."""
-    if body.echo:
-        raise ApiError(400, "echo is not supported", "echo")
+    """A completions body as the public request; ``logprobs: k`` asks for k alternatives
+    (of the prompt's tokens too with ``echo``)."""
     req = _request(body, _sampling(body, body.max_tokens))
     if body.logprobs is not None:
         req.sampling.logprobs = True
         req.sampling.top_logprobs = body.logprobs
+        req.sampling.prompt_logprobs = body.echo
     prompt = _one_prompt(body.prompt)
     if isinstance(prompt, str):
         req.text = prompt
@@ -405,8 +410,16 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token: nothing precedes it.
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+
+    def __add__(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(
+            tokens=self.tokens + other.tokens,
+            token_logprobs=self.token_logprobs + other.token_logprobs,
+            top_logprobs=self.top_logprobs + other.top_logprobs,
+        )
 
 
 class ChatLogprob(BaseModel):
@@ -501,6 +514,17 @@ def completion_logprobs(
     )
 
 
+def echo_logprobs(
+    tokenizer: Tokenizer, first_token: int, prompt_lps: Sequence[pb.TokenLogprob]
+) -> CompletionLogprobs:
+    """An echoed prompt's logprobs: its first token has none (null), then one per token."""
+    lead = CompletionLogprobs(
+        tokens=[_token_text(tokenizer, first_token)], token_logprobs=[None], top_logprobs=[None]
+    )
+    rest = completion_logprobs(tokenizer, prompt_lps)
+    return lead + rest if rest is not None else lead
+
+
 def _chat_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> ChatLogprob:
     token = _token_text(tokenizer, token_id)
     return ChatLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
@@ -570,19 +594,58 @@ class _OpenAIShape(ABC):
 
 
 class CompletionShape(_OpenAIShape):
-    """``/v1/completions``: text choices, logprobs as parallel lists."""
+    """``/v1/completions``: text choices, logprobs as parallel lists. With ``echo`` the
+    prompt (and its logprobs, the first null) leads the first chunk or the whole answer."""
 
     input_param, id_prefix = "prompt", "cmpl"
     chunk_object, chunk_model = "text_completion", Completion
 
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model: str,
+        include_usage: bool,
+        echo: str | list[int] | None = None,
+    ) -> None:
+        super().__init__(tokenizer, model, include_usage)
+        self._echo = echo  # the prompt still to echo; None when not asked or done
+        self._lead: tuple[str, CompletionLogprobs | None] | None = None
+
+    @classmethod
+    def of(cls, body: CompletionRequest, tokenizer: Tokenizer, model: str) -> CompletionShape:
+        echo = _one_prompt(body.prompt) if body.echo else None
+        return cls(tokenizer, model, body.include_usage, echo)
+
+    def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
+        self._take_echo(resp)  # the first response carries the prompt logprobs
+        return super().chunks(resp)
+
+    def _take_echo(self, first: pb.GenerateResponse) -> None:
+        if self._echo is None:
+            return
+        prompt, self._echo = self._echo, None
+        text = prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt)
+        logprobs = None
+        if first.prompt_logprobs_start:  # asked (logprobs with echo)
+            ids = prompt if isinstance(prompt, list) else self._tokenizer.encode(prompt)
+            logprobs = echo_logprobs(self._tokenizer, ids[0], first.prompt_logprobs)
+        self._lead = (text, logprobs)
+
     def _chunk(self, text: str, finish: str | None, lps: Sequence[pb.TokenLogprob]) -> Completion:
         logprobs = completion_logprobs(self._tokenizer, lps)
+        if self._lead is not None:
+            lead_text, lead_lps = self._lead
+            self._lead = None
+            text = lead_text + text
+            if lead_lps is not None:
+                logprobs = lead_lps + logprobs if logprobs is not None else lead_lps
         choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)
         return Completion(**self._meta(self.chunk_object), choices=[choice])
 
     def whole(
         self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
     ) -> Completion:
+        self._take_echo(final)  # the merged responses: the prompt logprobs included
         answer = self._chunk(text, final.finish_reason, lps)
         answer.usage = Usage.of(final)
         return answer

@@ -29,7 +29,7 @@ from services.frontend.engine_messages import (
 )
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.spans import RequestSpan
-from services.frontend.stop_strings import StopStringMatcher
+from services.frontend.stop_strings import StopStringMatcher, feed_tokens
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.validation import (
     ValidationError,
@@ -273,13 +273,18 @@ class Frontend:
                 raise _engine_error(delta, sp)
             progress.delivered += len(delta.token_ids)
             progress.note(delta)
-            text = stops.feed(detok.add(delta.token_ids))
+            done = progress.delivered - len(delta.token_ids)
+            text = feed_tokens(stops, detok.add, delta.token_ids, done, sp.min_tokens)
             if delta.finish_reason and stops.matched is None:
                 text += stops.feed(detok.flush())
                 text += stops.flush()
             resp = pb.GenerateResponse(request_id=treq.rid, token_ids=delta.token_ids, text=text)
             if sp.logprobs:
                 resp.logprobs.extend(logprobs_to_public(delta.logprobs))
+            if sp.prompt_logprobs and delta.prompt_logprobs_start:
+                # The scheduler sends them once, on its first delta: our first response.
+                resp.prompt_logprobs.extend(logprobs_to_public(delta.prompt_logprobs))
+                resp.prompt_logprobs_start = delta.prompt_logprobs_start
             if stops.matched is not None:
                 # The scheduler does not see text: tell it to stop now, and take the counts
                 # and timings from its last delta (they ride only on that one).

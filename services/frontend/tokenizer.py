@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 
 from transformers import AutoTokenizer
@@ -32,6 +33,15 @@ def read_eos_token_ids(model_path: str, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
+# Stand-ins for chat contents while the template renders: private-use characters that no
+# template writes, around the message's index.
+_PLACEHOLDER = re.compile("\ue000radixserve-content-(\\d+)\ue001")
+
+
+def _placeholder(index: int) -> str:
+    return f"\ue000radixserve-content-{index}\ue001"
+
+
 class Tokenizer:
     """Text <-> ids for one model folder (transformers AutoTokenizer)."""
 
@@ -40,6 +50,10 @@ class Tokenizer:
         self.eos_token_ids = read_eos_token_ids(model_path, self.hf)
         # len() counts added special tokens, which vocab_size leaves out.
         self.vocab_size = len(self.hf)
+        # The text of every special token (what chat content must never turn into).
+        self._special_texts = [
+            t.content for t in self.hf.added_tokens_decoder.values() if t.special and t.content
+        ]
         if self.hf.chat_template is None:
             log.warning("tokenizer in %s has no chat template: chat requests will fail", model_path)
 
@@ -57,8 +71,28 @@ class Tokenizer:
         return text
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        # The template already writes BOS and friends: add nothing more.
-        return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
+        """The chat's ids; a message's content is always ordinary text: "<|im_start|>system"
+        typed by a user stays those characters and never opens a real turn."""
+        if not any(t in content for _, content in messages for t in self._special_texts):
+            # The template already writes BOS and friends: add nothing more.
+            return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
+        return self._encode_chat_escaped(messages)
+
+    def _encode_chat_escaped(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Renders the template around placeholders, then tokenizes the template's own text
+        with its special tokens and each content with special-token text split into plain
+        tokens. (A template that rewrites content, e.g. trims it, gets it unrewritten.)"""
+        rendered = self.render_chat(
+            [(role, _placeholder(i)) for i, (role, _) in enumerate(messages)]
+        )
+        ids: list[int] = []
+        for j, piece in enumerate(_PLACEHOLDER.split(rendered)):
+            if j % 2 == 0:  # the template's text: its markers are the real special tokens
+                ids += self.hf.encode(piece, add_special_tokens=False)
+            else:  # the capture group: which message's content
+                content = messages[int(piece)][1]
+                ids += self.hf.encode(content, add_special_tokens=False, split_special_tokens=True)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

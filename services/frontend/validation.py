@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 
 from radixserve.v1 import generation_pb2 as pb
-from services.common.sampling_limits import sampling_bound_problem
+from services.common.sampling_limits import (
+    prompt_logprobs_start_problem,
+    sampling_bound_problem,
+)
 
 MAX_STOP_STRINGS = 16
 # A token is rarely more than a few characters; one of more than this many would be
@@ -25,7 +28,6 @@ MAX_REQUEST_ID_LEN = 256
 # the engine spends a compile on it.
 MAX_CONSTRAINT_CHARS = 128 * 1024
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-DEFAULT_MAX_TOKENS = 128
 
 
 class ValidationError(ValueError):
@@ -135,6 +137,9 @@ def validate_length(prompt_len: int, sp: pb.SamplingParams, max_model_len: int) 
         return  # not known yet: the scheduler still enforces it
     if prompt_len == 0:
         raise ValidationError("input", "the prompt is empty after tokenization")
+    start = prompt_logprobs_start_problem(sp, prompt_len)
+    if start is not None:
+        raise ValidationError(*start)
     if prompt_len >= max_model_len:
         raise ValidationError(
             "input",

@@ -8,7 +8,8 @@ Positions of the request that an item covers (``fill_ids = input_ids + output_id
 
 ``kv_slots`` already has ``start + n`` entries when the item is built (the builder grew
 them first), so ``start = kv_len - n``. ``sample`` is set when the item reaches the end of
-the sequence: only then do the logits of its last position give the next token.
+the sequence: only then do the logits of its last position give the next token (never
+with max_tokens 0: that request ends after its prefill).
 """
 
 from __future__ import annotations
@@ -36,18 +37,20 @@ class Item:
             req=req,
             start=req.kv_len - n,
             n=n,
-            sample=req.kv_len == req.seq_len,
+            sample=req.kv_len == req.seq_len and not req.prefill_only,
             is_prefill=True,
         )
 
     @classmethod
     def decode(cls, req: Req, *, from_last: bool = False) -> Item:
-        """One decode step of a request that just grew one KV slot: position kv_len - 1."""
+        """One decode step of a request that just grew one KV slot: position kv_len - 1.
+        (Also a prompt's last token when only it lacks KV: then a max_tokens 0 request
+        samples nothing.)"""
         return cls(
             req=req,
             start=req.kv_len - 1,
             n=1,
-            sample=True,
+            sample=not req.prefill_only,
             is_prefill=False,
             from_last=from_last,
         )

@@ -74,10 +74,11 @@ class KVManager:
             self._held.pop(req.rid, None)
 
     # -- request lifecycle ------------------------------------------------------------
-    def match(self, req: Req) -> int:
-        """Locks the longest cached prefix of the request (never its last token); returns
-        its length."""
-        m = self.cache.match_prompt(req.fill_ids, req.namespace, req.priority)
+    def match(self, req: Req, limit: int | None = None) -> int:
+        """Locks the longest cached prefix of the request (never its last token, nor more
+        than ``limit`` tokens); returns its length."""
+        ids = req.fill_ids if limit is None else req.fill_ids[: limit + 1]
+        m = self.cache.match_prompt(ids, req.namespace, req.priority)
         self.cache.lock(m.node)
         req.node = m.node
         req.kv_slots = list(m.slots)

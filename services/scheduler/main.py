@@ -1,5 +1,6 @@
 """The scheduler process: connects to its worker, serves frontends over ZeroMQ and control
-over gRPC."""
+over gRPC. The loop and its states (serving, waiting for a worker, draining) are in
+engine_loop.py; the worker connection and how its death is noticed in worker_conn.py."""
 
 from __future__ import annotations
 
@@ -14,18 +15,23 @@ import zmq
 
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
 from services.common import tracing, transport
+from services.common.bearer import BearerInterceptor, MethodKeys
 from services.common.config import SchedulerConfig
-from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
+from services.common.curve import (
+    InsecureLink,
+    InternalKeys,
+    check_link,
+    connect_securely,
+    load_keys,
+    serve_securely,
+)
+from services.common.grpc_util import DRAINING, SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
+from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.worker_conn import WorkerConn
 
 log = logging.getLogger("radixserve.scheduler")
-IDLE_POLL_MS = 5
-# The idle engine recounts its whole tree (tens of ms per 10k cached tokens) only after
-# this long without work: a burst's requests arrive over a few hundred ms, and a recount
-# between two of them would delay the rest.
-FULL_CHECK_IDLE_S = 1.0
 WORKER_START_TIMEOUT_S = 900.0
 CONTROL_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["SchedulerControl"].full_name
 
@@ -33,8 +39,9 @@ CONTROL_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["SchedulerControl"].ful
 class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
     """gRPC control calls, run on the scheduler loop's thread between batches."""
 
-    def __init__(self, sched: Scheduler):
-        self.sched = sched
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.sched = loop.sched
 
     def FlushCache(self, request, context):
         busy = self.sched.snapshot
@@ -44,56 +51,50 @@ class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
         return self.sched.call(self.sched.flush_cache)
 
     def GetStats(self, request, context):
+        # The frontends' health check. No worker: route around this engine until one is
+        # back (its requests have failed). Draining: send it nothing new, but let what runs
+        # there finish (services/frontend/engine_client.py reads the DRAINING prefix).
+        if why := self.loop.worker_down:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has no worker ({why})")
+        if self.loop.drain_deadline is not None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{DRAINING}: the engine is shutting down"
+            )
         # The snapshot of the last step: answers even while a long batch runs, so the
         # frontend's health check never mistakes a busy engine for a dead one.
         return self.sched.snapshot
 
 
-def wait_for_worker(sock: zmq.Socket, addr: str) -> engine_pb2.WorkerInfo:
-    """Asks the worker for its info until it answers (it may still be loading weights)."""
+def wait_for_worker(conn: WorkerConn, stop: threading.Event) -> engine_pb2.WorkerInfo | None:
+    """Asks the worker for its info until it answers (it may still be loading weights);
+    None when SIGTERM comes first."""
     deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-    transport.send(sock, engine_pb2.SchedulerToWorker(info=engine_pb2.WorkerInfoRequest()))
-    while not sock.poll(1000):
+    conn.say_hello()
+    while not stop.is_set():
+        info = conn.hello_reply(500)
+        if info is not None:
+            return info
         if time.monotonic() > deadline:
-            raise TimeoutError(f"worker at {addr} did not answer in {WORKER_START_TIMEOUT_S:.0f} s")
-    reply = transport.recv(sock, engine_pb2.WorkerToScheduler)
-    if not reply.HasField("info"):
-        raise RuntimeError(f"worker at {addr} answered the info request with something else")
-    return reply.info
+            raise TimeoutError(
+                f"worker at {conn.addr} did not answer in {WORKER_START_TIMEOUT_S:.0f} s"
+            )
+    return None
 
 
-def start_control_server(sched: Scheduler, host: str, port: int) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
-    engine_pb2_grpc.add_SchedulerControlServicer_to_server(ControlServicer(sched), server)
-    health = add_health_and_reflection(server, [CONTROL_SERVICE])
-    set_serving(health, [CONTROL_SERVICE], True)
+def start_control_server(
+    loop: EngineLoop, host: str, port: int, token: str = ""
+) -> tuple[grpc.Server, int]:
+    """``token``: what every control call must carry as ``authorization: Bearer`` (health
+    excepted; services/common/curve.py); empty: nothing."""
+    interceptors = [BearerInterceptor(MethodKeys(token))] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS, interceptors=interceptors
+    )
+    engine_pb2_grpc.add_SchedulerControlServicer_to_server(ControlServicer(loop), server)
+    loop.attach_health(add_health_and_reflection(server, [CONTROL_SERVICE]), [CONTROL_SERVICE])
     bound = bind(server, host, port, "scheduler control gRPC (--control-port)")
     server.start()
     return server, bound
-
-
-FRONTEND_DROPS = transport.DropLog("scheduler frontend socket")
-
-
-def drain_frontends(sched: Scheduler, sock: zmq.Socket, timeout_ms: int) -> None:
-    """Takes every message waiting on the frontend socket (waits up to timeout_ms for the first)."""
-    if not sock.poll(timeout_ms):
-        return
-    while True:
-        try:
-            identity, msg = transport.recv_routed(sock, engine_pb2.FrontendToScheduler, zmq.NOBLOCK)
-        except zmq.Again:
-            sched.publish_stats()  # control calls see new and aborted requests at once
-            return
-        except transport.BadFrame as e:  # garbage never ends the loop
-            FRONTEND_DROPS.note(e)
-            continue
-        if msg.HasField("generate"):
-            sched.add_request(identity, msg.generate)
-        elif msg.HasField("abort"):
-            sched.abort(msg.abort.rid, msg.abort.reason)
-        else:
-            FRONTEND_DROPS.note("a FrontendToScheduler with no message set")
 
 
 def main(cfg: SchedulerConfig) -> None:
@@ -101,16 +102,48 @@ def main(cfg: SchedulerConfig) -> None:
     if not cfg.worker_addr or not cfg.scheduler_addr:
         raise SystemExit("scheduler: --worker-addr and --scheduler-addr are required")
     tracing.setup_tracing("radixserve-scheduler", cfg.otlp_traces_endpoint)
-    ctx = zmq.Context()
-    worker = transport.dealer(ctx, cfg.worker_addr)
-    info = wait_for_worker(worker, cfg.worker_addr)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # honoured while waiting, too
+    keys = load_keys(cfg.internal_keys_dir)
+    try:
+        check_link(cfg.scheduler_addr, keys, cfg.insecure_internal, "--scheduler-addr")
+        check_link(cfg.worker_addr, keys, cfg.insecure_internal, "--worker-addr")
+    except InsecureLink as e:
+        raise SystemExit(f"scheduler: {e}") from None
+    ctx, worker_ctx = zmq.Context(), zmq.Context()  # the worker's: heartbeat defaults
+    # CURVE (with keys): this scheduler proves its key to the worker.
+    conn = WorkerConn(worker_ctx, cfg.worker_addr, connect_securely(keys, "scheduler", "worker"))
+    try:
+        info = wait_for_worker(conn, stop)
+        if info is None:
+            return
+        _serve(cfg, ctx, conn, info, stop, keys)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        conn.close()
+        worker_ctx.destroy(linger=0)
+        ctx.destroy(linger=0)
+        tracing.shutdown()
+
+
+def _serve(
+    cfg: SchedulerConfig,
+    ctx: zmq.Context,
+    conn: WorkerConn,
+    info: engine_pb2.WorkerInfo,
+    stop: threading.Event,
+    keys: InternalKeys | None = None,
+) -> None:
     metrics = SchedulerMetrics(
         info.model_id, cfg.engine_replica, cfg.enable_mfu_metrics, enabled=cfg.enable_metrics
     )
-    sched = Scheduler(cfg, worker, info, metrics)
-    sched.publish_stats()
-    frontends = transport.router(ctx, cfg.scheduler_addr)
-    server, port = start_control_server(sched, cfg.host, cfg.control_port)
+    loop = EngineLoop(cfg, conn, info, metrics, stop)
+    # CURVE (with keys): only the frontends' key gets a frame through; control needs the token.
+    admit_frontends, _ = serve_securely(ctx, keys, "scheduler", ["frontend"])
+    frontends = transport.router(ctx, cfg.scheduler_addr, setup=admit_frontends)
+    token = keys.control_token() if keys else ""
+    server, port = start_control_server(loop, cfg.host, cfg.control_port, token)
     extra = ""
     if cfg.enable_metrics:
         extra = f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}"
@@ -121,25 +154,10 @@ def main(cfg: SchedulerConfig) -> None:
         port,
         extra,
         info.model_id,
-        sched.kv.total,
+        loop.sched.kv.total,
         cfg.page_size,
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    last_work = time.monotonic()
     try:
-        while not stop.is_set():
-            drain_frontends(sched, frontends, 0 if sched.has_requests() else IDLE_POLL_MS)
-            sched.run_commands()
-            worked = sched.step()
-            sched.flush_outbox(frontends)
-            if worked:
-                last_work = time.monotonic()
-            else:
-                sched.check_idle(full=time.monotonic() - last_work >= FULL_CHECK_IDLE_S)
-    except KeyboardInterrupt:
-        pass
+        loop.run(frontends)
     finally:
         server.stop(grace=None)
-        ctx.destroy(linger=0)
-        tracing.shutdown()

@@ -8,6 +8,7 @@ import zmq
 
 from radixserve.internal.v1 import engine_pb2
 from services.common import transport
+from services.scheduler import prompt_logprobs
 from services.scheduler.request import Req
 
 log = logging.getLogger("radixserve.scheduler")
@@ -27,6 +28,8 @@ def delta_of(req: Req) -> engine_pb2.TokenDelta:
     if req.logprobs:
         d.logprobs.extend(req.logprobs[req.sent_tokens :])
     req.sent_tokens = len(req.output_ids)
+    if not req.prompt_logprobs_done:
+        prompt_logprobs.fill_delta(req, d)
     # Counts ride on every delta, so a frontend that stops early (stop string) has them.
     d.prompt_tokens = len(req.input_ids)
     d.cached_tokens = max(req.cached_tokens, 0)

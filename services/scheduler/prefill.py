@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.common.config import SchedulerConfig
-from services.scheduler import request_spans, schedule_policy
+from services.scheduler import prompt_logprobs, request_spans, schedule_policy
 from services.scheduler.batch import Item
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.kv_manager import KVManager
@@ -114,7 +114,8 @@ class PrefillBuilder:
     def _admit_one(self, req: Req, budget: int, reserved: float) -> Item | None:
         """Matches, locks and grows the request's first chunk; None (all undone) if the
         pool cannot hold it beside what the running requests are expected to need."""
-        matched = self.kv.match(req)
+        # Prompt logprobs need the logits of every position they score: no cache there.
+        matched = self.kv.match(req, prompt_logprobs.match_limit(req))
         todo = req.seq_len - matched
         need = todo + req.remaining_new_tokens * self.ratio.value
         n = min(todo, self.chunk, budget)

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.internal.v1 import engine_pb2
-
-DEFAULT_MAX_TOKENS = 128
+from services.common.sampling_limits import DEFAULT_MAX_TOKENS
 
 
 @dataclass(eq=False)  # identity: requests are compared in queue lookups, never by value
@@ -43,6 +42,10 @@ class Req:
     cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not yet)
     sent_tokens: int = 0  # output tokens already streamed to the frontend
     logprobs: list = field(default_factory=list)
+    # Prompt logprobs collected so far (services/scheduler/prompt_logprobs.py), until sent;
+    # done: none (more) to send, not asked or sent (one bool read on every delta).
+    prompt_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_done: bool = True
     finish_reason: str = ""
     finish_message: str = ""
     error_code: str = ""
@@ -53,6 +56,13 @@ class Req:
     first_token_time: float = 0.0
     finish_time: float = 0.0
     spans: dict[str, Any] = field(default_factory=dict)
+
+    # max_tokens 0: computes its prompt (all of it gets KV) and ends; never sampled.
+    prefill_only: bool = False
+
+    def __post_init__(self) -> None:
+        self.prompt_logprobs_done = not self.sampling.prompt_logprobs
+        self.prefill_only = self.max_new_tokens == 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -84,10 +94,19 @@ class Req:
     def finished(self) -> bool:
         return bool(self.finish_reason)
 
+    def _stop_token(self, token: int) -> bool:
+        """EOS (unless ignore_eos) or a stop id, once past min_tokens (the worker masks them
+        before it; this keeps the two in step). With a constraint the grammar's end wins: a
+        finished grammar allows nothing but EOS, which the worker then leaves unmasked."""
+        s = self.sampling
+        if not (token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids)):
+            return False
+        early = len(self.output_ids) <= s.min_tokens  # token is output_ids[-1]
+        return not early or s.constraint.WhichOneof("kind") is not None
+
     def stop_reason(self, token: int, max_model_len: int) -> tuple[str, int]:
         """('stop'|'length'|'', matched token) after ``token`` was appended to output_ids."""
-        s = self.sampling
-        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
+        if self._stop_token(token):
             return "stop", token
         if len(self.output_ids) >= self.max_new_tokens or self.seq_len >= max_model_len:
             return "length", -1

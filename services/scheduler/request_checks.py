@@ -11,7 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from radixserve.internal.v1 import engine_pb2
-from services.common.sampling_limits import sampling_bound_problem
+from services.common.sampling_limits import (
+    prompt_logprobs_start_problem,
+    sampling_bound_problem,
+)
 
 
 def token_problem(ids: np.ndarray, vocab_size: int, field: str) -> str:
@@ -21,9 +24,12 @@ def token_problem(ids: np.ndarray, vocab_size: int, field: str) -> str:
     return ""
 
 
-def sampling_problem(sp: engine_pb2.SamplingParams) -> str:
-    """The bounds the frontend enforces (services/common/sampling_limits.py)."""
+def sampling_problem(sp: engine_pb2.SamplingParams, prompt_len: int) -> str:
+    """The bounds the frontend enforces (services/common/sampling_limits.py); max_tokens 0
+    (prefill only) is valid."""
     bound = sampling_bound_problem(sp)
+    if bound is None and prompt_len:  # an empty prompt is refused by name elsewhere
+        bound = prompt_logprobs_start_problem(sp, prompt_len)
     return "" if bound is None else f"{bound[0]}: {bound[1]}"
 
 
@@ -34,5 +40,5 @@ def request_problem(msg: engine_pb2.TokenizedRequest, ids: np.ndarray, vocab_siz
         or token_problem(
             np.asarray(msg.sampling.stop_token_ids, dtype=np.int64), vocab_size, "stop_token_ids"
         )
-        or sampling_problem(msg.sampling)
+        or sampling_problem(msg.sampling, len(ids))
     )

@@ -28,7 +28,7 @@ import zmq
 from radixserve.internal.v1 import engine_pb2
 from services.common.config import SchedulerConfig
 from services.common.transport import unpack_i32
-from services.scheduler import request_spans
+from services.scheduler import prompt_logprobs, request_spans
 from services.scheduler.batch import Item
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.decode import DecodeBuilder
@@ -55,11 +55,22 @@ class Scheduler:
         worker_sock: zmq.Socket,
         info: engine_pb2.WorkerInfo,
         metrics: SchedulerMetrics | None = None,
+        worker_lost: Callable[[], str] | None = None,
     ):
         self.cfg = cfg
+        self.metrics = metrics or SchedulerMetrics.disabled()
+        self.worker_lost = worker_lost or (lambda: "")
+        self.outbox = Outbox()
+        self.commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self.snapshot = engine_pb2.SchedulerStats()
+        self.attach_worker(worker_sock, info)
+
+    def attach_worker(self, worker_sock: zmq.Socket, info: engine_pb2.WorkerInfo) -> None:
+        """Everything sized by the worker's pool, built anew: a (re)started worker has a new,
+        empty pool, so the old tree's slots mean nothing. Call with no request left."""
+        cfg = self.cfg
         self.info = info
         self.max_model_len = info.max_model_len
-        self.metrics = metrics or SchedulerMetrics.disabled()
         self.kv = KVManager.for_pool(int(info.max_total_num_tokens), cfg)
         max_running = min(cfg.max_running_requests, info.max_running_requests)
         table = ReqSlotTable(max_running)
@@ -67,13 +78,12 @@ class Scheduler:
         ratio, batch_log = NewTokenRatio(), BatchLog(cfg.decode_log_interval)
         self.prefill = PrefillBuilder(cfg, self.queues, ratio, max_running, self.metrics, batch_log)
         self.decode = DecodeBuilder(self.queues, ratio, self.max_model_len, self.metrics, batch_log)
-        self.link = WorkerLink(worker_sock, info, self.metrics)
-        self.outbox = Outbox()
+        timeout = cfg.worker_result_timeout
+        self.link = WorkerLink(worker_sock, info, self.metrics, self.worker_lost, timeout)
         self.grammars = GrammarGate()
-        self.commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
-        self.snapshot = engine_pb2.SchedulerStats()
         self.dirty_since_check = False  # work done since the idle slot check
         self.tree_unchecked = False  # work done since the idle whole-tree recount
+        self.publish_stats()
 
     # ------------------------------------------------------------------ the loop --
     def step(self) -> bool:
@@ -174,6 +184,28 @@ class Scheduler:
             return f"prompt has {prompt} tokens; max_model_len is {self.max_model_len}"
         return ""
 
+    def refuse(self, identity: bytes, msg: engine_pb2.TokenizedRequest, message: str) -> None:
+        """Answers a new request UNAVAILABLE at once (no worker, or shutting down)."""
+        req = self._new_req(identity, msg)
+        req.error_code, req.finish_reason, req.finish_message = "UNAVAILABLE", "abort", message
+        self._emit(req)
+
+    def fail_all(self, message: str) -> int:
+        """Every request ends UNAVAILABLE with ``message`` and gives back what it holds (the
+        worker is gone, or the shutdown grace ran out); returns how many ended."""
+        ended = [*self.queues.running, *self.queues.waiting]
+        for req in ended:
+            if req in self.queues.running:
+                self.queues.leave_running(req, cache_it=False)  # its KV may be unwritten
+            self.queues.waiting.discard(req)
+            req.finish_reason, req.error_code, req.finish_message = "abort", "UNAVAILABLE", message
+            self._finish(req)
+        self.link.in_flight.clear()
+        self.grammars = GrammarGate()  # compiles asked for ended requests: nobody waits
+        self.dirty_since_check = True
+        self.publish_stats()
+        return len(ended)
+
     def abort(self, rid: str, reason: str) -> None:
         req = self.queues.by_rid.get(rid)
         if req is None or req.finished:
@@ -208,10 +240,16 @@ class Scheduler:
             req.lookahead = 0  # no step of it in flight any more (a later one may be)
         if it.is_prefill:
             request_spans.on_prefill_chunk(req, it.n)
+            prompt_logprobs.collect(req, list(tok.prompt_logprobs))
             if not self.cfg.disable_radix_cache:
                 self.kv.commit(req, it.start + it.n)
         if it.sample:
             self._append_token(req, tok, now)
+        elif req.prefill_only and it.start + it.n == req.seq_len:
+            # Prefill only: the prompt's KV goes to the tree, nothing is sampled.
+            req.finish_reason = "length"
+            self.queues.leave_running(req, cache_it=True)
+            self._finish(req)
 
     def _append_token(self, req: Req, tok: engine_pb2.SampledToken, now: float) -> None:
         if tok.grammar_error:  # never expected: the mask allows only what the grammar does

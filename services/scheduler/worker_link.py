@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -17,16 +17,25 @@ import zmq
 from radixserve.internal.v1 import engine_pb2
 from services.common import transport
 from services.common.transport import pack_i32
-from services.scheduler import request_spans
+from services.scheduler import prompt_logprobs, request_spans
 from services.scheduler.batch import Item, is_decode
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Req
 
-WORKER_TIMEOUT_S = 600.0
+POLL_SLICE_MS = 100  # how soon a lost worker (or an expired shutdown) is noticed in recv
 
 
 class WorkerError(RuntimeError):
     pass
+
+
+class WorkerLost(WorkerError):
+    """The worker cannot answer the batches in flight (gone, restarted, or past the result
+    deadline): their requests fail with UNAVAILABLE and the scheduler waits for a worker."""
+
+
+def _never_lost() -> str:
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +47,19 @@ class SentBatch:
 
 
 class WorkerLink:
-    def __init__(self, sock: zmq.Socket, info: engine_pb2.WorkerInfo, metrics: SchedulerMetrics):
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        info: engine_pb2.WorkerInfo,
+        metrics: SchedulerMetrics,
+        lost: Callable[[], str] = _never_lost,
+        result_timeout_s: float = 120.0,
+    ):
         self.sock = sock
         self.info = info
         self.metrics = metrics
+        self.lost = lost  # "" while the worker may still answer, else why it will not
+        self.result_timeout_s = result_timeout_s
         self.in_flight: deque[SentBatch] = deque()  # oldest first, as the results come
         self._last_id = 0
 
@@ -71,19 +89,28 @@ class WorkerLink:
             raise WorkerError(f"the worker answered batch {sent.batch_id} with something else")
         if reply.result.worker_instance != self.info.instance_id:
             # Its KV pool is new and empty: every slot the tree names is garbage now.
-            raise WorkerError(
+            raise WorkerLost(
                 f"the worker restarted (instance {self.info.instance_id or '?'} -> "
-                f"{reply.result.worker_instance or '?'}); its KV pool is gone, so the "
-                "scheduler stops to start over with an empty tree"
+                f"{reply.result.worker_instance or '?'}); its KV pool is gone"
             )
         return reply.result
 
     def _recv_reply(self) -> engine_pb2.WorkerToScheduler:
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        while not self.sock.poll(1000):
+        """The next reply; WorkerLost as soon as the connection is known dead, or when the
+        worker, alive, has not answered within the result deadline."""
+        deadline = time.monotonic() + self.result_timeout_s
+        while not self.sock.poll(POLL_SLICE_MS):
+            if why := self.lost():
+                raise WorkerLost(why)
             if time.monotonic() > deadline:
-                raise WorkerError(f"the worker did not answer within {WORKER_TIMEOUT_S:.0f} s")
-        return transport.recv(self.sock, engine_pb2.WorkerToScheduler)
+                raise WorkerLost(
+                    f"the worker did not answer a batch within {self.result_timeout_s:g} s "
+                    "(--worker-result-timeout)"
+                )
+        try:
+            return transport.recv(self.sock, engine_pb2.WorkerToScheduler)
+        except transport.BadFrame as e:  # the results are in order: one lost, all out of step
+            raise WorkerLost(f"the worker sent an unreadable reply ({e})") from e
 
 
 def forward_request(it: Item) -> engine_pb2.ForwardRequest:
@@ -101,6 +128,8 @@ def forward_request(it: Item) -> engine_pb2.ForwardRequest:
         fr.use_last_sampled = True
     else:
         fr.input_ids = pack_i32(req.fill_ids[it.start : end])
+    if it.is_prefill:  # decode steps never score the prompt
+        prompt_logprobs.fill_request(fr, it)
     if req.table_dirty:
         _rewrite_row(fr, req, it.start)
     return fr

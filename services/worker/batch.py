@@ -44,6 +44,19 @@ class SlotStart:
 
 
 @dataclass(frozen=True)
+class PromptScore:
+    """Prompt logprobs asked of one request's chunk (services/worker/prompt_logprobs.py)."""
+
+    row: int  # first new token of the request whose logits score targets[0]
+    targets: np.ndarray  # [k] int32: the prompt token each scored row (row .. row+k-1) predicts
+    top: int  # alternatives per entry (0: none)
+
+
+# One scored prompt token: (token id, logprob, [(alternative, logprob)] best first).
+Scored = tuple[int, float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
 class ReqInput:
     """One request's part of a batch.
 
@@ -57,6 +70,7 @@ class ReqInput:
     use_last_sampled: bool  # the one input token is the slot's last sampled token
     start: SlotStart | None = None  # set the first time the request uses req_slot
     rid: str = ""  # for error messages and logs
+    score: PromptScore | None = None  # prompt logprobs asked of this chunk
 
     @property
     def where(self) -> str:
@@ -82,6 +96,8 @@ class ForwardOutput:
     # Constrained requests (grammar/): the grammar completed with this token, or refused it.
     grammar_terminated: list[bool] = field(default_factory=list)  # empty: none constrained
     grammar_errors: list[str] = field(default_factory=list)  # "" per row, or empty
+    # Prompt logprobs per request (None where none asked); empty: none in the batch.
+    prompt_logprobs: list[list[Scored] | None] = field(default_factory=list)
     cuda_graph: bool = False  # decode replayed a captured CUDA graph
     forward_time: float = 0.0  # seconds in the model forward + sampling
 

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from radixserve.internal.v1 import engine_pb2
 from services.common import tracing, transport
 from services.common.config import WorkerConfig
+from services.common.curve import InsecureLink, check_link, load_keys, serve_securely
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
 from services.worker import wire
@@ -32,6 +33,9 @@ from services.worker.model_runner import ModelRunner
 
 log = logging.getLogger("radixserve.worker")
 POLL_MS = 100
+# After SIGTERM, the worker leaves once its scheduler sent nothing for this long: a draining
+# scheduler sends batches back to back; an idle or stopped one sends none.
+DRAIN_IDLE_S = 1.0
 _tracer = tracing.tracer("radixserve.worker")
 
 
@@ -99,10 +103,19 @@ def main(cfg: WorkerConfig) -> None:
     tracing.setup_tracing("radixserve-worker", cfg.otlp_traces_endpoint)
     if not cfg.worker_addr:
         raise SystemExit("worker: --worker-addr is required")
+    keys = load_keys(cfg.internal_keys_dir)
+    try:
+        check_link(cfg.worker_addr, keys, cfg.insecure_internal, "--worker-addr")
+    except InsecureLink as e:
+        raise SystemExit(f"worker: {e}") from None
     set_cpu_threads(cfg.cpu_threads)
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(cfg)  # SIGTERM meanwhile ends the process at once (nothing to drain)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ctx = zmq.Context()
-    sock = transport.router(ctx, cfg.worker_addr)
+    # CURVE (with keys): only the scheduler's key gets a frame through.
+    admit_scheduler, _ = serve_securely(ctx, keys, "worker", ["scheduler"])
+    sock = transport.router(ctx, cfg.worker_addr, setup=admit_scheduler)
     server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
     metrics = WorkerMetrics(runner.info().model_id) if cfg.enable_metrics else None
     where = f"gRPC health on {cfg.host}:{port}"
@@ -110,7 +123,7 @@ def main(cfg: WorkerConfig) -> None:
         where += f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}"
     _log_ready(cfg, runner.info(), where)
     try:
-        serve(sock, runner, metrics)
+        serve(sock, runner, metrics, stop, cfg.shutdown_grace_period)
     except KeyboardInterrupt:
         pass
     finally:
@@ -119,14 +132,49 @@ def main(cfg: WorkerConfig) -> None:
         tracing.shutdown()
 
 
-def serve(sock: zmq.Socket, runner: ModelRunner, metrics: WorkerMetrics | None) -> None:
-    """Answers the scheduler's messages until SIGTERM."""
+class Session:
+    """Whose batches the worker runs: the scheduler that said hello last. A scheduler that
+    died and came back is a new peer; frames still queued from the old one are dropped, so
+    nothing it sent can write KV slots the new one hands out."""
+
+    def __init__(self, runner: ModelRunner, drops: transport.DropLog):
+        self.runner, self.drops = runner, drops
+        self.scheduler: bytes | None = None
+
+    def admits(self, identity: bytes, msg: engine_pb2.SchedulerToWorker) -> bool:
+        if msg.HasField("info"):  # the hello of a scheduler (new, or starting over)
+            if identity != self.scheduler:
+                if self.scheduler is not None:
+                    log.info("worker: a new scheduler said hello; request state reset")
+                self.scheduler = identity
+                self.runner.forget_requests()
+            return True
+        if identity != self.scheduler:
+            self.drops.note("a batch from a peer that is not the current scheduler")
+            return False
+        return True
+
+
+def serve(
+    sock: zmq.Socket,
+    runner: ModelRunner,
+    metrics: WorkerMetrics | None,
+    stop: threading.Event,
+    grace_s: float = 30.0,
+) -> None:
+    """Answers the scheduler's messages until SIGTERM, then while its scheduler drains: until
+    no batch came for DRAIN_IDLE_S, or ``grace_s`` after the signal."""
     # The scheduler notices a restarted worker (an empty KV pool) by its instance id.
     instance = uuid.uuid4().hex
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     drops = transport.DropLog("worker socket")
-    while not stop.is_set():
+    session = Session(runner, drops)
+    last_msg = time.monotonic()
+    stop_at = 0.0
+    while not _drained(stop, last_msg, stop_at):
+        if stop.is_set() and not stop_at:
+            stop_at = time.monotonic() + grace_s
+            last_msg = time.monotonic()
+            log.info("worker: SIGTERM; serving the scheduler's drain for up to %g s", grace_s)
         if not sock.poll(POLL_MS):
             continue
         try:
@@ -137,6 +185,9 @@ def serve(sock: zmq.Socket, runner: ModelRunner, metrics: WorkerMetrics | None) 
         if not (msg.HasField("info") or msg.HasField("forward")):
             drops.note("a SchedulerToWorker with no message set")
             continue
+        if not session.admits(identity, msg):
+            continue
+        last_msg = time.monotonic()
         reply = handle(runner, msg, instance)
         if metrics and reply.HasField("result"):
             metrics.observe(msg.forward, reply.result)
@@ -144,6 +195,14 @@ def serve(sock: zmq.Socket, runner: ModelRunner, metrics: WorkerMetrics | None) 
             transport.send(sock, reply, identity)
         except zmq.ZMQError as e:  # the scheduler went away (kill -9): serve the next one
             log.warning("worker: reply to a scheduler that is gone dropped (%s)", e)
+
+
+def _drained(stop: threading.Event, last_msg: float, stop_at: float) -> bool:
+    """After SIGTERM: the grace period is over, or the scheduler has gone quiet."""
+    if not stop_at:
+        return False
+    now = time.monotonic()
+    return now >= stop_at or now - last_msg >= DRAIN_IDLE_S
 
 
 def _log_ready(cfg: WorkerConfig, info: RunnerInfo, where: str) -> None:

@@ -18,8 +18,9 @@ import torch
 from transformers import PretrainedConfig
 
 from services.common.config import WorkerConfig
+from services.worker import prompt_logprobs
 from services.worker.attention.base import AttentionBackend, AttentionMeta, get_backend
-from services.worker.batch import Batch, ForwardOutput, RunnerInfo, SlotStart
+from services.worker.batch import Batch, ForwardOutput, RunnerInfo, Scored, SlotStart
 from services.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from services.worker.grammar import Grammars
 from services.worker.kv_pool import KVPool, KVShape, RuntimeReserve, pool_size_tokens
@@ -169,6 +170,13 @@ class ModelRunner:
     def info(self) -> RunnerInfo:
         return self._info
 
+    def forget_requests(self) -> None:
+        """A new scheduler took over (worker/main.py): none of the old one's requests runs any
+        more. Table rows and slot state are rewritten by each request's first batch anyway;
+        what could outlive them is cleared here (sampled tokens, compiles being waited on)."""
+        self.last_sampled.fill(-1)
+        self.grammars.waits.clear()
+
     def _make_info(self) -> RunnerInfo:
         c = self.hf_config
         return RunnerInfo(
@@ -201,8 +209,12 @@ class ModelRunner:
             return ForwardOutput([], [], [])
         input_ids, positions, meta = self._begin(batch)
         sampled = [i for i, r in enumerate(batch.reqs) if r.sample]
-        logits, graphed = self._sampled_logits(batch, sampled, input_ids, positions, meta)
+        logits, graphed, hidden = self._sampled_logits(batch, sampled, input_ids, positions, meta)
         out = self._sample(batch, sampled, logits)
+        # A decode step never scores the prompt: its cost stays as it was.
+        if not batch.is_decode and any(r.score is not None for r in batch.reqs):
+            assert hidden is not None  # only decode steps replay graphs
+            out.prompt_logprobs = self._score_prompts(batch, hidden)
         out.cuda_graph = graphed
         out.forward_time = time.perf_counter() - start
         return out
@@ -242,10 +254,20 @@ class ModelRunner:
         for r in batch.reqs:
             if r.start is None:
                 continue
-            self.sampler.reset_slot(r.req_slot, r.start.sampling, r.start.output_ids)
+            self.sampler.reset_slot(
+                r.req_slot, r.start.sampling, self._generated(r.req_slot, r.start)
+            )
             self._start_grammar(r.req_slot, r.start)
             if not r.start.keep_last_sampled:  # a new owner of the slot: forget the old token
                 self.last_sampled[r.req_slot] = -1
+
+    def _generated(self, slot: int, start: SlotStart) -> np.ndarray:
+        """The tokens generated so far: under the overlap schedule also the one sampled but
+        not yet seen by the scheduler (penalties, seeded draws and min_tokens count it)."""
+        if start.keep_last_sampled and self.last_sampled[slot] >= 0:
+            last = np.array([self.last_sampled[slot]], dtype=np.int32)
+            return np.concatenate([start.output_ids.astype(np.int32), last])
+        return start.output_ids
 
     def _start_grammar(self, slot: int, start: SlotStart) -> None:
         """The slot's matcher, fed the tokens generated so far (after a retraction), and
@@ -296,14 +318,23 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMeta,
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         """Logits [n, vocab] of the last new token of each sampled request; whether a
-        captured CUDA graph computed them."""
+        captured CUDA graph computed them; the hidden states [T, hidden] when eager."""
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(batch.reqs)):
-            return self.graphs.replay(input_ids, positions, meta)[sampled], True
+            return self.graphs.replay(input_ids, positions, meta)[sampled], True, None
         hidden = self.model.forward(input_ids, positions, meta)  # [T, hidden]
         last_rows = meta.qo_indptr[1:].long()[sampled] - 1  # [n]
-        return self.model.compute_logits(hidden[last_rows]), False
+        return self.model.compute_logits(hidden[last_rows]), False, hidden
+
+    def _score_prompts(self, batch: Batch, hidden: torch.Tensor) -> list[list[Scored] | None]:
+        """Prompt logprobs of the rows the batch asks for (prompt_logprobs.py)."""
+        starts = np.cumsum([0] + [len(r.out_slots) for r in batch.reqs[:-1]]).tolist()
+        asks = [r.score for r in batch.reqs]
+        # Logits + log_softmax of this many rows fit the sampler's logits reserve
+        # (3 x max_running_requests rows, kv_pool.RuntimeReserve).
+        block = max(16, self.cfg.max_running_requests)
+        return prompt_logprobs.score(self.model.compute_logits, hidden, starts, asks, block)
 
     def _sample(self, batch: Batch, sampled: list[int], logits: torch.Tensor) -> ForwardOutput:
         """One token per sampled request; -1 (and no logprobs) for the others."""

@@ -2,7 +2,7 @@
 
 Order applied to each row's float32 logits:
 
-    allowed-token mask -> penalties -> (greedy: argmax)
+    allowed-token mask -> min_tokens mask -> penalties -> (greedy: argmax)
                           -> temperature -> top-k -> top-p -> min-p -> draw
 
 Choices (documented because clients see them):
@@ -22,7 +22,11 @@ Choices (documented because clients see them):
   the probabilities differently in the last bits.
 - A temperature below 1e-5 (GREEDY_BELOW) is greedy, as 0 is: dividing logits by less
   overflows float32.
-- Stopping (EOS, stop ids, ignore_eos, max_tokens) is the scheduler's job.
+- Stopping (EOS, stop ids, ignore_eos, max_tokens) is the scheduler's job. min_tokens is
+  ours: a slot's ``min_tokens_ban`` (its EOS ids unless ignore_eos, and its stop ids) is
+  -inf while it has generated fewer than min_tokens tokens, unless that leaves its row
+  nothing (a finished grammar allows only EOS: the grammar's end wins). Slots still under
+  their floor are kept in a set, so a batch without one pays a single set test.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
+    min_tokens_ban: tuple[int, ...] = ()  # token ids masked until min_tokens are generated
 
     @property
     def greedy(self) -> bool:
@@ -149,11 +155,17 @@ class Sampler:
         )
         # Keys of unseeded draws; host-side, so a step's keys travel with its slot ids.
         self.rng = np.random.default_rng(random_seed)
+        # Slots below their min_tokens (one may linger after its request ends early, until
+        # the slot is reused: it costs a set test per batch, never a wrong mask).
+        self.below_min: set[int] = set()
 
     def reset_slot(self, slot: int, spec: SamplingSpec, output_ids: np.ndarray) -> None:
         """A request (new, or back after a retraction) takes ``slot``."""
         self.specs[slot] = spec
         self.num_generated[slot] = int(len(output_ids))
+        self.below_min.discard(slot)
+        if spec.min_tokens_ban and self.num_generated[slot] < spec.min_tokens:
+            self.below_min.add(slot)
         self.params[slot] = torch.tensor(_param_row(spec, self.vocab_size))
         self.counts[slot].zero_()
         if len(output_ids):
@@ -186,6 +198,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))  # a copy: input untouched
+        if self.below_min and not self.below_min.isdisjoint(slots):
+            logits = self._min_tokens_masked(logits, slots, specs)
         if any(sp.has_penalty for sp in specs):
             logits = self._penalized(logits, idx, params)
         token_ids = torch.argmax(logits, dim=-1)  # the greedy choice of every row
@@ -209,6 +223,28 @@ class Sampler:
                 host[1, j] = step_seed(sp.seed, self.num_generated[slots[j]])
         both = torch.from_numpy(host).to(self.device, non_blocking=True)
         return both[0], both[1]
+
+    def _min_tokens_masked(
+        self, logits: torch.Tensor, slots: list[int], specs: list[SamplingSpec]
+    ) -> torch.Tensor:
+        """A copy of ``logits`` (the runner's are inference tensors) with each under-floor
+        row's banned ids at -inf: one small host-to-device copy of (row, token) pairs, the
+        copy, one max over the rows. A row left with nothing (a finished grammar allows only
+        EOS) gets its banned values back, by a second scatter (no host sync)."""
+        pairs = [
+            (j, t)
+            for j, (s, sp) in enumerate(zip(slots, specs, strict=True))
+            if self.num_generated[s] < sp.min_tokens
+            for t in sp.min_tokens_ban
+        ]
+        if not pairs:
+            return logits
+        rc = torch.tensor(pairs, dtype=torch.int64).T.to(self.device, non_blocking=True)
+        rows, cols = rc[0], rc[1]
+        saved = logits[rows, cols]  # [K]
+        masked = logits.index_put((rows, cols), torch.full_like(saved, float("-inf")))  # [N, V]
+        dead = torch.isneginf(masked.amax(dim=-1))  # [N]
+        return masked.index_put_((rows, cols), torch.where(dead[rows], saved, float("-inf")))
 
     def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Repetition / frequency / presence penalties from each slot's generated tokens."""
@@ -259,6 +295,10 @@ class Sampler:
     ) -> None:
         for s in slots:
             self.num_generated[s] += 1
+        if self.below_min:
+            self.below_min.difference_update(
+                [s for s in slots if self.num_generated[s] >= self.spec(s).min_tokens]
+            )
         if any(sp.has_penalty for sp in specs):  # adds 0 for the rows without penalties
             self.counts.index_put_(
                 (idx, token_ids), params[:, PENALTY].to(torch.int32), accumulate=True

@@ -20,12 +20,14 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from radixserve.internal.v1 import engine_pb2
+from services.common.sampling_limits import MAX_TOP_LOGPROBS
 from services.common.transport import unpack_i32
 from services.worker.batch import (
     Batch,
     Constraint,
     ForwardOutput,
     GrammarStatus,
+    PromptScore,
     ReqInput,
     RunnerInfo,
     SlotStart,
@@ -141,16 +143,41 @@ def decode_request(msg: engine_pb2.ForwardRequest, is_decode: bool, limits: Limi
         use_last_sampled=msg.use_last_sampled,
         start=_slot_start(msg) if msg.is_new else None,
         rid=msg.rid,
+        # A decode step never scores the prompt (nothing read from the message for it).
+        score=None if is_decode or not msg.prompt_logprob_targets else _prompt_score(msg),
     )
     _check_request(req, is_decode, limits)
+    if req.score is not None:
+        _check_score(req, req.score, limits)
     return req
+
+
+def _prompt_score(msg: engine_pb2.ForwardRequest) -> PromptScore:
+    targets = unpack_i32(msg.prompt_logprob_targets)
+    return PromptScore(msg.prompt_logprob_row, targets, msg.prompt_top_logprobs)
+
+
+def _check_score(req: ReqInput, s: PromptScore, limits: Limits) -> None:
+    """The scored rows lie inside the request's new tokens; targets in the vocabulary."""
+    n_new = len(req.out_slots)
+    if s.row < 0 or s.row + len(s.targets) > n_new:
+        raise ValueError(
+            f"{req.where}: prompt logprob rows [{s.row}, {s.row + len(s.targets)}) "
+            f"outside its {n_new} new tokens"
+        )
+    if not 0 <= s.top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{req.where}: prompt_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+    if s.targets.min() < 0 or s.targets.max() >= limits.vocab_size:
+        raise ValueError(
+            f"{req.where}: prompt_logprob_targets outside the vocabulary [0, {limits.vocab_size})"
+        )
 
 
 def _slot_start(msg: engine_pb2.ForwardRequest) -> SlotStart:
     sampling = msg.sampling if msg.HasField("sampling") else None
     return SlotStart(
         prefix_slots=unpack_i32(msg.prefix_slots),
-        sampling=sampling_spec(sampling),
+        sampling=sampling_spec(sampling, msg.eos_token_ids),
         output_ids=unpack_i32(msg.output_ids),
         keep_last_sampled=msg.use_last_sampled,
         constraint=constraint_of(sampling.constraint) if sampling is not None else None,
@@ -182,6 +209,11 @@ def _check_request(req: ReqInput, is_decode: bool, limits: Limits) -> None:
         raise ValueError(
             f"{where}: {len(req.start.prefix_slots)} prefix_slots for prefix_len {req.prefix_len}"
         )
+    ban = req.start.sampling.min_tokens_ban if req.start is not None else ()
+    if ban and not (min(ban) >= 0 and max(ban) < limits.vocab_size):
+        raise ValueError(
+            f"{where}: min_tokens masks a token outside the vocabulary [0, {limits.vocab_size})"
+        )
 
 
 def check_batch(batch: Batch, limits: Limits) -> None:
@@ -200,7 +232,9 @@ def check_batch(batch: Batch, limits: Limits) -> None:
         raise ValueError(f"KV slot out of range [1, {limits.num_slots}] (slot 0 is padding)")
 
 
-def sampling_spec(p: engine_pb2.SamplingParams | None) -> SamplingSpec:
+def sampling_spec(
+    p: engine_pb2.SamplingParams | None, eos_token_ids: Sequence[int] = ()
+) -> SamplingSpec:
     """SamplingParams with the engine's defaults applied to every unset optional."""
     if p is None:
         return SamplingSpec()
@@ -220,7 +254,17 @@ def sampling_spec(p: engine_pb2.SamplingParams | None) -> SamplingSpec:
         presence_penalty=get("presence_penalty", 0.0),
         logprobs=p.logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
+        min_tokens=get("min_tokens", 0),
+        min_tokens_ban=min_tokens_ban(p, eos_token_ids),
     )
+
+
+def min_tokens_ban(p: engine_pb2.SamplingParams, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+    """What would end the output before min_tokens: the stop ids, and EOS unless ignored."""
+    if not p.min_tokens:
+        return ()
+    ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+    return tuple(sorted(ids))
 
 
 # ---- ForwardOutput -> ForwardResult, RunnerInfo -> WorkerInfo ---------------------------
@@ -233,6 +277,9 @@ def encode_result(batch_id: int, out: ForwardOutput) -> engine_pb2.ForwardResult
     ]
     for i, (done, error) in enumerate(zip(out.grammar_terminated, out.grammar_errors, strict=True)):
         tokens[i].grammar_terminated, tokens[i].grammar_error = done, error
+    for i, scored in enumerate(out.prompt_logprobs):
+        if scored:
+            tokens[i].prompt_logprobs.extend(token_logprob(*s) for s in scored)
     return engine_pb2.ForwardResult(
         batch_id=batch_id,
         tokens=tokens,
@@ -251,6 +298,16 @@ def sampled_token(
         for tid, lp in top or []:
             token.logprob.top.append(engine_pb2.TopLogprob(token_id=tid, logprob=lp))
     return token
+
+
+def token_logprob(
+    token_id: int, logprob: float, top: list[tuple[int, float]]
+) -> engine_pb2.TokenLogprob:
+    return engine_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=logprob,
+        top=[engine_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )
 
 
 def encode_info(info: RunnerInfo, instance_id: str = "") -> engine_pb2.WorkerInfo:

@@ -11,6 +11,7 @@ the Prometheus ports are checked.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import signal
@@ -49,6 +50,7 @@ POD_NAMES = {
     "Deployment": f"{RELEASE}-radixserve-frontend-abc12",
 }
 BOOT_TIMEOUT_S = 240.0
+KEYS_MOUNT = "/etc/radixserve/keys"
 
 
 @dataclass
@@ -56,9 +58,12 @@ class Localizer:
     """Rewrites cluster addresses, ports and paths of the manifests to this machine's."""
 
     ports: dict[int, int]
+    keys_dir: str = ""
 
     def __call__(self, text: str) -> str:
         text = re.sub(r"[a-z0-9.-]+\.svc\.cluster\.local", "127.0.0.1", text)
+        text = text.replace("$(POD_IP)", "127.0.0.1")  # the pod's IP (downward API)
+        text = text.replace(KEYS_MOUNT, self.keys_dir)  # the internal keys' Secret
         text = text.replace("0.0.0.0", "127.0.0.1")  # tests bind loopback only
         text = re.sub(r"(?<![\w/])/models/", str(MODEL_DIR.parent) + "/", text)
         return re.sub(
@@ -68,15 +73,37 @@ class Localizer:
         )
 
 
-def _env_of(c: dict, configmap: dict[str, str], pod_name: str, local: Localizer) -> dict[str, str]:
+def _secret_data(docs: list[dict], name: str) -> dict[str, str]:
+    """A rendered Secret's values, decoded (what the kubelet hands the container)."""
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == name]
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def _env_of(
+    c: dict, configmap: dict[str, str], pod_name: str, local: Localizer, docs: list[dict]
+) -> dict[str, str]:
     env = {k: local(v) for k, v in configmap.items()}
     for e in c.get("env", []):
+        source = e.get("valueFrom", {})
         if "value" in e:
             env[e["name"]] = local(e["value"])
+        elif "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[e["name"]] = _secret_data(docs, ref["name"])[ref["key"]]
+        elif source == {"fieldRef": {"fieldPath": "status.podIP"}}:
+            env[e["name"]] = "127.0.0.1"
         else:
-            assert e["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, e
+            assert source == {"fieldRef": {"fieldPath": "metadata.name"}}, e
             env[e["name"]] = pod_name
     return env
+
+
+def _write_internal_keys(docs: list[dict], folder: Path) -> str:
+    """The internal keys' Secret as the files the pods mount (the chart's: one seed)."""
+    folder.mkdir(mode=0o700)
+    for name, value in _secret_data(docs, f"{RELEASE}-radixserve-internal-keys").items():
+        (folder / name).write_text(value)
+    return str(folder)
 
 
 def _base_env(home: Path, has_torch: bool, blocker: Path) -> dict[str, str]:
@@ -127,7 +154,9 @@ def _start(stack_dir: Path) -> Stack:
         f"the default model {MODEL_DIR} is missing (scripts/train_default_model.py makes it)"
     )
     docs = hr.manifests(VALUES, release=RELEASE, namespace=NAMESPACE)
-    local = Localizer({p: free_port() for p in CHART_PORTS})
+    local = Localizer(
+        {p: free_port() for p in CHART_PORTS}, _write_internal_keys(docs, stack_dir / "keys")
+    )
     configmaps = {
         kind: hr.find(docs, "ConfigMap", suffix)["data"]
         for kind, suffix in (("StatefulSet", "-engine-env"), ("Deployment", "-frontend-env"))
@@ -141,7 +170,7 @@ def _start(stack_dir: Path) -> Stack:
         argv = [str(VENV_BIN / entry[0]), *entry[1:], *map(local, c.get("args", []))]
         env = {
             **_base_env(stack_dir / f"home-{name}", has_torch, blocker),
-            **_env_of(c, configmaps[kind], POD_NAMES[kind], local),
+            **_env_of(c, configmaps[kind], POD_NAMES[kind], local, docs),
         }
         (stack_dir / f"home-{name}").mkdir(exist_ok=True)
         stack.logs[name] = stack_dir / f"{name}.log"
@@ -223,7 +252,12 @@ def test_generate_through_the_frontend(stack: Stack) -> None:
         request = generation_pb2.GenerateRequest(
             text="Hello", sampling=generation_pb2.SamplingParams(max_tokens=4, temperature=0)
         )
-        replies = list(stub.Generate(request, timeout=120))
+        key = stack.env["frontend"]["RADIXSERVE_API_KEY"]  # from the chart's Secret
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        metadata = [("authorization", f"Bearer {key}")]
+        replies = list(stub.Generate(request, timeout=120, metadata=metadata))
     tokens = [t for r in replies for t in r.token_ids]
     last = replies[-1]
     assert 1 <= len(tokens) <= 4 and last.completion_tokens == len(tokens), stack.output()

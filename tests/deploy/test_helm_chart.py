@@ -7,6 +7,7 @@ What a cluster would reject (bad YAML, a wrong field, a value outside the schema
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import json
 import re
@@ -108,6 +109,11 @@ CHART_FIXED = {
     "enable_metrics",
     "otlp_traces_endpoint",
     "served_model_name",
+    # from Secrets (auth, internalAuth), never plain values
+    "api_key",
+    "admin_api_key",
+    "internal_keys_dir",
+    "insecure_internal",
 }
 PROBE_PORTS = {
     ("Deployment", "frontend"): 30000,
@@ -266,14 +272,14 @@ def test_fixed_ports_and_flags_of_each_container() -> None:
         "--model-path=/models/radixserve-zen",
     } <= set(frontend)
     assert {
-        "--host=0.0.0.0",
-        "--scheduler-addr=tcp://0.0.0.0:30100",
+        "--host=$(POD_IP)",
+        "--scheduler-addr=tcp://$(POD_IP):30100",
         "--control-port=30101",
         "--metrics-port=30102",
         "--worker-addr=tcp://127.0.0.1:30200",
     } <= set(scheduler)
     assert {
-        "--host=0.0.0.0",
+        "--host=$(POD_IP)",
         "--worker-addr=tcp://127.0.0.1:30200",
         "--worker-grpc-port=30201",
         "--metrics-port=30202",
@@ -400,8 +406,11 @@ def test_grpc_probes_and_a_patient_startup() -> None:
             for probe in ("startupProbe", "livenessProbe"):
                 assert c[probe]["grpc"] == {"port": port, "service": "liveness"}, probe
         else:
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert c[probe]["grpc"] == {"port": port}, (name, probe)
+            # Ready = the engine serves (the scheduler: its worker answers); alive = the
+            # process itself, so a dead worker never gets its scheduler restarted.
+            assert c["readinessProbe"]["grpc"] == {"port": port}, name
+            for probe in ("startupProbe", "livenessProbe"):
+                assert c[probe]["grpc"] == {"port": port, "service": "liveness"}, (name, probe)
         startup = c["startupProbe"]
         budgets[name] = startup["periodSeconds"] * startup["failureThreshold"]
         assert budgets[name] >= 600, name
@@ -418,7 +427,10 @@ def test_graceful_shutdown_budgets() -> None:
     drain = rs_config.FrontendConfig().shutdown_grace_period
     assert frontend_pod["terminationGracePeriodSeconds"] >= sleep + drain
     engine_pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
-    assert engine_pod["terminationGracePeriodSeconds"] >= 30
+    # The scheduler drains for the same --shutdown-grace-period, the worker serving it.
+    engine_drain = rs_config.SchedulerConfig().shutdown_grace_period
+    assert engine_drain == rs_config.WorkerConfig().shutdown_grace_period == drain
+    assert engine_pod["terminationGracePeriodSeconds"] >= engine_drain + 10
 
 
 def test_pods_are_locked_down() -> None:
@@ -576,3 +588,111 @@ def test_dockerfile_targets_match_the_chart() -> None:
     text = hr.DOCKERFILE.read_text()
     assert 'ARG WORKER_ONLY_DEPS="torch triton xgrammar"' in text
     assert '! python -c "import torch"' in text
+
+
+# ---- authentication (issue 15) ---------------------------------------------------------
+
+
+def _secret(docs: list[dict], suffix: str) -> dict[str, str]:
+    secret = hr.find(docs, "Secret", suffix)
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def _keys_volume(docs: list[dict], kind: str) -> dict:
+    pod = hr.find(docs, kind)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "internal-keys"]
+    return volume["secret"]
+
+
+def test_api_key_from_a_generated_secret_reaches_the_frontend_and_helm_test() -> None:
+    docs = hr.manifests()
+    key = _secret(docs, "-api-key")["api-key"]
+    assert len(key) == 40 and key.isalnum()
+    ref = {"secretKeyRef": {"name": "rs-radixserve-api-key", "key": "api-key"}}
+    env = {"name": "RADIXSERVE_API_KEY", "valueFrom": ref}
+    assert env in hr.container(docs, "Deployment", "frontend")["env"]
+    (smoke,) = hr.find(docs, "Pod", "-smoke-test")["spec"]["containers"]
+    assert env in smoke["env"]
+    rendered = json.dumps(docs)
+    assert rendered.count(base64.b64encode(key.encode()).decode()) == 1  # only in the Secret
+    for kind, name in (("StatefulSet", "scheduler"), ("StatefulSet", "worker")):
+        assert "RADIXSERVE_API_KEY" not in json.dumps(hr.container(docs, kind, name))
+    notes = hr.render()["radixserve/templates/NOTES.txt"]
+    assert "secret rs-radixserve-api-key" in notes and "RADIXSERVE_API_KEY" in notes
+
+
+def test_api_key_from_an_existing_secret_with_an_admin_key_or_off() -> None:
+    docs = hr.manifests({"auth": {"existingSecret": "mine", "adminSecretKey": "admin"}})
+    assert not [d for d in docs if d["kind"] == "Secret" and "api-key" in d["metadata"]["name"]]
+    env = {e["name"]: e for e in hr.container(docs, "Deployment", "frontend")["env"]}
+    ref = env["RADIXSERVE_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "mine", "key": "admin"}
+    assert env["RADIXSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    docs = hr.manifests({"auth": {"enabled": False}})
+    assert not [d for d in docs if d["kind"] == "Secret" and "api-key" in d["metadata"]["name"]]
+    assert "RADIXSERVE_API_KEY" not in json.dumps(hr.container(docs, "Deployment", "frontend"))
+    (smoke,) = hr.find(docs, "Pod", "-smoke-test")["spec"]["containers"]
+    assert "env" not in smoke
+
+
+def test_internal_keys_from_a_generated_seed_in_every_pod() -> None:
+    docs = hr.manifests()
+    seed = _secret(docs, "-internal-keys")["seed"]
+    assert len(seed) == 64
+    for kind in ("Deployment", "StatefulSet"):
+        volume = _keys_volume(docs, kind)
+        assert volume["secretName"] == "rs-radixserve-internal-keys"
+        assert volume["items"] == [{"key": "seed", "path": "seed"}]
+        assert volume["defaultMode"] == 0o440  # the pods' group (fsGroup), nobody else
+    mount = {"name": "internal-keys", "mountPath": "/etc/radixserve/keys", "readOnly": True}
+    for kind, name in (
+        ("Deployment", "frontend"),
+        ("StatefulSet", "scheduler"),
+        ("StatefulSet", "worker"),
+    ):
+        c = hr.container(docs, kind, name)
+        assert mount in c["volumeMounts"], name
+        assert "--internal-keys-dir=/etc/radixserve/keys" in c["args"], name
+        assert "--insecure-internal" not in c["args"], name
+
+
+def test_internal_keys_from_a_user_secret_give_each_pod_only_its_files() -> None:
+    docs = hr.manifests({"internalAuth": {"existingSecret": "rs-keys"}})
+    assert not [d for d in docs if d["kind"] == "Secret" and "internal" in d["metadata"]["name"]]
+    front = {i["key"] for i in _keys_volume(docs, "Deployment")["items"]}
+    engine = {i["key"] for i in _keys_volume(docs, "StatefulSet")["items"]}
+    assert front == {"frontend.key_secret", "scheduler.key", "control.token"}
+    assert {"scheduler.key_secret", "worker.key_secret", "frontend.key", "worker.key"} <= engine
+    assert not {k for k in front if k.endswith("_secret")} & engine  # no key in two pods
+
+
+def test_internal_ports_bind_the_pod_ip_from_the_downward_api() -> None:
+    docs = hr.manifests()
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    for name in ("scheduler", "worker"):
+        c = hr.container(docs, "StatefulSet", name)
+        assert pod_ip in c["env"], name
+        assert not [a for a in c["args"] if "0.0.0.0" in a], name
+    scheduler = hr.container(docs, "StatefulSet", "scheduler")["args"]
+    assert "--scheduler-addr=tcp://$(POD_IP):30100" in scheduler
+    # the worker's ZeroMQ stays on loopback: only its own scheduler reaches it
+    assert "--worker-addr=tcp://127.0.0.1:30200" in scheduler
+
+
+def test_network_policy_lets_only_frontends_reach_the_engines() -> None:
+    docs = hr.manifests({"networkPolicy": {"enabled": True}})
+    policy = hr.find(docs, "NetworkPolicy", "-engine")["spec"]
+    (internal,) = [r for r in policy["ingress"] if {"port": 30100, "protocol": "TCP"} in r["ports"]]
+    assert internal["from"] == [
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "radixserve",
+                    "app.kubernetes.io/instance": "rs",
+                    "app.kubernetes.io/component": "frontend",
+                }
+            }
+        }
+    ]
+    opened = {p["port"] for r in policy["ingress"] for p in r["ports"]}
+    assert 30200 not in opened and 30201 not in opened

@@ -240,7 +240,10 @@ def test_pod_placement_and_extras_reach_both_workloads() -> None:
 
 
 def test_network_policy_lets_only_frontends_reach_the_engines() -> None:
-    assert not [d for d in hr.manifests() if d["kind"] == "NetworkPolicy"]
+    # On by default; off on request (a CNI without NetworkPolicy, Prometheus elsewhere).
+    assert len([d for d in hr.manifests() if d["kind"] == "NetworkPolicy"]) == 2
+    off = hr.manifests({"networkPolicy": {"enabled": False}})
+    assert not [d for d in off if d["kind"] == "NetworkPolicy"]
     peers = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
     docs = hr.manifests(
         {

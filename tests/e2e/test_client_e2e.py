@@ -117,7 +117,7 @@ def test_tokenize_model_info_flush(server, client):
 
 def test_server_refusal_is_invalid_argument_with_its_message(client):
     with pytest.raises(InvalidArgument) as e:
-        client.generate(PROMPT, max_tokens=0)
+        client.generate(PROMPT, max_tokens=-1)
     assert "max_tokens" in e.value.message
 
 

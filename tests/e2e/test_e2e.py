@@ -144,7 +144,7 @@ def test_cancel_half_way_frees_slots(server):
     "kw,field",
     [
         ({"text": ""}, "text"),
-        ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=0)}, "max_tokens"),
+        ({"text": "x", "sampling": generation_pb2.SamplingParams(max_tokens=-1)}, "max_tokens"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(temperature=-1)}, "temperature"),
         ({"text": "x", "sampling": generation_pb2.SamplingParams(top_p=1.5)}, "top_p"),
         ({"input_ids": generation_pb2.InputIds(ids=[10**7])}, "input_ids"),
@@ -247,7 +247,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_supervisor_stops_all_when_one_dies():
-    s = Server()
+    s = Server("--on-child-exit", "stop")  # the old behaviour (restarts: test_faults.py)
     try:
         kids = _children(s.proc.pid)
         worker = next(p for p, cmd in kids.items() if " worker " in cmd)

@@ -30,6 +30,9 @@ def server():
         f"tcp://127.0.0.1:{sched}",
         "--max-total-tokens",
         "4096",
+        # Plain tcp on purpose: this test is about what reaches the sockets' decoders (with
+        # keys, test_internal_auth.py shows none of it would get past the handshake).
+        "--insecure-internal",
     ) as s:
         s.worker_addr, s.sched_addr = f"tcp://127.0.0.1:{worker}", f"tcp://127.0.0.1:{sched}"
         yield s

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
+from services.common.curve import generate_keys
 from services.frontend.router import prefix_key, ranking
 from tests.dns_stub import DnsStub
 from tests.server_util import DEFAULT_MODEL, REPO, free_port, greedy
@@ -40,8 +41,12 @@ LOAD_FACTOR = 1.25
 
 def _spawn(log_dir: Path, name: str, *args: str) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+    # Every process on CURVE keys, as in the chart (tcp:// links need them).
+    keys = log_dir / "keys"
+    if not keys.exists():
+        generate_keys(str(keys))
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.cli", *args, f"--internal-keys-dir={keys}"],
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO,

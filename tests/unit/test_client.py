@@ -450,6 +450,64 @@ def test_logprobs_come_back(client, fake):
     assert fake.requests[0].sampling.top_logprobs == 1
 
 
+def prompt_scores_script(req: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
+    """Prompt logprobs on the first message (as the server sends them), then the end."""
+    start = max(req.sampling.prompt_logprobs_start, 1)
+    scored = [
+        pb.TokenLogprob(
+            token_id=t, logprob=-0.25 * k, top=[pb.TopLogprob(token_id=1, logprob=-0.1)]
+        )
+        for k, t in enumerate(req.input_ids.ids[start:])
+    ]
+    yield pb.GenerateResponse(
+        token_ids=[9], text="4", prompt_logprobs=scored, prompt_logprobs_start=start
+    )
+    yield final("2", (10,), completion=2)
+
+
+def check_prompt_scores(out: Completion, fake: Servicer) -> None:
+    assert out.prompt_logprobs_start == 2
+    assert [lp.token_id for lp in out.prompt_logprobs] == [7, 8]
+    assert [lp.logprob for lp in out.prompt_logprobs] == pytest.approx([0.0, -0.25])
+    assert out.prompt_logprobs[1].top[0].token_id == 1
+    sp = fake.requests[-1].sampling
+    assert sp.prompt_logprobs and sp.prompt_logprobs_start == 2 and sp.top_logprobs == 1
+    assert sp.min_tokens == 3
+
+
+def test_prompt_logprobs_and_min_tokens(client, fake):
+    fake.script = prompt_scores_script
+    options = {"prompt_logprobs": True, "prompt_logprobs_start": 2, "top_logprobs": 1}
+    out = client.generate([5, 6, 7, 8], min_tokens=3, **options)
+    check_prompt_scores(out, fake)
+    assert out.text == "42"
+    chunks = list(client.stream([5, 6, 7, 8], min_tokens=3, **options))
+    assert chunks[0].prompt_logprobs_start == 2 and not chunks[1].prompt_logprobs
+    out = client.generate([5, 6, 7, 8], structured_output=int, min_tokens=3, **options)
+    check_prompt_scores(out, fake)  # carried through to the parsed completion too
+    assert out.parsed == 42
+    fake.script = text_reply("plain")
+    plain = client.generate("p")
+    assert plain.prompt_logprobs == () and plain.prompt_logprobs_start == 0
+    assert not fake.requests[-1].sampling.HasField("min_tokens")
+
+
+def test_async_prompt_logprobs_and_min_tokens(server_addr, fake):
+    fake.script = prompt_scores_script
+
+    async def main() -> Completion:
+        async with AsyncClient(server_addr[0], timeout=10) as c:
+            return await c.generate(
+                [5, 6, 7, 8],
+                min_tokens=3,
+                prompt_logprobs=True,
+                prompt_logprobs_start=2,
+                top_logprobs=1,
+            )
+
+    check_prompt_scores(asyncio.run(main()), fake)
+
+
 def test_structured_output_pydantic(client, fake):
     fake.script = text_reply(json.dumps(PRODUCT_VALUE), pieces=5)
     out = client.generate("A mug as JSON", structured_output=Product, max_tokens=200)

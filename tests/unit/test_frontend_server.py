@@ -190,7 +190,11 @@ def test_logprobs_are_relayed(stub):
 BAD = [
     (dict(text=""), "text"),
     (dict(), "input"),
-    (dict(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
+    (dict(text="hi", sampling=pb.SamplingParams(max_tokens=-1)), "sampling.max_tokens"),
+    (
+        dict(text="hi", sampling=pb.SamplingParams(prompt_logprobs=True, prompt_logprobs_start=99)),
+        "sampling.prompt_logprobs_start",
+    ),
     (dict(text="hi", sampling=pb.SamplingParams(max_tokens=300)), "max_model_len 256"),
     (dict(text="hi", sampling=pb.SamplingParams(temperature=-1)), "sampling.temperature"),
     (dict(text="hi", sampling=pb.SamplingParams(top_p=0)), "sampling.top_p"),
@@ -318,7 +322,7 @@ def test_generate_cli_streams_to_stdout(frontend, fake, tok, capsys):
     out = capsys.readouterr()
     assert out.out == tok.decode(fake.script[:24]) + "\n"
     assert "finish_reason=length" in out.err and "completion_tokens=24" in out.err
-    bad = parser.parse_args(["hi", "--target", frontend.grpc_target, "--max-tokens", "0"])
+    bad = parser.parse_args(["hi", "--target", frontend.grpc_target, "--max-tokens=-1"])
     assert run_generate(bad) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
 

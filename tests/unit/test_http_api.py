@@ -179,6 +179,7 @@ def test_bad_completion_body_is_400(client, frontend):
 def test_health_metrics_openapi_flush(frontend, fake, client):
     base = frontend.http_base
     assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/livez").json() == {"status": "alive"}
     client.completions.create(model="tiny", prompt="hi", max_tokens=2)
     metrics = httpx.get(base + "/metrics").text
     assert "python_info" in metrics  # the default registry

@@ -1,8 +1,8 @@
 """Smoke test of a running radixserve: GetModelInfo, then one short greedy Generate.
 
 Run by `helm test` (in the frontend image) and by tests/test_container_entrypoints.py, so
-the check a cluster runs is the one CI runs on loopback. Exits non-zero with a readable
-line on any failure.
+the check a cluster runs is the one CI runs on loopback. Sends the API key of
+RADIXSERVE_API_KEY when set. Exits non-zero with a readable line on any failure.
 
     python smoke_test.py --target HOST:PORT [--prompt Hello] [--max-tokens 4] [--expect-engines N]
 """
@@ -10,6 +10,7 @@ line on any failure.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -27,8 +28,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _auth() -> list[tuple[str, str]] | None:
+    """The server's API key (env RADIXSERVE_API_KEY, from the chart's Secret) as metadata."""
+    key = os.environ.get("RADIXSERVE_API_KEY", "")
+    return [("authorization", f"Bearer {key}")] if key else None
+
+
 def _check_model_info(stub, args: argparse.Namespace) -> None:
-    info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout)
+    info = stub.GetModelInfo(
+        generation_pb2.GetModelInfoRequest(), timeout=args.timeout, metadata=_auth()
+    )
     print(
         f"model_id={info.model_id!r} max_model_len={info.max_model_len} "
         f"page_size={info.page_size} num_engines={info.num_engines}"
@@ -45,7 +54,7 @@ def _check_generate(stub, args: argparse.Namespace) -> None:
         sampling=generation_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=0),
     )
     last, tokens, text = None, 0, ""
-    for last in stub.Generate(request, timeout=args.timeout):
+    for last in stub.Generate(request, timeout=args.timeout, metadata=_auth()):
         tokens += len(last.token_ids)
         text += last.text
     if last is None or not last.finish_reason:

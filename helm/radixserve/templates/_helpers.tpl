@@ -79,10 +79,10 @@ shared ones to both, every other key (scheduler and worker flags) to the engines
 tests/deploy/test_helm_chart.py checks these lists against services/common/config.py.
 */}}
 {{- define "radixserve.frontendOnlyKeys" -}}
-maxModelLen maxRequestBytes requestBodyTimeout shutdownGracePeriod engineResolveInterval engineDnsServer routingLoadFactor
+maxModelLen maxRequestBytes requestBodyTimeout engineResolveInterval engineDnsServer routingLoadFactor metricsAuth
 {{- end -}}
 {{- define "radixserve.sharedKeys" -}}
-logLevel
+logLevel shutdownGracePeriod
 {{- end -}}
 
 {{/* The RuntimeClass of engine pods: "auto" is nvidia in device-plugin mode. */}}
@@ -293,5 +293,55 @@ RADIXSERVE_SERVED_MODEL_NAME: {{ . | quote }}
 {{- if and $wanted (not (kindIs "invalid" $value)) }}
 RADIXSERVE_{{ snakecase $key | upper }}: {{ include "radixserve.envValue" $value | quote }}
 {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The Secret holding the API key(s): the user's or the chart's. */}}
+{{- define "radixserve.apiKeySecret" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-api-key" (include "radixserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* The Secret holding the internal links' keys: the user's or the chart's (a seed). */}}
+{{- define "radixserve.internalKeysSecret" -}}
+{{- .Values.internalAuth.existingSecret | default (printf "%s-internal-keys" (include "radixserve.fullname" .)) -}}
+{{- end -}}
+
+{{/*
+The keys volume of one pod: (dict "ctx" $ "component" "engine"|"frontend"). A user-made
+Secret (`radixserve keys generate`) gives each pod only its files: a frontend gets its own
+secret key, the scheduler's public key and the control token, never an engine's secret key.
+*/}}
+{{- define "radixserve.internalKeysVolume" -}}
+- name: internal-keys
+  secret:
+    secretName: {{ include "radixserve.internalKeysSecret" .ctx }}
+    defaultMode: 0440
+    items:
+      {{- if not .ctx.Values.internalAuth.existingSecret }}
+      - {key: seed, path: seed}
+      {{- else if eq .component "frontend" }}
+      {{- range list "frontend.key_secret" "scheduler.key" "control.token" }}
+      - {key: {{ . }}, path: {{ . }}}
+      {{- end }}
+      {{- else }}
+      {{- range list "scheduler.key_secret" "scheduler.key" "worker.key_secret" "worker.key" "frontend.key" "control.token" }}
+      - {key: {{ . }}, path: {{ . }}}
+      {{- end }}
+      {{- end }}
+{{- end -}}
+
+{{/* The pod's own IP (downward API): internal ports bind it, not every interface. */}}
+{{- define "radixserve.podIpEnv" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+{{- end -}}
+
+{{/* The API key(s) of the frontend and of `helm test`, from their Secret. */}}
+{{- define "radixserve.apiKeyEnv" -}}
+{{- if .Values.auth.enabled }}
+- name: RADIXSERVE_API_KEY
+  valueFrom:
+    secretKeyRef: {name: {{ include "radixserve.apiKeySecret" . }}, key: {{ .Values.auth.secretKey }}}
 {{- end }}
 {{- end -}}

@@ -1,10 +1,12 @@
 """The plain-PyTorch attention backend: the CPU default and the reference for the kernels.
 
 Store: the new K/V go to their slots with one index_copy_ per layer.
-Decode (one new token per request): prepare() copies the batch's rows of the request-to-slot
-table into a padded [B, Lmax] slot matrix once per batch (padding reads slot 0, which is
-zeros) plus a length mask; each
-layer then does one gather and one batched attention over the whole batch.
+Decode (one new token per request), float32 on CPU: a small C kernel
+(kernels/cpu_decode_attention.py) reads each context's K/V rows in place through the
+request-to-slot table; nothing is gathered (issue 18: the gather cost more than the
+attention). Elsewhere (other dtypes, no C compiler): the batch's rows of the table become
+a padded [B, Lmax] slot matrix once per batch (padding reads slot 0, which is zeros) plus
+a length mask; each layer then does one gather and one batched attention over the batch.
 Extend (prefill, possibly on top of a cached prefix): per request, scaled_dot_product_attention
 of its new rows over its whole context, the causal mask shifted by prefix_len:
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode_attention
 from services.worker.attention.base import AttentionBackend, AttentionMeta, register_backend
 
 _KV = tuple[torch.Tensor, torch.Tensor]  # (K, V)
@@ -34,11 +37,16 @@ class _ExtendItem:
 @register_backend
 class TorchBackend(AttentionBackend):
     name = "torch"
+    # The C decode kernel where it builds and fits (tests switch it off for the torch path).
+    use_cpu_kernel = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, sm_scale)
         self.group = num_heads // num_kv_heads
-        self._decode_slots: torch.Tensor | None = None  # [B, Lmax] int64
+        self._kernel = cpu_decode_attention.load() if self.use_cpu_kernel else None
+        self._decode_meta: AttentionMeta | None = None
+        self._req_slots = self._seq_lens = torch.empty(0, dtype=torch.int32)  # [B] (kernel)
+        self._decode_slots: torch.Tensor | None = None  # [B, Lmax] int64 (torch path)
         self._decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive float
         self._extend: list[_ExtendItem] = []
 
@@ -51,6 +59,13 @@ class TorchBackend(AttentionBackend):
             self._prepare_extend(meta)
 
     def _prepare_decode(self, meta: AttentionMeta) -> None:
+        # The kernel reads int32 [B] vectors by pointer: contiguous int32 (no copy when so).
+        self._req_slots = meta.req_slots.to(torch.int32).contiguous()
+        self._seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+        self._decode_meta = meta
+        self._decode_slots = self._decode_mask = None  # built by the torch path on demand
+
+    def _prepare_gather(self, meta: AttentionMeta) -> None:
         seq_lens = meta.seq_lens.long()
         cols = torch.arange(meta.max_seq_len, device=seq_lens.device)[None, :]  # [1, Lmax]
         valid = cols < seq_lens[:, None]  # [B, Lmax]
@@ -95,8 +110,16 @@ class TorchBackend(AttentionBackend):
         return self._extend_attention(q, (k, v), (k_pool, v_pool))
 
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        meta = self._decode_meta
+        assert meta is not None, "prepare() a decode batch first"
+        if self._kernel is not None and cpu_decode_attention.supports(q, k_pool, meta.req_to_token):
+            return self._kernel(
+                q, k_pool, v_pool, meta.req_to_token, self._req_slots, self._seq_lens, self.sm_scale
+            )
+        if self._decode_slots is None:  # once per batch: later layers reuse it
+            self._prepare_gather(meta)
         slots, mask = self._decode_slots, self._decode_mask
-        assert slots is not None and mask is not None, "prepare() a decode batch first"
+        assert slots is not None and mask is not None
         if mask.dtype != q.dtype:  # once per batch: later layers find it cast
             mask = self._decode_mask = mask.to(q.dtype)
         b, lmax = slots.shape

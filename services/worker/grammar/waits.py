@@ -31,6 +31,11 @@ class CompileWaits:
     def __len__(self) -> int:
         return len(self._waits)
 
+    def clear(self) -> None:
+        """Forgets every wait (a new scheduler: their requests are gone); compiles go on
+        and stay cached."""
+        self._waits.clear()
+
     def settled(self, wait_s: float = 0.0) -> list[GrammarStatus]:
         """Statuses of the waits that settled (each reported once). With ``wait_s``, waits
         that long at most for a first one when none has settled yet."""

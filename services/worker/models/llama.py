@@ -9,10 +9,13 @@ all four. The interface the runner (and the CUDA-graph code) relies on:
 The model holds its attention backend and the KV pool (``attach``). Once per batch it
 builds a ForwardContext (positions, rotary tables, attention metadata, backend, pool) and
 every layer takes ``(hidden, ctx)``, reaching its own slice of the pool by layer id.
+On CPU a prefill batch of more than ``CPU_EXTEND_ROWS`` new tokens runs as groups of whole
+requests (``split_extend``), each with its own context: the same math, in cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -49,6 +52,40 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # table itself: measured 1.6-2x over F.linear at 16-64 rows (the packed copy 1.9-2.1x),
 # for no extra memory. Single rows stay on F.linear either way.
 TIED_HEAD_COPY_MAX_BYTES = 64 << 20
+
+
+# Rows of one forward of a CPU prefill (extend) batch; a larger batch runs as consecutive
+# groups of whole requests of about this many rows. The activations of 8,000 rows (the
+# small peers model's gate_up output alone is 90 MB) spill the caches that 2,000 rows fit:
+# 8 x 1,000-token prompts prefilled at 1,618 tokens/s in batches of 2 prompts against 946
+# as one batch of 8 (1,363 one at a time), interleaved, 2 threads (issue 18,
+# docs/benchmarks.md). The scheduler's --max-prefill-tokens (8,192) suits GPUs.
+CPU_EXTEND_ROWS = 2048
+
+
+def split_extend(meta: AttentionMeta, rows: int) -> Iterator[tuple[int, int, AttentionMeta]]:
+    """(first row, end row, metadata) of consecutive groups of whole requests of at most
+    ``rows`` new tokens each (a larger request alone)."""
+    qo = meta.qo_indptr.tolist()
+    first = 0
+    while first < len(qo) - 1:
+        end = first + 1
+        while end < len(qo) - 1 and qo[end + 1] - qo[first] <= rows:
+            end += 1
+        seq_lens, extend_lens = meta.seq_lens[first:end], meta.extend_lens[first:end]
+        sub = dataclasses.replace(
+            meta,
+            out_slots=meta.out_slots[qo[first] : qo[end]],
+            qo_indptr=meta.qo_indptr[first : end + 1] - qo[first],
+            req_slots=meta.req_slots[first:end],
+            prefix_lens=meta.prefix_lens[first:end],
+            extend_lens=extend_lens,
+            seq_lens=seq_lens,
+            max_seq_len=int(seq_lens.max()),
+            max_extend_len=int(extend_lens.max()),
+        )
+        yield qo[first], qo[end], sub
+        first = end
 
 
 def head_dim_of(config) -> int:
@@ -128,6 +165,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta
+    ) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        if meta.is_decode or input_ids.device.type != "cpu" or rows <= CPU_EXTEND_ROWS:
+            return self._forward(input_ids, positions, meta)
+        # A large CPU prefill runs as groups of whole requests, one after another.
+        return torch.cat(
+            [
+                self._forward(input_ids[s:e], positions[s:e], sub)
+                for s, e, sub in split_extend(meta, CPU_EXTEND_ROWS)
+            ]
+        )
+
+    def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # x: [T, hidden]

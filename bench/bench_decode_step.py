@@ -1,0 +1,169 @@
+"""One decode step of the worker, A/B, interleaved step by step (issue 18).
+
+Two ModelRunners on the same model folder, differing in one switch, run the same decode
+batches alternately (which goes first alternates too); per-step wall times, medians and
+the ratio. The slot layout is the server's: each prompt's slots contiguous (one prefill),
+then one slot per request per step, interleaved across the batch, as the scheduler's
+allocator hands them out.
+
+Switches (--ab):
+- ``decode-kernel``: the C decode-attention kernel (kernels/cpu_decode_attention.py) vs the
+  torch gather + SDPA path.
+- ``extend-split``: not a decode step but a prefill: --prefill-prompts prompts of
+  --prompt-len tokens in one batch, run as groups of at most CPU_EXTEND_ROWS rows
+  (services/worker/models/llama.py) vs as one forward; prefill tokens/s per round.
+
+    M=~/.cache/radixserve-peers/models/small
+    .venv/bin/python bench/bench_decode_step.py --model-path $M --batches 16 64 --steps 64
+    .venv/bin/python bench/bench_decode_step.py --model-path $M --ab extend-split \
+        --prefill-prompts 8 --prompt-len 1000 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radixserve.internal.v1 import engine_pb2  # noqa: E402
+from services.common.config import WorkerConfig  # noqa: E402
+from services.common.transport import pack_i32  # noqa: E402
+from services.worker import wire  # noqa: E402
+from services.worker.attention.torch_backend import TorchBackend  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
+from services.worker.models import llama  # noqa: E402
+
+
+def batches(prompts: list[list[int]], steps: int) -> list[engine_pb2.ForwardBatch]:
+    """[prefill, decode 0, decode 1, ...] with the server's slot layout."""
+    b = len(prompts)
+    prefill = engine_pb2.ForwardBatch()
+    nxt = 1
+    for i, p in enumerate(prompts):
+        prefill.reqs.add(
+            req_slot=i,
+            input_ids=pack_i32(p),
+            prefix_len=0,
+            out_slots=pack_i32(range(nxt, nxt + len(p))),
+            is_new=True,
+            sample=True,
+            sampling=engine_pb2.SamplingParams(temperature=0.0),
+        )
+        nxt += len(p)
+    out = [prefill]
+    for step in range(steps):
+        batch = engine_pb2.ForwardBatch(batch_id=step + 1, is_decode=True)
+        for i, p in enumerate(prompts):
+            batch.reqs.add(
+                req_slot=i,
+                input_ids=pack_i32([5]),
+                prefix_len=len(p) + step,
+                out_slots=pack_i32([nxt + step * b + i]),
+                sample=True,
+            )
+        out.append(batch)
+    return out
+
+
+def runner(path: str, tokens: int, make: Callable[[], AbstractContextManager]) -> ModelRunner:
+    cfg = WorkerConfig(
+        model_path=path, device="cpu", dtype="float32", max_total_tokens=tokens,
+        max_running_requests=64,
+    )  # fmt: skip
+    with make():
+        return ModelRunner(cfg)
+
+
+def prefill_split(path: str, prompts: int, length: int, rounds: int) -> None:
+    """Prefill tokens/s of one batch of ``prompts`` prompts, split vs whole, interleaved."""
+    r = runner(path, prompts * length + 16, nullcontext)
+    rng = random.Random(0)
+    caps = {"split": llama.CPU_EXTEND_ROWS, "whole": 1 << 40}
+    rates: dict[str, list[float]] = {k: [] for k in caps}
+    for i in range(rounds + 1):
+        for side in caps if i % 2 else reversed(caps):
+            texts = [
+                [rng.randrange(3, r.vocab_size) for _ in range(length)] for _ in range(prompts)
+            ]
+            with mock.patch.object(llama, "CPU_EXTEND_ROWS", caps[side]):
+                start = time.perf_counter()
+                wire.forward(r, batches(texts, 0)[0])
+                if i:  # round 0 warms up
+                    rates[side].append(prompts * length / (time.perf_counter() - start))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"{prompts} x {length}-token prompts in one batch, {torch.get_num_threads()} threads, "
+          f"groups of <= {caps['split']} rows vs one forward; prefill tokens/s")  # fmt: skip
+    pairs = zip(rates["split"], rates["whole"], strict=True)
+    print(f"split {med['split']:,.0f}, whole {med['whole']:,.0f}, "
+          f"split / whole {med['split'] / med['whole']:.2f}x; rounds (split / whole): "
+          + ", ".join(f"{a:,.0f} / {b:,.0f}" for a, b in pairs))  # fmt: skip
+
+
+SWITCHES: dict[
+    str, tuple[Callable[[], AbstractContextManager], Callable[[], AbstractContextManager]]
+] = {
+    "decode-kernel": (
+        nullcontext,
+        lambda: mock.patch.object(TorchBackend, "use_cpu_kernel", False),
+    ),
+    "extend-split": (nullcontext, nullcontext),  # prefill_split() patches per call
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--ab", choices=sorted(SWITCHES), default="decode-kernel")
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--prompt-len", type=int, default=288)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--prefill-prompts", type=int, default=8, help="extend-split: prompts")
+    ap.add_argument("--rounds", type=int, default=4, help="extend-split: rounds")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.ab == "extend-split":
+        prefill_split(args.model_path, args.prefill_prompts, args.prompt_len, args.rounds)
+        return
+    tokens = max(args.batches) * (args.prompt_len + args.steps) + 16
+    on, off = SWITCHES[args.ab]
+    sides = {"A": runner(args.model_path, tokens, on), "B": runner(args.model_path, tokens, off)}
+    rng = random.Random(0)
+    print(f"A/B: {args.ab} on (A) / off (B); {torch.get_num_threads()} threads; "
+          f"prompts {args.prompt_len} tokens; {args.steps} steps; "
+          "medians of per-step wall ms")  # fmt: skip
+    print("| decode batch | A ms/step | B ms/step | A tok/s | B tok/s | A / B speed |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for b in args.batches:
+        vocab = sides["A"].vocab_size
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
+        todo = {s: batches(prompts, args.steps) for s in sides}
+        for s, r in sides.items():
+            wire.forward(r, todo[s][0])
+        times: dict[str, list[float]] = {s: [] for s in sides}
+        for i in range(1, args.steps + 1):
+            order = list(sides) if i % 2 else list(reversed(sides))
+            for s in order:
+                start = time.perf_counter()
+                wire.forward(sides[s], todo[s][i])
+                times[s].append(time.perf_counter() - start)
+        ms = {s: statistics.median(t[1:]) * 1e3 for s, t in times.items()}
+        print(f"| {b} | {ms['A']:.1f} | {ms['B']:.1f} | {b / ms['A'] * 1e3:,.0f} | "
+              f"{b / ms['B'] * 1e3:,.0f} | {ms['B'] / ms['A']:.2f}x |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

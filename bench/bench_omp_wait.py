@@ -1,0 +1,98 @@
+"""OpenMP wait policy of the worker: decode steps with threads that sleep vs spin (issue 18).
+
+libgomp reads its wait policy once, when torch loads it, so each setting runs in its own
+child process; the settings alternate round after round and the medians are compared.
+A child builds a ModelRunner (the server's defaults: packed linears, the C decode kernel),
+prefills --batch prompts and times --steps decode steps (wall ms per step, median).
+
+    passive   OMP_WAIT_POLICY=PASSIVE (the worker's default since issue 18)
+    spin      GOMP_SPINCOUNT=300000 (libgomp's own default: spin ~300k rounds, then sleep)
+
+    M=~/.cache/radixserve-peers/models/small
+    .venv/bin/python bench/bench_omp_wait.py --model-path $M --batches 16 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+POLICIES = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin": {"GOMP_SPINCOUNT": "300000"}}
+
+
+def child(path: str, batch: int, prompt_len: int, steps: int, threads: int) -> None:
+    import random
+    import time
+    from contextlib import nullcontext
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_decode_step import batches, runner
+
+    from services.worker import wire
+
+    torch.set_num_threads(threads)
+    r = runner(path, batch * (prompt_len + steps) + 16, nullcontext)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, r.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+    todo = batches(prompts, steps)
+    wire.forward(r, todo[0])
+    times = []
+    for b in todo[1:]:
+        start = time.perf_counter()
+        wire.forward(r, b)
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"ms": statistics.median(times[1:]) * 1e3}))
+
+
+def run_child(ns: argparse.Namespace, policy: str, batch: int) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(POLICIES[policy])
+    argv = [sys.executable, __file__, "--child", "--model-path", ns.model_path,
+            "--batches", str(batch), "--prompt-len", str(ns.prompt_len), "--steps",
+            str(ns.steps), "--threads", str(ns.threads)]  # fmt: skip
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["ms"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--prompt-len", type=int, default=288)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.child:
+        child(ns.model_path, ns.batches[0], ns.prompt_len, ns.steps, ns.threads)
+        return
+    print(f"{ns.threads} threads, prompts {ns.prompt_len}, {ns.steps} decode steps per child, "
+          f"{ns.rounds} rounds, load average at start {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print("| decode batch | passive ms/step | spin ms/step | passive / spin speed | per round |")
+    print("|---:|---:|---:|---:|---|")
+    for b in ns.batches:
+        ms: dict[str, list[float]] = {p: [] for p in POLICIES}
+        for r in range(ns.rounds):
+            for p in POLICIES if r % 2 == 0 else reversed(POLICIES):
+                ms[p].append(run_child(ns, p, b))
+        med = {p: statistics.median(v) for p, v in ms.items()}
+        rounds = ", ".join(
+            f"{a:.0f}/{s:.0f}" for a, s in zip(ms["passive"], ms["spin"], strict=True)
+        )
+        print(f"| {b} | {med['passive']:.1f} | {med['spin']:.1f} | "
+              f"{med['spin'] / med['passive']:.2f}x | {rounds} |", flush=True)  # fmt: skip
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Prompt logprobs: raw log_softmax of the logits at the prompt positions a request asks
+to score, with the top-n alternatives, computed only for those rows.
+
+The scheduler names, per request of a prefill chunk, the first row to score and the
+prompt token each scored row predicts (``ReqInput.score``, a ``PromptScore``). Only those
+rows of the hidden states go through the lm_head, so a request that asks nothing costs
+nothing here and the decode path never enters this module.
+
+    hidden [T, hidden]     the batch's new tokens, request after request (qo_indptr)
+    rows of request i      qo_indptr[i] + row .. qo_indptr[i] + row + len(targets) - 1
+    logits [R, vocab]      float32, R = every scored row of the batch
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from services.worker.batch import PromptScore, Scored
+
+# Rows through the lm_head at once by default: a long prompt's [rows, vocab] float32 logits
+# (and their log_softmax) stay bounded instead of growing with the prompt.
+ROWS_PER_BLOCK = 64
+
+
+def score(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    qo_starts: list[int],
+    asks: list[PromptScore | None],
+    rows_per_block: int = ROWS_PER_BLOCK,
+) -> list[list[Scored] | None]:
+    """Per request (same order as ``asks``): its scored prompt tokens, or None where none
+    were asked. ``logits_of`` is the model's lm_head (float32 logits of hidden rows)."""
+    wanted = [(i, a) for i, a in enumerate(asks) if a is not None and len(a.targets)]
+    out: list[list[Scored] | None] = [None] * len(asks)
+    if not wanted:
+        return out
+    rows = np.concatenate([qo_starts[i] + a.row + np.arange(len(a.targets)) for i, a in wanted])
+    targets = np.concatenate([a.targets for _, a in wanted]).astype(np.int64)
+    n_top = max(a.top for _, a in wanted)
+    blocks = [
+        _score_rows(logits_of, hidden, rows[lo : lo + rows_per_block], targets[lo:], n_top)
+        for lo in range(0, len(rows), rows_per_block)
+    ]
+    # One copy to the host for the whole batch (a sync per block would stall the device).
+    chosen = torch.cat([b[0] for b in blocks]).tolist()
+    values = torch.cat([b[1] for b in blocks]).tolist()
+    indices = torch.cat([b[2] for b in blocks]).tolist()
+    at = 0
+    for i, a in wanted:
+        entries: list[Scored] = []
+        for j in range(at, at + len(a.targets)):
+            top = list(zip(indices[j][: a.top], values[j][: a.top], strict=True)) if a.top else []
+            entries.append((int(targets[j]), chosen[j], top))
+        out[i] = entries
+        at += len(a.targets)
+    return out
+
+
+def _score_rows(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    rows: np.ndarray,
+    targets: np.ndarray,
+    n_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprob of each row's target ([r]) and the n_top best of each row ([r, n_top] values
+    and token ids; n_top may be 0). ``targets`` starts at the first row (extra ignored)."""
+    index = torch.from_numpy(rows).to(hidden.device)
+    logprobs = torch.log_softmax(logits_of(hidden[index]), dim=-1)  # [r, vocab] float32
+    want = torch.from_numpy(targets[: len(rows)]).to(logprobs.device)[:, None]
+    best = logprobs.topk(n_top, dim=-1)  # n_top 0: empty [r, 0]
+    return logprobs.gather(1, want)[:, 0], best.values, best.indices

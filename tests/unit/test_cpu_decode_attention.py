@@ -1,0 +1,114 @@
+"""The C decode-attention kernel (kernels/cpu_decode_attention.py) against its PyTorch
+reference, and the torch backend with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_decode_attention
+from services.worker.attention.base import AttentionMeta
+from services.worker.attention.torch_backend import TorchBackend
+
+kernel = cpu_decode_attention.load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here")
+
+
+def _case(b: int, heads: int, kv_heads: int, d: int, lens: list[int], seed: int = 0):
+    """Pools with scattered slots (slot 0 the zero padding slot), a table with spare rows."""
+    g = torch.Generator().manual_seed(seed)
+    slots_total = sum(lens) + 50
+    k_pool = torch.randn(slots_total + 1, kv_heads, d, generator=g)
+    v_pool = torch.randn(slots_total + 1, kv_heads, d, generator=g)
+    k_pool[0] = v_pool[0] = 0
+    perm = torch.randperm(slots_total, generator=g) + 1
+    table = torch.zeros(b + 3, max(lens) + 7, dtype=torch.int32)
+    req_slots = torch.randperm(b + 3, generator=g)[:b].to(torch.int32)
+    start = 0
+    for i, n in enumerate(lens):
+        table[int(req_slots[i]), :n] = perm[start : start + n].to(torch.int32)
+        start += n
+    # q as the model hands it: a view of a fused [B, H + 2 KVH, D] tensor (rows not contiguous).
+    q = torch.randn(b, heads + 2 * kv_heads, d, generator=g)[:, :heads]
+    return q, k_pool, v_pool, table, req_slots, torch.tensor(lens, dtype=torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,lens",
+    [
+        (8, 4, 64, [1, 7, 300, 64]),  # the peers' small model, a one-token context
+        (14, 2, 64, [129, 33]),  # Qwen2-0.5B's group of 7; fewer requests than threads
+        (4, 4, 36, [5, 40, 17, 2, 90]),  # no grouping; head dim not a multiple of 8
+        (16, 2, 128, [513]),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_reference(heads, kv_heads, d, lens, threads):
+    case = _case(len(lens), heads, kv_heads, d, lens)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(*case, 0.125)
+    finally:
+        torch.set_num_threads(old)
+    ref = cpu_decode_attention.decode_attention_ref(*case, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_supports_only_float32_cpu_with_an_int32_table():
+    q, k_pool, _, table, _, _ = _case(2, 8, 4, 64, [3, 4])
+    assert cpu_decode_attention.supports(q, k_pool, table)
+    assert not cpu_decode_attention.supports(q.half(), k_pool.half(), table)
+    assert not cpu_decode_attention.supports(q, k_pool, table.long())
+    assert not cpu_decode_attention.supports(q, k_pool.transpose(1, 2), table)
+
+
+def test_kernel_off_by_environment(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CPU_KERNELS", "0")
+    cpu_decode_attention.load.cache_clear()
+    try:
+        assert cpu_decode_attention.load() is None
+    finally:
+        cpu_decode_attention.load.cache_clear()
+
+
+def _decode_meta(table, req_slots, lens) -> AttentionMeta:
+    b = len(lens)
+    ones = torch.ones(b, dtype=torch.int32)
+    return AttentionMeta(
+        is_decode=True,
+        out_slots=torch.stack(
+            [table[int(r), int(n) - 1] for r, n in zip(req_slots, lens, strict=True)]
+        ).long(),
+        qo_indptr=torch.arange(b + 1, dtype=torch.int32),
+        req_to_token=table,
+        req_slots=req_slots,
+        prefix_lens=lens - ones,
+        extend_lens=ones,
+        seq_lens=lens,
+        max_seq_len=int(lens.max()),
+        max_extend_len=1,
+    )
+
+
+@needs_kernel
+def test_backend_kernel_and_gather_paths_agree(monkeypatch):
+    """The same decode batch through the backend with the kernel and with the torch gather
+    path (which other dtypes and machines without a compiler take)."""
+    q, k_pool, v_pool, table, req_slots, lens = _case(5, 8, 4, 64, [9, 1, 120, 33, 64])
+    meta = _decode_meta(table, req_slots, lens)
+    k_new = k_pool[meta.out_slots].clone()  # store what is already there: the pools stay equal
+    v_new = v_pool[meta.out_slots].clone()
+    outs = []
+    for use in (True, False):
+        monkeypatch.setattr(TorchBackend, "use_cpu_kernel", use)
+        backend = TorchBackend(8, 4, 64, 0.125)
+        assert (backend._kernel is not None) == use
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k_new, v_new, k_pool, v_pool, meta))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    ref = cpu_decode_attention.decode_attention_ref(
+        q, k_pool, v_pool, table, req_slots, lens, 0.125
+    )
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
