@@ -22,7 +22,7 @@ from radixserve.v1 import generation_pb2_grpc
 from services.common import bearer
 from services.common.bearer import BearerInterceptor, MethodKeys, bearer_matches
 from services.common.config import FrontendConfig, add_dataclass_args, from_args, to_argv
-from services.frontend.auth import ApiKeys
+from services.frontend.auth import HEALTH_PATHS, ApiKeys
 from services.frontend.tokenizer import Tokenizer
 
 try:
@@ -87,7 +87,7 @@ def test_every_http_route_refuses_a_missing_or_wrong_key(frontend):
     assert {"/v1/completions", "/v1/chat/completions", "/flush_cache", "/metrics"} <= paths
     with httpx.Client(base_url=frontend.http_base) as http:
         for method, path in routes:
-            if path == "/health":
+            if path in HEALTH_PATHS:  # the probes (/health, /livez) are open by design
                 continue
             _assert_401(http.request(method, path, json={}), "missing API key")
             _assert_401(http.request(method, path, json={}, headers=_auth("nope")), "invalid")
@@ -98,6 +98,7 @@ def test_every_http_route_refuses_a_missing_or_wrong_key(frontend):
 def test_the_right_key_opens_every_route_and_health_needs_none(frontend):
     with httpx.Client(base_url=frontend.http_base) as http:
         assert http.get("/health").status_code == 200
+        assert http.get("/livez").status_code == 200
         assert http.get("/healthz").status_code != 401  # no such route: 404, not 401
         for path in ("/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json"):
             assert http.get(path, headers=_auth(KEY)).status_code == 200, path
