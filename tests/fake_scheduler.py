@@ -258,6 +258,17 @@ class FrontendThread:
         asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(60)
         return self
 
+    def wait_ready(self, timeout_s: float = 10.0) -> FrontendThread:
+        """Returns once HTTP /health answers 200 (an engine reached): tests start from a
+        serving frontend, not one still connecting."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.http_base + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the frontend did not become ready"
+            time.sleep(0.05)
+        return self
+
     @property
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.server.grpc_port}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import time
 from concurrent import futures
 
 import grpc
@@ -52,11 +51,7 @@ def frontend(model_dir, fake):
     cfg = dataclasses.replace(
         frontend_config(model_dir, [fake], http=True), api_key=KEY, admin_api_key=ADMIN
     )
-    fe = FrontendThread(cfg).start()
-    deadline = time.monotonic() + 10
-    while httpx.get(fe.http_base + "/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    fe = FrontendThread(cfg).start().wait_ready()
     yield fe
     fe.stop()
 

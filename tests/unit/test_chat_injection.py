@@ -4,8 +4,6 @@ default model's own template, through the tokenizer, gRPC (Tokenize and Generate
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import httpx
 import pytest
@@ -73,11 +71,7 @@ def fake(tok):
 
 @pytest.fixture(scope="module")
 def frontend(fake):
-    fe = FrontendThread(frontend_config(MODEL, [fake], http=True)).start()
-    deadline = time.monotonic() + 10
-    while httpx.get(fe.http_base + "/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    fe = FrontendThread(frontend_config(MODEL, [fake], http=True)).start().wait_ready()
     yield fe
     fe.stop()
 

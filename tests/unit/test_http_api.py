@@ -47,11 +47,7 @@ def fake(tok):
 
 @pytest.fixture(scope="module")
 def frontend(tok, fake):
-    fe = FrontendThread(frontend_config(tok[0], [fake], http=True)).start()
-    deadline = time.monotonic() + 10
-    while httpx.get(fe.http_base + "/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    fe = FrontendThread(frontend_config(tok[0], [fake], http=True)).start().wait_ready()
     yield fe
     fe.stop()
 
