@@ -38,12 +38,17 @@ and torch.compile (inductor freezing) of the MLP block.
     .venv/bin/python bench/bench_linear.py --sections linear --models qwen2 --threads 1
     .venv/bin/python bench/bench_linear.py --json out.json      # also every raw figure
 
-Sections: linear, exact, features, cold, compile.
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_linear.py --sections gemm --threads 2
+        # the C small-M kernel (kernels/cpu_gemm.py) vs oneDNN packed vs F.linear, the
+        # weights of 8 layers cycling (cold, as in decode)
+
+Sections: linear, exact, features, cold, compile, gemm (not in the default run).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -89,6 +94,9 @@ MODELS = {
     # (b) Qwen2-0.5B: hidden 896, 14 q / 2 kv heads of 64, intermediate 4864,
     # vocab 151936, q/k/v bias
     "qwen2": model_shapes(896, 14, 2, 64, 4864, 151936, qkv_bias=True),
+    # (c) the peers' small Llama (~/.cache/radixserve-peers/models/small): hidden 512,
+    # 8 q / 4 kv heads of 64, intermediate 1408, 8 layers; not in the default --models
+    "small": model_shapes(512, 8, 4, 64, 1408, 600, qkv_bias=False),
 }
 DECODER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 MS = (1, 8, 16, 64, 256, 1024, 2048, 8192)
@@ -584,6 +592,79 @@ def section_cold(threads: int) -> list[dict]:
     return out
 
 
+# ---- section: small-M C kernel vs oneDNN, weights cold ---------------------------------
+
+GEMM_MS = (1, 4, 16, 32, 64, 128)
+GEMM = ("kernel", "packed", "F.linear")
+
+
+def _gemm_step(name: str, kernel: Callable, items: list[tuple]) -> None:
+    for x, w, b, p in items:
+        if name == "kernel":
+            kernel(x, w, b)
+        elif name == "packed":
+            _pw(x, p, b)
+        else:
+            F.linear(x, w, b)
+
+
+def section_gemm(
+    models: list[str], ms: list[int], threads: list[int], rounds: int, target_s: float, layers: int
+) -> list[dict]:
+    """A decode step's linears as the worker meets them: the four decoder linears of
+    `layers` layers, called in order, so that every weight comes from memory (more than
+    L3 between two uses), timed per whole step. kernels/cpu_gemm.py on the plain weight vs
+    the oneDNN packed path vs F.linear, interleaved rounds, medians."""
+    from kernels import cpu_gemm
+
+    kernel = cpu_gemm.load()
+    if kernel is None:
+        print("\n### gemm: no C kernel here (no compiler or RADIXSERVE_CPU_KERNELS=0)")
+        return []
+    out = []
+    for model in models:
+        shapes = [s for s in MODELS[model] if s.name in DECODER]
+        ws = [[make_weights(s, seed=i) for s in shapes] for i in range(layers)]
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w, _ in lay] for lay in ws]
+        weight_bytes = 4 * layers * sum(s.n * s.k for s in shapes)
+        for nt in threads:
+            torch.set_num_threads(nt)
+            print(
+                f"\n### gemm: {model}, {layers} layers cycling ({weight_bytes / 1e6:.0f} MB of "
+                f"weights), {nt} thread(s): ms per step (GFLOP/s), ratio = other / kernel\n"
+            )
+            print("| M | kernel | oneDNN packed | F.linear | packed/kernel | F.linear/kernel |")
+            print("|---|---|---|---|---|---|")
+            for m in ms:
+                xs = [torch.randn(m, s.k) for s in shapes]
+
+                # (x, w, b, packed) in call order: layer by layer, the four linears each
+                items = [
+                    (xs[i], *ws[li][i], packed[li][i])
+                    for li in range(layers)
+                    for i in range(len(shapes))
+                ]
+                fns: dict[str, Callable[[], object]] = {
+                    name: functools.partial(_gemm_step, name, kernel, items) for name in GEMM
+                }
+                secs = interleaved(fns, rounds, target_s)
+                flops = 2.0 * m * weight_bytes / 4
+                med = {k: statistics.median(v) for k, v in secs.items()}
+                row = dict(model=model, threads=nt, m=m, layers=layers, seconds=secs)
+                row["packed_over_kernel"] = ratio_median(secs["kernel"], secs["packed"])
+                row["flinear_over_kernel"] = ratio_median(secs["kernel"], secs["F.linear"])
+                out.append(row)
+                cells = " | ".join(f"{med[k] * 1e3:.2f} ({flops / med[k] / 1e9:.1f})" for k in fns)
+                print(
+                    f"| {m} | {cells} | {row['packed_over_kernel']:.2f}x | "
+                    f"{row['flinear_over_kernel']:.2f}x |",
+                    flush=True,
+                )
+        del ws, packed, items, fns
+        gc.collect()
+    return out
+
+
 # ---- section: torch.compile with inductor freezing ------------------------------------
 
 
@@ -700,7 +781,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=["llama", "qwen2"], choices=list(MODELS))
     ap.add_argument("--ms", nargs="+", type=int, default=list(MS))
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
@@ -712,6 +793,8 @@ def main() -> None:
         "--candidates", nargs="+", default=None, help="only these (F.linear always runs)"
     )
     ap.add_argument("--compile-ms", nargs="+", type=int, default=[1, 8, 64, 1024])
+    ap.add_argument("--gemm-ms", nargs="+", type=int, default=list(GEMM_MS))
+    ap.add_argument("--gemm-layers", type=int, default=8, help="layers cycling (gemm section)")
     ap.add_argument("--quick", action="store_true", help="few M, 3 rounds, short samples")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -749,6 +832,10 @@ def main() -> None:
             report["features"] = section_features(args.rounds, target)
         if "cold" in args.sections:
             report["cold"] = {nt: section_cold(nt) for nt in args.threads}
+        if "gemm" in args.sections:
+            report["gemm"] = section_gemm(
+                args.models, args.gemm_ms, args.threads, args.rounds, target, args.gemm_layers
+            )
     if "compile" in args.sections:
         report["compile"] = section_compile(
             args.models, args.compile_ms, args.threads, args.rounds, target

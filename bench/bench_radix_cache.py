@@ -20,7 +20,7 @@ from array import array
 
 from services.scheduler.allocator import KVSlotAllocator
 from services.scheduler.eviction import policy_names
-from services.scheduler.radix_cache import MatchResult, RadixCache, check_slot_integrity
+from services.scheduler.radix_cache import RadixCache, TreeNode, check_slot_integrity
 
 
 def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[int], list[int]]]:
@@ -45,12 +45,13 @@ def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list
 
 def admit(
     cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
-) -> tuple[MatchResult, list[int], list[int]]:
+) -> tuple[TreeNode, int, list[int], list[int]]:
     """Arrival: match and lock the cached prefix, allocate slots for every other token
-    (evicting if short); returns the match, the request's slots and the sequence to insert."""
-    # intern: the prompt then holds the tree's ints, so the insert of prompt + output
-    # compares pointers where the match found the prompt cached.
-    m = cache.match_prompt(prompt, intern=True)
+    (evicting if short); returns the locked node, the cached length, the request's slots
+    and the sequence to insert."""
+    # No intern: the insert resumes at the matched node (start=), so nothing compares the
+    # cached prefix again and re-pointing the prompt at the tree's ints would not pay.
+    m = cache.match_prompt(prompt)
     cache.lock(m.node)
     cached = len(m.slots)
     n_new = len(prompt) - cached + len(output)  # uncached prompt + every output token
@@ -60,20 +61,24 @@ def admit(
     new = alloc.alloc(n_new, cached, m.slots[-1] if cached else 0)
     if new is None:
         raise RuntimeError("pool too small for one request")
-    return m, m.slots + new, prompt + output[:-1]  # the last output token has no KV
+    slots = m.slots  # a fresh list the caller owns (as KVManager.match keeps it): no copy
+    slots += new
+    return m.node, cached, slots, prompt + output[:-1]  # the last output token has no KV
 
 
 def serve_one(
     cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
 ) -> int:
     """One request's KV bookkeeping, as the scheduler does it; returns the cached length."""
-    m, slots, seq = admit(cache, alloc, prompt, output)
-    cached = len(m.slots)
-    res = cache.insert_prefix(seq, slots[:-1])
+    node, cached, slots, seq = admit(cache, alloc, prompt, output)
+    last = slots.pop()  # the last output token's slot (no KV to cache): insert takes the rest
+    # start: the locked match is seq's prefix, as KVManager.commit passes req.node.
+    res = cache.insert_prefix(seq, slots, start=node)
+    slots.append(last)
     kept = len(seq) - len(seq) % cache.page_size
     # Duplicates the request computed itself, plus what the tree did not take.
     alloc.free(slots[cached : res.prefix_len] + slots[kept:])
-    cache.unlock(m.node)
+    cache.unlock(node)
     return cached
 
 
@@ -90,9 +95,9 @@ def bench_trace(args: argparse.Namespace) -> None:
     wall, cpu, hit, total = [], [], 0, 0
     for request_ids, output in trace:
         # The request owns its token ints (created by deserialisation, destroyed at its
-        # teardown, both outside the cache). match_prompt(intern=True) re-points the list it
-        # is given at the tree's ints; without this copy the timed match would also pay for
-        # destroying the request's own ints, which the request pays anyway
+        # teardown, both outside the cache). A match with intern=True would re-point the
+        # list it is given at the tree's ints; without this copy the timed match would then
+        # also pay for destroying the request's own ints, which the request pays anyway
         # (--count-token-frees).
         prompt = request_ids if args.count_token_frees else list(request_ids)
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()

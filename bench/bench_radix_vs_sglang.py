@@ -48,7 +48,12 @@ How faithful the SGLang side is:
 - Not included on either side: the request-to-token table writes and GPU copies. By
   default neither side does the re-match after the insert either (bench_radix_cache's
   ``serve_one``, the issue's definition); ``--rematch`` adds it to both, as
-  radixserve's ``KVManager.commit`` and SGLang's ``RadixCache.checkpoint`` do it.
+  radixserve's ``KVManager.commit`` and SGLang's ``RadixCache.checkpoint`` do it
+  (radixserve reads the slots off the node its insert returned, ``path_slots``, where
+  SGLang matches the key again).
+- radixserve's insert resumes at the request's locked match (``start=``, as
+  ``KVManager.commit`` does), so it does not compare the cached prefix a second time;
+  SGLang's insert walks from the root (comparing ``array('q')`` slices, memcmp speed).
 """
 
 from __future__ import annotations
@@ -265,18 +270,20 @@ class _GCClock:
 def serve_rematch(
     cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
 ) -> int:
-    """serve_one with the release path of KVManager.commit/release: insert (interning),
-    re-match the inserted tokens (peek), lock that node, unlock the arrival's."""
-    m, slots, seq = admit(cache, alloc, prompt, output)
-    cached = len(m.slots)
-    res = cache.insert_prefix(seq, slots[:-1], intern=True)
+    """serve_one with the release path of KVManager.commit/release: insert (resuming at the
+    locked node), re-read the inserted tokens' slots from the node the insert returned (the
+    re-match), lock that node, unlock the arrival's."""
+    node, cached, slots, seq = admit(cache, alloc, prompt, output)
+    last = slots.pop()  # as in serve_one: the last output token has no KV
+    res = cache.insert_prefix(seq, slots, start=node)
+    slots.append(last)
     alloc.free(slots[cached : res.prefix_len])
-    m2 = cache.match_prefix(seq, peek=True)
-    cache.lock(m2.node)
-    cache.unlock(m.node)
-    slots[: len(m2.slots)] = m2.slots
+    tree_slots = cache.path_slots(res.node)
+    cache.lock(res.node)
+    cache.unlock(node)
+    slots[: len(tree_slots)] = tree_slots
     alloc.free(slots[len(seq) :])
-    cache.unlock(m2.node)
+    cache.unlock(res.node)
     return cached
 
 
@@ -300,7 +307,7 @@ def run_side(side: Any, trace: Trace, to_request: Callable[..., Any], gcc: _GCCl
 
 
 def ours_request(p: list[int], o: list[int]) -> tuple[list[int], list[int]]:
-    return list(p), o  # the request's own ints; match_prompt(intern=True) re-points the list
+    return list(p), o  # the request's own list of ints
 
 
 def sglang_request(p: list[int], o: list[int]) -> tuple[array, array]:

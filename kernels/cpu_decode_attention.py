@@ -17,25 +17,22 @@ relative); ``decode_attention_ref`` is the plain-PyTorch reference the tests com
 Built on first use with the system C compiler (``cc -O3 -march=native -fopenmp``) into
 ``~/.cache/radixserve/kernels`` (``RADIXSERVE_KERNEL_CACHE`` moves it), keyed by the source,
 the flags and the CPU's flags, written atomically so that concurrent workers never load a
-half-written file. No compiler, a failed build or ``RADIXSERVE_CPU_KERNELS=0``:
-``load()`` returns None and the caller keeps its torch path.
+half-written file (kernels/_cc.py, shared with the other C kernels). No compiler, a
+failed build or ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None and the caller keeps
+its torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kernels import _cc
 
 log = logging.getLogger(__name__)
 
@@ -131,62 +128,19 @@ int rs_decode_attention_f32(const float* q, int64_t q_b, int64_t q_h, const floa
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 DecodeAttention = Callable[..., torch.Tensor]
-
-
-def _cache_dir() -> Path:
-    default = Path.home() / ".cache" / "radixserve" / "kernels"
-    return Path(os.environ.get("RADIXSERVE_KERNEL_CACHE") or default)
-
-
-def _cpu_flags() -> str:
-    """-march=native code runs only on a CPU with the same features: part of the key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(compiler: str) -> Path:
-    key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"decode_attention_{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        src, out = Path(tmp) / "decode_attention.c", Path(tmp) / "decode_attention.so"
-        src.write_text(_SOURCE)
-        subprocess.run(
-            [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(out, lib)  # atomic: another worker sees the whole file or none
-    return lib
 
 
 @functools.cache
 def load() -> DecodeAttention | None:
     """The kernel as ``fn(q, k_pool, v_pool, req_to_token, req_slots, seq_lens, scale)``,
     or None where it cannot be built here (the caller keeps its torch path)."""
-    if os.environ.get("RADIXSERVE_CPU_KERNELS", "1") == "0":
+    lib = _cc.load_library("decode_attention", _SOURCE, "CPU decode attention", log)
+    if lib is None:
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler: CPU decode attention stays on the torch path")
-        return None
-    try:
-        fn = ctypes.CDLL(str(_build(compiler))).rs_decode_attention_f32
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("CPU decode attention kernel not built (%s); using the torch path", e)
-        return None
+    fn = lib.rs_decode_attention_f32
     fn.restype = _I32
     fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR]
     fn.argtypes += [_I32, _I32, _I32, _I32, _F32, _I32]

@@ -77,11 +77,12 @@ class WorkerConfig:
     random_seed: int = _opt(0, "seed for requests that give none")
     cpu_threads: int = _opt(0, "torch threads on CPU (0: one per core this process may use)")
     cpu_linear: str = _opt(
-        "packed",
+        "auto",
         "float32 linears on CPU: packed (oneDNN, weights prepacked once at load), hybrid "
-        "(packed, plus the dense weights kept for one-row batches: 2x the memory) or plain "
-        "(F.linear, MKL)",
-        choices=["packed", "hybrid", "plain"],
+        "(packed, plus the dense weights for batches of few rows, which a C kernel runs "
+        "faster: 2x the linears' memory), plain (F.linear, MKL) or auto (hybrid while the "
+        "linears' float32 weights take at most 2 GiB, else packed)",
+        choices=["auto", "packed", "hybrid", "plain"],
     )
     grammar_compile_timeout: float = _opt(
         10.0,
@@ -134,6 +135,13 @@ class SchedulerConfig:
         "while requests decode, each batch carries every decoding request's next token plus "
         "at most this many prefill tokens (mixed batches), so prefill never stalls decoding "
         "(0, or --chunked-prefill-size -1: a prefill batch runs alone, before any decode step)",
+    )
+    mixed_burst_tokens: int = _opt(
+        2048,
+        "while at least as many requests wait for their first token as decode (a burst of "
+        "arrivals), mixed batches carry up to this many prefill tokens instead of "
+        "--mixed-prefill-tokens: the burst is admitted in a few longer steps instead of a "
+        "trickle of short ones (0: always --mixed-prefill-tokens)",
     )
     max_running_requests: int = _opt(
         64, "requests decoded at once (rows of the request-slot table)"

@@ -9,17 +9,34 @@ page is reserved, so that one request's positions k*p .. k*p+p-1 share one page:
     page:   0 (padding) | 1          | 2
     usable: -- -- -- -- | yes ...    | yes ...     total = 8
 
-The free pages sit in a stack (a list: the top is handed out first) and the allocated ones
-in a set, so that a free() of hundreds of slots is checked (padding, range, double free)
-with a few C-level set operations rather than a Python loop per slot. Plain Python beats
-numpy here: converting a list of slots to an array costs more than the set operations.
-Memory: about 80 bytes per page (a Python int in the stack or the set), i.e. ~160 MB for
-a pool of 2M slots at page_size 1; a page size of 16 needs 16x less.
+Free pages are of two kinds. Pages never handed out since the allocator was made are the
+range ``_fresh .. _num_pages`` (a watermark, no objects). Pages given back sit in a stack
+(a list: the top is handed out first, before any fresh page) and, for membership, in a set,
+so that a free() of hundreds of slots is checked (padding, range, double free) with a few
+C-level operations rather than a Python loop per slot. The hand-out order is that of one
+stack holding the fresh pages in descending order under the freed ones (pages 1, 2, 3, ...
+from a new allocator: readable logs). Plain Python beats numpy here: converting a list of
+slots to an array costs more than the set operations.
+
+Why a set of the *freed* pages, not of the used ones (the earlier design): a serving cache
+keeps the pool nearly full, so the freed set stays small (what eviction just freed) while
+a used set holds ~the whole pool. Under churn a set fills with deleted-entry markers and
+rehashes itself every few hundred requests; at 200k used pages each rehash took 5-13 ms on
+the 2-core VM, ~50 us of a 63 us *mean* alloc (median 14 us) on bench_radix_vs_sglang's
+trace. A small set rehashes in microseconds and stays in cache. Why the watermark: a set
+holding every page of a new pool is the big set again while the pool first fills (its
+rebuilds cost 2-4 ms each there), and building it and the list took ~40 ms at 200k pages.
+Memory: about 80 bytes per freed page (a Python int in the stack and the set), i.e.
+~160 MB after freeing a whole pool of 2M slots at page_size 1; 16x less at page size 16.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+
+# The free set is rebuilt smaller only from this size: below it its table fits in cache,
+# and rebuilding an emptied set every request would only make it grow again (rehashes).
+_SHRINK_MIN = 4096
 
 
 class SlotError(ValueError):
@@ -38,9 +55,10 @@ class KVSlotAllocator:
             raise SlotError(f"num_slots must be >= 0, got {num_slots}")
         self.page_size = page_size
         self._num_pages = num_slots // page_size  # usable pages are 1 .. _num_pages
-        # Descending, so that a fresh allocator hands out pages 1, 2, 3, ... (readable logs).
-        self._free_pages: list[int] = list(range(self._num_pages, 0, -1))
-        self._used: set[int] = set()
+        self._fresh = 1  # pages _fresh .. _num_pages were never handed out
+        self._free_pages: list[int] = []  # pages given back; the top is handed out first
+        self._free_set: set[int] = set()  # the same pages, for membership
+        self._free_set_peak = 0  # its size when its table was last sized
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -50,7 +68,10 @@ class KVSlotAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return self._num_free_pages() * self.page_size
+
+    def _num_free_pages(self) -> int:
+        return len(self._free_pages) + self._num_pages + 1 - self._fresh
 
     def slots_needed(self, n: int, cur_len: int = 0) -> int:
         """Free slots that ``alloc(n, cur_len, ...)`` would consume (whole new pages)."""
@@ -66,7 +87,7 @@ class KVSlotAllocator:
     def is_free(self, slot: int) -> bool:
         """Whether ``slot``'s page is free (slot 0 and out-of-range slots are never free)."""
         page = slot // self.page_size
-        return 0 < page <= self._num_pages and page not in self._used
+        return 0 < page <= self._num_pages and (page >= self._fresh or page in self._free_set)
 
     # -- alloc / free -----------------------------------------------------------------
     def alloc(self, n: int, cur_len: int = 0, last_slot: int = 0) -> list[int] | None:
@@ -74,7 +95,7 @@ class KVSlotAllocator:
         cur_len-1 sits in ``last_slot``. With page_size > 1 the rest of last_slot's page is
         used first, then whole new pages. None (nothing taken) when too few pages are free."""
         need = self.pages_needed(n, cur_len)
-        if need > len(self._free_pages):
+        if need > self._num_free_pages():
             return None
         ps = self.page_size
         out: list[int] = []
@@ -85,16 +106,31 @@ class KVSlotAllocator:
             n -= fill
         if need == 0:
             return out
-        pages = self._free_pages[-need:]
-        del self._free_pages[-need:]
-        pages.reverse()
-        self._used.update(pages)
+        pages = self._take_pages(need)
         if ps == 1:
             return pages
         for page in pages:
             out.extend(range(page * ps, page * ps + ps))
         del out[len(out) - (need * ps - n) :]  # the last page may be only partly used
         return out
+
+    def _take_pages(self, need: int) -> list[int]:
+        """need free pages (there are): freed ones from the top of the stack, then fresh."""
+        freed = self._free_pages
+        take = min(need, len(freed))
+        pages = freed[len(freed) - take :]
+        del freed[len(freed) - take :]
+        pages.reverse()
+        if take:
+            self._free_set.difference_update(pages)
+            peak = self._free_set_peak
+            if peak > _SHRINK_MIN and len(self._free_set) * 8 < peak:
+                self._shrink_free_set()
+        if take < need:
+            fresh = self._fresh
+            pages.extend(range(fresh, fresh + need - take))
+            self._fresh = fresh + need - take
+        return pages
 
     def free(self, slots: Sequence[int]) -> None:
         """Gives slots back; with page_size > 1 the distinct pages they lie in (the caller
@@ -104,12 +140,27 @@ class KVSlotAllocator:
             return
         ps = self.page_size
         pages = slots if ps == 1 else {s // ps for s in slots}
-        used = self._used
-        before = len(used)
-        used.difference_update(pages)  # one C-level pass; the count tells whether all were in use
-        if before - len(used) != len(pages):
+        # Fresh pages (from _fresh up) are free: giving one back is a double free.
+        if min(pages) < 1 or max(pages) >= self._fresh:
+            raise self._bad_free(slots)
+        free = self._free_set
+        before = len(free)
+        free.update(pages)  # one C-level pass; the count tells whether all were in use
+        if len(free) - before != len(pages):  # one was free already, or given twice
             raise self._undo_bad_free(slots, pages)
+        if len(free) > self._free_set_peak:
+            self._free_set_peak = len(free)
         self._free_pages.extend(pages)
+
+    def _shrink_free_set(self) -> None:
+        """Rebuilds the free set in a table sized for what it holds now. Why: a set never
+        shrinks when items leave it, so after a mass free (a flush, a burst of finished
+        requests) its table would keep spanning up to the whole pool (8 MB at 200k pages)
+        and every later free() would miss the cache; before the fresh-page watermark, when
+        the set started full, eviction's free() took twice as long for that reason.
+        Amortized O(1) per page: the set has lost 7/8 of its items since the last time."""
+        self._free_set = set(self._free_pages)
+        self._free_set_peak = len(self._free_set)
 
     # -- checks -----------------------------------------------------------------------
     def check(self) -> None:
@@ -117,18 +168,24 @@ class KVSlotAllocator:
         free = set(self._free_pages)
         if len(free) != len(self._free_pages):
             raise RuntimeError("allocator: a page is twice in the free list")
-        if free & self._used:
+        if free != self._free_set:
+            raise RuntimeError("allocator: the free list and the free set differ")
+        if not 1 <= self._fresh <= self._num_pages + 1:
+            raise RuntimeError(f"allocator: fresh-page watermark {self._fresh} is off the pool")
+        if not free <= set(range(1, self._fresh)):
             raise RuntimeError(
-                f"allocator: pages both free and in use: {sorted(free & self._used)[:8]}"
+                "allocator: the free list holds pages never handed out or off the pool"
             )
-        if free | self._used != set(range(1, self._num_pages + 1)):
-            raise RuntimeError("allocator: free + used pages are not exactly the usable pages")
 
     def _undo_bad_free(self, slots: Sequence[int], pages: Collection[int]) -> SlotError:
-        """Puts back the pages a bad free() took out of use; returns the error naming why.
-        O(pool), but only on the error path."""
-        free_now = set(self._free_pages)
-        self._used.update(p for p in set(pages) if p not in free_now and 1 <= p <= self._num_pages)
+        """Takes back out of the free set the pages a bad free() put there; returns the
+        error naming why. O(pool), but only on the error path."""
+        self._free_set = set(self._free_pages)  # the list was not touched: it is the truth
+        return self._bad_free(slots)
+
+    def _bad_free(self, slots: Sequence[int]) -> SlotError:
+        """The error naming why free(slots) is refused (nothing was changed)."""
+        free_now = self._free_set
         ps, last = self.page_size, (self._num_pages + 1) * self.page_size - 1
         pad = [s for s in slots if 0 <= s < ps]
         if pad:
@@ -136,14 +193,15 @@ class KVSlotAllocator:
         out = [s for s in slots if not 0 <= s <= last]
         if out:
             return SlotError(f"slots out of range 1..{last}: {out[:8]}")
-        bad = [s for s in slots if s // ps in free_now]
+        bad = [s for s in slots if s // ps in free_now or s // ps >= self._fresh]
         if bad:
             return DoubleFreeError(f"slots already free: {bad[:8]}")
         return DoubleFreeError(f"free() was given the same slot twice: {_first_dup(slots)}")
 
     def _check_owned_slot(self, last_slot: int, cur_len: int) -> None:
         ps = self.page_size
-        if last_slot // ps not in self._used:
+        page = last_slot // ps
+        if not 0 < page < self._fresh or page in self._free_set:
             raise SlotError(f"last_slot {last_slot} is not an allocated slot")
         if last_slot % ps != (cur_len - 1) % ps:
             raise SlotError(

@@ -81,7 +81,7 @@ class KVManager:
         m = self.cache.match_prompt(ids, req.namespace, req.priority)
         self.cache.lock(m.node)
         req.node = m.node
-        req.kv_slots = list(m.slots)
+        req.kv_slots = m.slots  # a fresh list per match: the request may own it
         req.locked_len = len(m.slots)
         req.table_dirty = True
         return req.locked_len
@@ -127,21 +127,24 @@ class KVManager:
         the request now reads the tree's slots, so the worker's table row must be rewritten.
         """
         n = req.kv_len if n is None else n
-        key = req.fill_ids[:n]
-        # intern: key then holds the tree's ints, so the match below compares pointers.
+        # start: req.node is the locked match of fill_ids' first locked_len tokens, so the
+        # insert resumes there instead of comparing that prefix again.
+        kv = req.kv_slots if n == req.kv_len else req.kv_slots[:n]  # insert only reads it
         res = self.cache.insert_prefix(
-            key, req.kv_slots[:n], req.namespace, req.priority, intern=True
+            req.fill_ids[:n], kv, req.namespace, req.priority, start=req.node
         )
         dup = req.kv_slots[req.locked_len : res.prefix_len]
         if dup:
             self.allocator.free(dup)
-        # peek: re-finding what was just inserted is not a hit.
-        m = self.cache.match_prefix(key, req.namespace, req.priority, peek=True)
-        self.cache.lock(m.node)
+        # The insert's node ends at the last whole page of the n tokens: a match of them
+        # would land there, so its path gives the tree's slots without a second walk.
+        node = res.node
+        slots = self.cache.path_slots(node)
+        self.cache.lock(node)
         self.cache.unlock(req.node)
         changed = bool(dup)
-        req.kv_slots[: len(m.slots)] = m.slots
-        req.node, req.locked_len = m.node, len(m.slots)
+        req.kv_slots[: len(slots)] = slots
+        req.node, req.locked_len = node, len(slots)
         self._sync_held(req)
         if changed:
             req.table_dirty = True

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 from services.scheduler.allocator import KVSlotAllocator
@@ -151,14 +152,37 @@ class BasePrefixCache(ABC):
         priority: int = 0,
         *,
         intern: bool = False,
+        start: TreeNode | None = None,
     ) -> InsertResult:
         """Caches tokens -> slots (whole pages only). Slots at positions [0, prefix_len) were
         already cached: the caller frees those it owns, and any tail beyond the whole pages.
-        ``intern``: as in match_prefix, for the part of ``tokens`` already in the tree."""
+        ``intern``: as in match_prefix, for the part of ``tokens`` already in the tree.
+
+        ``start``: a node whose path (from the namespace's anchor) is ``tokens[:k]``, such
+        as the node the caller matched these tokens to and still holds locked. The walk
+        resumes there instead of re-comparing those k tokens; why: they are the request's
+        cached prefix, most of a shared-prefix request, and comparing them again was the
+        largest part of an insert. The caller guarantees the tokens; the result is the same
+        as without ``start``. Ignored when k exceeds the whole pages of ``tokens``."""
         tokens, slots = _as_list(tokens), _as_list(slots)
         if len(tokens) != len(slots):
             raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
-        return self._insert(tokens, slots, namespace, priority, intern)
+        return self._insert(tokens, slots, namespace, priority, intern, start)
+
+    def path_slots(self, node: TreeNode) -> list[int]:
+        """The KV slots of node's path from its anchor: what a match ending at node returns
+        (e.g. at the node an insert returned, without matching the tokens again)."""
+        parts: list[list[int]] = []
+        while not node.anchor:
+            parts.append(node.value)
+            parent = node.parent
+            if parent is None:
+                raise CacheLockError(f"{node!r} is no longer in the tree (evicted or flushed)")
+            node = parent
+        slots: list[int] = []
+        for value in reversed(parts):
+            slots += value
+        return slots
 
     @abstractmethod
     def _match(
@@ -168,7 +192,13 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def _insert(
-        self, tokens: list[int], slots: list[int], namespace: str, priority: int, intern: bool
+        self,
+        tokens: list[int],
+        slots: list[int],
+        namespace: str,
+        priority: int,
+        intern: bool,
+        start: TreeNode | None,
     ) -> InsertResult:
         """insert_prefix once its arguments are checked lists of equal length."""
 
@@ -240,13 +270,13 @@ class RadixCache(BasePrefixCache):
         return MatchResult(slots, node)
 
     def _walk(
-        self, node: TreeNode, tokens: list[int], end: int, intern: bool
+        self, node: TreeNode, tokens: list[int], end: int, intern: bool, pos: int = 0
     ) -> tuple[TreeNode, int, list[TreeNode]]:
-        """Follows tokens[:end] down from node, splitting where the match ends inside a node.
-        Returns the last matched node, the matched length and the matched path. With
-        ``intern``, re-points the matched runs of ``tokens`` at the tree's ints (in place)."""
+        """Follows tokens[pos:end] down from node (whose path is tokens[:pos]), splitting
+        where the match ends inside a node. Returns the last matched node, the matched
+        length (from 0) and the matched path below node. With ``intern``, re-points the
+        matched runs of ``tokens`` at the tree's ints (in place)."""
         ps = self.page_size
-        pos = 0
         path: list[TreeNode] = []
         while pos < end:
             child = node.children.get(tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps]))
@@ -291,14 +321,28 @@ class RadixCache(BasePrefixCache):
 
     # -- insert -----------------------------------------------------------------------
     def _insert(
-        self, tokens: list[int], slots: list[int], namespace: str, priority: int, intern: bool
+        self,
+        tokens: list[int],
+        slots: list[int],
+        namespace: str,
+        priority: int,
+        intern: bool,
+        start: TreeNode | None,
     ) -> InsertResult:
         end = len(tokens) - len(tokens) % self.page_size
         anchor = self._anchor(namespace) if end else self.root.children.get(namespace, self.root)
         if not end:
             return InsertResult(0, anchor)
         self._clock += 1
-        node, pos, path = self._walk(anchor, tokens, end, intern)
+        node, depth = anchor, 0
+        if start is not None and not start.anchor:
+            depth = self._path_len(start, anchor)
+            if depth <= end:
+                node = start
+                self._touch_path(start, priority)
+            else:
+                depth = 0  # start lies beyond these tokens: walk from the anchor
+        node, pos, path = self._walk(node, tokens, end, intern, depth)
         clock = self._clock
         for n in path:
             n.last_access = clock
@@ -309,6 +353,26 @@ class RadixCache(BasePrefixCache):
                 _check_pages(slots, pos, end, self.page_size)
             node = self._add_leaf(node, tokens[pos:end], slots[pos:end], priority)
         return InsertResult(pos, node)
+
+    def _path_len(self, node: TreeNode, anchor: TreeNode) -> int:
+        """Tokens on the path from anchor down to node. Raises if node left the tree or
+        lies under another anchor (another namespace)."""
+        depth, n = 0, self._lockable(node)
+        while n is not None and not n.anchor:
+            depth += len(n.key)
+            n = n.parent
+        if n is not anchor:
+            raise ValueError("insert_prefix: start is not a node of this namespace")
+        return depth
+
+    def _touch_path(self, node: TreeNode | None, priority: int) -> None:
+        """Stamps the path from node up to its anchor as an insert's walk would have."""
+        clock = self._clock
+        while node is not None and not node.anchor:
+            node.last_access = clock
+            if priority > node.priority:
+                node.priority = priority
+            node = node.parent
 
     def _anchor(self, namespace: str) -> TreeNode:
         anchor = self.root.children.get(namespace)
@@ -372,17 +436,19 @@ class RadixCache(BasePrefixCache):
         # Values are whole pages of consecutive slots, so one slot per page names the page
         # for the allocator (16x less work at page_size 16).
         step = self.page_size
-        freed: list[int] = []
+        # The evicted values themselves (no copy): one leaf is the common case, and its
+        # value goes to the allocator as is; several are joined once.
+        freed: list[list[int]] = []
         count = 0
         while count < n:
             node = self._leaves.pop(_is_evictable_leaf)
             if node is None:
                 break  # everything left is locked
             count += len(node.value)
-            freed += node.value if step == 1 else node.value[::step]
+            freed.append(node.value if step == 1 else node.value[::step])
             self._remove_leaf(node)
         if freed:
-            self.allocator.free(freed)
+            self.allocator.free(freed[0] if len(freed) == 1 else list(chain.from_iterable(freed)))
         return count
 
     def _remove_leaf(self, node: TreeNode) -> None:
@@ -456,7 +522,13 @@ class DisabledCache(BasePrefixCache):
         return MatchResult([], self.root)
 
     def _insert(
-        self, tokens: list[int], slots: list[int], namespace: str, priority: int, intern: bool
+        self,
+        tokens: list[int],
+        slots: list[int],
+        namespace: str,
+        priority: int,
+        intern: bool,
+        start: TreeNode | None,
     ) -> InsertResult:
         return InsertResult(0, self.root)
 

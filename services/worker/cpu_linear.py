@@ -23,10 +23,45 @@ blocked layout is a poor fit there (for M=1 oneDNN itself would choose the plain
 and MKL's gemv is at least as fast as oneDNN's there. From M ~ 2048 (long prefills,
 compute-bound) the two are level.
 
+Small M with the weights cold (decode): the C kernel kernels/cpu_gemm.py. The table above
+times each linear alone, its weight hot in the caches. In a decode step the whole model's
+weights (94 MB for the peers' small model) stream from memory every step, and there
+oneDNN's packed path reads them well below the memory bandwidth (M=1: 5.5 GB/s where a
+2-thread ``x.sum()`` read 19 GB/s on a calm machine). kernels/cpu_gemm.py streams each row
+of the plain [N, K] weight once, reusing it from L1 for all M rows (M=1: 8 GB/s in a run
+where ``x.sum()`` read ~10 GB/s, the machine busy; 5.8 GB/s in the busier run below).
+``OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_linear.py --sections gemm --threads 2
+--models small qwen2 --rounds 7``: the four decoder linears of 8 layers called in turn, ms
+per whole step, medians of 7 interleaved rounds, 2 threads, ratio = oneDNN packed's
+(F.linear's) time over the kernel's, round by round (the machine shared, load ~2):
+
+    M (rows)                        1      4     16     32     64    128
+    peers' small, 94 MB: kernel  16.3   18.3   32.0   50.5   65.3   91.3 ms
+      oneDNN packed / kernel    1.41x  1.34x  1.14x  0.95x  0.92x  0.70x
+      F.linear / kernel         1.13x  1.91x  2.20x  1.75x  0.92x  0.93x
+    Qwen2-0.5B, 477 MB: kernel   36.2   54.7  134.1  167.5  261.3  461.2 ms
+      oneDNN packed / kernel    1.41x  1.33x  1.06x  0.97x  0.82x  0.64x
+      F.linear / kernel         1.45x  3.38x  2.71x  2.21x  1.50x  1.16x
+
+and between 16 and 32 (small model, 9 rounds): 1.20x at 16, 1.15x at 20, 1.07x at 24,
+1.00x at 28, 0.95x at 32. From M ~ 28 the work is compute-bound enough that oneDNN's
+brgemm (N in the vector lanes, no horizontal sums, a prepacked layout) wins; below it
+streaming the weight once is what counts. So ``KERNEL_ROWS = 28``: fewer rows (single rows
+too: 1.13-1.45x faster than ``F.linear``) run the kernel, more run oneDNN. A whole decode
+step of the small model, both sides keeping the plain weights, kernel vs oneDNN (F.linear
+for one row), interleaved steps, medians (``OMP_WAIT_POLICY=PASSIVE .venv/bin/python
+bench/bench_decode_step.py --ab cpu-gemm --model-path $M --batches 1 4 16 64 --steps 32``,
+two runs): batch 1 1.11x / 1.04x, 4 1.24x, 16 1.17x / 1.17x, 64 0.95x / 1.02x (linears on
+oneDNN in both: noise). Against the worker's default packed-only (oneDNN for every M,
+the same A/B with B unpatched): 1 1.23x, 4 1.15x, 16 1.17x, 64 1.04x.
+
 Exactness: the float32 oneDNN path computes in float32 with another summation order,
 nothing else. Against float64, over both models' shapes at M = 1 / 64 / 2048: oneDNN
 max|err| / max|ref| <= 1.4e-6 (MKL: 8.4e-7); it differs from ``F.linear`` by <= 1.4e-6
-relative, inside the 1e-5 that greedy parity with transformers needs.
+relative, inside the 1e-5 that greedy parity with transformers needs. The C kernel
+(float32, FMA, a fixed order): <= 5.7e-7 against float64 over the same shapes at M = 1 /
+16 / 27 (oneDNN 1.3e-6, MKL 9.0e-7 there); greedy parity holds with it
+(tests/unit/test_model_parity.py with every PackedLinear keeping its plain weight).
 (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"/"tf32"`` would lower the precision
 of both paths alike; radixserve never sets it.)
 
@@ -38,8 +73,11 @@ Use: pack once, after the weights are loaded, call in forward::
 The path is chosen once, at pack time: oneDNN when the weight is a float32 CPU tensor and
 torch has a working oneDNN (``torch.backends.mkldnn.enabled``), otherwise plain
 ``F.linear`` over the original tensors (CUDA, float16/float64, builds without oneDNN), so
-callers never branch. The only per-call choice is by size: fewer than ``min_rows`` rows
-(default 2) go to ``F.linear`` on the original weight.
+callers never branch. The only per-call choice is by size, and only while the original
+(plain) weight is kept: fewer than ``min_rows`` rows go to ``F.linear`` on it, then fewer
+than ``kernel_rows`` (default ``KERNEL_ROWS``; float32 and oneDNN, where the C kernel
+builds) to kernels/cpu_gemm.py on it, the rest to oneDNN. ``min_rows`` defaults to 0 when
+the kernel serves (it beats ``F.linear`` at one row too), else to 2.
 
 ``bf16=True`` stores the weight in bfloat16 and runs in bfloat16 (activations cast in,
 the result cast back to the input's dtype): oneDNN's bf16 kernels where the CPU has them
@@ -49,11 +87,14 @@ float32 from M = 16 up: leave it off there.
 
 Memory: the packed weight is a second copy (the same bytes as the float32 weight; the
 blocked layout pads N to 64 and K to 16). By default (``keep_plain=True``) the original
-tensor stays referenced (not copied) for the one-row path, so float32 linear weights take
+tensor stays referenced (not copied) for the small-M paths, so float32 linear weights take
 twice their size. ``keep_plain=False`` keeps only the packed copy (the caller may then drop
-the original; ``to_dense()`` rebuilds it) at the price of single rows on oneDNN (0.4-0.8x
-of ``F.linear``). Pack after ``load_weights``: the packed copy does not follow later
-in-place changes of the original.
+the original; ``to_dense()`` rebuilds it) at the price of every M on oneDNN (single rows
+0.4-0.8x of ``F.linear``; M < 28 0.7-0.95x of the C kernel, table above). The worker's
+``--cpu-linear packed`` is that; ``hybrid`` keeps both and so gets the kernel; the
+default ``auto`` is ``hybrid`` while the linears' weights take at most 2 GiB.
+Pack after ``load_weights``: the packed copy does not follow later in-place changes of the
+original.
 
 Inference only: the oneDNN op has no backward.
 """
@@ -67,7 +108,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import cpu_gemm
+
 __all__ = ["PackedLinear", "pack_linear", "onednn_fp32_available", "onednn_bf16_available"]
+
+# Fewer rows than this run kernels/cpu_gemm.py on the plain weight (float32, plain weight
+# kept): faster than oneDNN below it, slower from it on (module docstring's table).
+KERNEL_ROWS = 28
 
 
 def _probe(dtype: torch.dtype) -> bool:
@@ -106,7 +153,9 @@ class PackedLinear:
 
     Attributes: ``path`` ("onednn", "onednn-bf16", "linear" or "linear-bf16"),
     ``in_features``, ``out_features``, ``dtype`` (the dtype the product runs in),
-    ``min_rows`` (rows below it run ``F.linear`` on the plain weight; 0 when there is none).
+    ``min_rows`` (rows below it run ``F.linear`` on the plain weight; 0 when there is none),
+    ``kernel_rows`` (rows below it, and from ``min_rows`` up, run the C kernel
+    kernels/cpu_gemm.py on the plain weight; 0 when it is not used).
     """
 
     path: str
@@ -114,6 +163,7 @@ class PackedLinear:
     out_features: int
     dtype: torch.dtype
     min_rows: int
+    kernel_rows: int
 
     def __init__(
         self,
@@ -122,7 +172,8 @@ class PackedLinear:
         *,
         bf16: bool = False,
         keep_plain: bool = True,
-        min_rows: int = 2,
+        min_rows: int | None = None,
+        kernel_rows: int = KERNEL_ROWS,
     ):
         if weight.dim() != 2:
             raise ValueError(
@@ -152,7 +203,15 @@ class PackedLinear:
                 if not keep_plain or self.path == "onednn-bf16":
                     self._plain = None
             self._bias = b
-        self.min_rows = min_rows if (self._packed is not None and self._plain is not None) else 0
+        hybrid = self._packed is not None and self._plain is not None
+        kernel = cpu_gemm.load() if hybrid and self.path == "onednn" else None
+        if kernel is None or kernel_rows <= 0 or not cpu_gemm.supports(w, b):
+            kernel, kernel_rows = None, 0
+        self._kernel = kernel
+        # Single rows: the C kernel where it runs (faster than F.linear), else F.linear.
+        default_min = 0 if kernel is not None else 2
+        self.min_rows = (default_min if min_rows is None else min_rows) if hybrid else 0
+        self.kernel_rows = kernel_rows
         self._run: Callable[[Tensor], Tensor] = self._build()
 
     def _build(self) -> Callable[[Tensor], Tensor]:
@@ -166,13 +225,18 @@ class PackedLinear:
         op = torch.ops.mkldnn._linear_pointwise.default
         if dtype != torch.float32:
             return lambda x: op(x.to(dtype), packed, b, "none", [], "").to(x.dtype)
-        if self.min_rows <= 0 or plain is None:
+        if (self.min_rows <= 0 and self.kernel_rows <= 0) or plain is None:
             return lambda x: op(x, packed, b, "none", [], "")
         small = self.min_rows * self.in_features  # fewer rows <=> fewer elements
+        kernel = self._kernel or F.linear  # F.linear is never reached: kernel_rows is 0 then
+        few = self.kernel_rows * self.in_features
 
         def run(x: Tensor) -> Tensor:
-            if x.numel() < small:
+            n = x.numel()
+            if n < small:
                 return F.linear(x, plain, b)
+            if n < few:
+                return kernel(x, plain, b)
             return op(x, packed, b, "none", [], "")
 
         return run
@@ -204,7 +268,7 @@ class PackedLinear:
         return (
             f"PackedLinear(in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self._bias is not None}, path={self.path!r}, dtype={self.dtype}, "
-            f"min_rows={self.min_rows})"
+            f"min_rows={self.min_rows}, kernel_rows={self.kernel_rows})"
         )
 
 

@@ -146,15 +146,20 @@ class CacheMachine(RuleBasedStateMachine):
         self.in_flight.append(r)
         return r
 
-    @rule(r=consumes(requests))
-    def finish_request(self, r):
-        """insert prompt -> slots, free duplicates and the tail, unlock."""
+    @rule(r=consumes(requests), resume=st.booleans())
+    def finish_request(self, r, resume):
+        """insert prompt -> slots (resuming at the locked match or not: the same insert),
+        free duplicates and the tail, unlock."""
         if r is None:
             return
         slots = r.matched_slots + r.own
         want = self.expected_match(r.tokens, r.ns)
-        res = self.cache.insert_prefix(r.tokens, slots, r.ns)
+        res = self.cache.insert_prefix(r.tokens, slots, r.ns, start=r.node if resume else None)
         assert res.prefix_len == want
+        # The insert's node is where a match of the inserted tokens ends.
+        peeked = self.cache.match_prefix(r.tokens, r.ns, peek=True)
+        assert peeked.node is res.node
+        assert self.cache.path_slots(res.node) == peeked.slots
         kept = len(self.aligned(r.tokens))
         self.alloc.free(slots[len(r.matched_slots) : res.prefix_len] + slots[kept:])
         self.cache.unlock(r.node)

@@ -159,3 +159,24 @@ def test_is_free():
     assert not a.is_free(s[0])
     a.free(s)
     assert a.is_free(s[0])
+
+
+def test_fresh_pages_then_freed_ones_and_the_free_set_shrinks_exactly():
+    a = KVSlotAllocator(10_000)
+    first = a.alloc(9_000)
+    assert first == list(range(1, 9_001))  # fresh pages in order
+    with pytest.raises(DoubleFreeError, match="already free"):
+        a.free([9_001])  # never handed out: free already
+    a.free(first)  # 9,000 freed pages: above the size from which the set is rebuilt
+    again = a.alloc(8_990)  # freed pages first (last freed first), then none fresh
+    assert again == first[::-1][:8_990]
+    a.check()  # the freed set was rebuilt smaller: it must still be exact
+    with pytest.raises(DoubleFreeError, match="already free"):
+        a.free(again[-1:] + first[:1])  # first[0] is still free
+    assert a.num_free == 1_010
+    rest = a.alloc(1_010)
+    assert rest == first[9::-1] + list(range(9_001, 10_001))
+    assert a.alloc(1) is None
+    a.free(rest + again)
+    assert a.num_free == a.total
+    a.check()

@@ -128,3 +128,54 @@ def test_backend_kernel_and_gather_paths_agree(monkeypatch):
         q, k_pool, v_pool, table, req_slots, lens, 0.125
     )
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def _mixed_meta(table, req_slots, lens, new_rows) -> AttentionMeta:
+    """An extend batch: request b computes its last new_rows[b] positions (a mixed batch:
+    prefill chunks first, then one-row decodes)."""
+    new = torch.tensor(new_rows, dtype=torch.int32)
+    qo = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qo[1:] = torch.cumsum(new, 0)
+    rows = zip(req_slots.tolist(), lens.tolist(), new.tolist(), strict=True)
+    out = [table[r, n - e : n] for r, n, e in rows]
+    return AttentionMeta(
+        is_decode=False,
+        out_slots=torch.cat(out).long(),
+        qo_indptr=qo,
+        req_to_token=table,
+        req_slots=req_slots,
+        prefix_lens=lens - new,
+        extend_lens=new,
+        seq_lens=lens,
+        max_seq_len=int(lens.max()),
+        max_extend_len=int(new.max()),
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("new_rows", [[40, 1, 1, 1], [5, 3, 1, 1], [1, 1, 1, 1], [7, 2, 3, 4]])
+def test_mixed_batch_decodes_through_the_kernel(monkeypatch, new_rows):
+    """A mixed batch's one-row requests go to the kernel together; the result equals the
+    per-request SDPA path (no kernel) and the fallback when the kernel cannot read q."""
+    lens = [60, 33, 1, 120]
+    _, k_pool, v_pool, table, req_slots, lens_t = _case(4, 8, 4, 64, lens, seed=3)
+    meta = _mixed_meta(table, req_slots, lens_t, new_rows)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(int(meta.qo_indptr[-1]), 8, 64, generator=g)
+    k_new, v_new = k_pool[meta.out_slots].clone(), v_pool[meta.out_slots].clone()
+    outs = {}
+    for name, use, readable in [("kernel", True, True), ("torch", False, True),
+                                ("fallback", True, False)]:  # fmt: skip
+        monkeypatch.setattr(TorchBackend, "use_cpu_kernel", use)
+        if not readable:
+            monkeypatch.setattr(cpu_decode_attention, "supports", lambda *a: False)
+        backend = TorchBackend(8, 4, 64, 0.125)
+        backend.prepare(meta)
+        if use:  # the kernel takes the trailing run of one-row requests
+            trailing = len(new_rows) - next(
+                (i + 1 for i in reversed(range(len(new_rows))) if new_rows[i] != 1), 0
+            )
+            assert (backend._singles[1] if backend._singles else 0) == trailing
+        outs[name] = backend.forward(q, k_new, v_new, k_pool, v_pool, meta)
+    torch.testing.assert_close(outs["kernel"], outs["torch"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["fallback"], outs["torch"], rtol=1e-5, atol=1e-5)

@@ -61,7 +61,8 @@ def test_fp32_uses_onednn_here() -> None:
         pytest.skip("this torch build has no oneDNN packed linear")
     w, b = _weights(True)
     lin = PackedLinear(w, b)
-    assert lin.path == "onednn" and lin.min_rows == 2
+    # Single rows: the C kernel (kernels/cpu_gemm.py) where it builds, else F.linear.
+    assert lin.path == "onednn" and lin.min_rows == (0 if lin.kernel_rows else 2)
     assert lin.to_dense() is w  # the plain weight is referenced, not copied
     packed_only = PackedLinear(w, b, keep_plain=False)
     assert packed_only.min_rows == 0
@@ -70,9 +71,10 @@ def test_fp32_uses_onednn_here() -> None:
 
 
 def test_single_row_runs_f_linear_exactly() -> None:
-    """A single row (decode of one request) takes F.linear on the plain weight: bit-equal."""
+    """A single row (decode of one request) takes F.linear on the plain weight: bit-equal
+    (without the C kernel, which takes them where it builds: tests/unit/test_cpu_gemm.py)."""
     w, b = _weights(True)
-    lin = PackedLinear(w, b)
+    lin = PackedLinear(w, b, kernel_rows=0)
     for x in (torch.randn(1, K), torch.randn(K), torch.randn(1, 1, K)):
         assert torch.equal(lin(x), F.linear(x, w, b))
     if lin.path == "onednn":

@@ -210,11 +210,12 @@ def test_llama3_rope_scaling_logits_match(tmp_path):
 # ---- greedy generation ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cpu_linear", ["packed", "plain"])
+@pytest.mark.parametrize("cpu_linear", ["auto", "packed", "hybrid", "plain"])
 def test_greedy_batch_matches_transformers(model_case, cpu_linear):
+    """hybrid (auto here: tiny models) runs batches of few rows through the C kernel."""
     folder, _, prompts, expected = model_case
     runner = make_runner(folder, cpu_linear=cpu_linear)
-    assert (runner.packed_linears > 0) == (cpu_linear == "packed" and onednn_fp32_available())
+    assert (runner.packed_linears > 0) == (cpu_linear != "plain" and onednn_fp32_available())
     assert generate(runner, prompts, MAX_NEW) == expected
 
 
@@ -223,7 +224,7 @@ def test_greedy_batch_matches_transformers(model_case, cpu_linear):
 def test_linears_are_packed(arch, request):
     """Every projection (and an untied lm_head) runs packed, its dense weight dropped; a
     tied lm_head runs oneDNN beside the embedding table, which stays dense for the lookup."""
-    runner = make_runner(request.getfixturevalue(f"tiny_{arch}_dir"))
+    runner = make_runner(request.getfixturevalue(f"tiny_{arch}_dir"), cpu_linear="packed")
     model = runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert (

@@ -128,6 +128,59 @@ def test_only_whole_pages_are_cached():
     check(cache, alloc)
 
 
+def test_insert_resuming_at_the_locked_match_is_the_same_insert(ps):
+    # Two identical histories; the second resumes each insert at the request's locked match.
+    runs = []
+    for resume in (False, True):
+        cache, alloc = make(ps)
+        put(cache, alloc, seq(ps, 1, 2, 3, 4))
+        put(cache, alloc, seq(ps, 1, 2, 5))
+        tokens = seq(ps, 1, 2, 3, 6, 7)
+        m = cache.match_prompt(tokens)
+        cache.lock(m.node)
+        own = alloc.alloc(len(tokens) - len(m.slots))
+        slots = m.slots + own
+        res = cache.insert_prefix(tokens, slots, start=m.node if resume else None)
+        assert res.prefix_len == 3 * ps
+        assert cache.path_slots(res.node) == cache.match_prefix(tokens, peek=True).slots
+        cache.unlock(m.node)
+        alloc.free(own[: res.prefix_len - len(m.slots)])
+        check(cache, alloc)
+        # The insert stamps its whole path for the eviction policy, resumed or not.
+        stamps, node = set(), res.node
+        while not node.anchor:
+            stamps.add(node.last_access)
+            node = node.parent
+        runs.append((res.prefix_len, cache.size_info(), cache.path_slots(res.node), stamps))
+    assert runs[0] == runs[1]
+    assert len(runs[1][3]) == 1
+
+
+def test_insert_start_must_be_in_the_tree_and_the_namespace(ps):
+    cache, alloc = make(ps)
+    res, _ = put(cache, alloc, seq(ps, 1, 2), ns="a")
+    tokens = seq(ps, 1, 2, 3)
+    with pytest.raises(ValueError, match="namespace"):
+        cache.insert_prefix(tokens, alloc.alloc(len(tokens)), "b", start=res.node)
+    cache.evict(2 * ps)
+    with pytest.raises(CacheLockError, match="no longer in the tree"):
+        cache.insert_prefix(tokens, alloc.alloc(len(tokens)), "a", start=res.node)
+    with pytest.raises(CacheLockError, match="no longer in the tree"):
+        cache.path_slots(res.node)
+
+
+def test_insert_start_beyond_the_tokens_is_ignored(ps):
+    cache, alloc = make(ps)
+    res, _ = put(cache, alloc, seq(ps, 1, 2, 3))
+    tokens = seq(ps, 1, 2)
+    slots = alloc.alloc(len(tokens))
+    got = cache.insert_prefix(tokens, slots, start=res.node)  # res.node ends at 3 pages
+    assert got.prefix_len == 2 * ps
+    assert cache.path_slots(got.node) == cache.match_prefix(tokens, peek=True).slots
+    alloc.free(slots)
+    check(cache, alloc)
+
+
 def test_inputs_may_be_tuples(ps):
     cache, alloc = make(ps)
     tokens = tuple(seq(ps, 4, 5))

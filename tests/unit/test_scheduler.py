@@ -298,6 +298,45 @@ def test_mixed_batches_keep_every_stream_decoding_and_stay_exact(page_size, over
     assert got[0] == got[64]
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_burst_of_arrivals_is_admitted_in_a_few_large_mixed_batches(overlap):
+    """One stream decodes when 8 more prompts arrive together: the burst rides along at
+    --mixed-burst-tokens a step (its tail too, though by then more decode than wait);
+    afterwards one late prompt beside the 9 streams goes back to --mixed-prefill-tokens."""
+    rng = random.Random(5)
+    first, burst, late = rand_prompt(rng, 20), [rand_prompt(rng, 150) for _ in range(8)], []
+    want = {"first": expected(first, 60)}
+    want |= {f"b{i}": expected(p, 30) for i, p in enumerate(burst)}
+    late.append(rand_prompt(rng, 200))
+    want["late"] = expected(late[0], 5)
+    admitted_by: dict[str, int] = {}
+    for budget in (512, 0):
+        sched, worker = make(
+            num_slots=4000, mixed_prefill_tokens=64, mixed_burst_tokens=budget,
+            disable_overlap_schedule=not overlap,
+        )  # fmt: skip
+        submit(sched, "first", first, 60)
+
+        def arrive(step, sched=sched):
+            if step == 2:
+                for i, p in enumerate(burst):
+                    submit(sched, f"b{i}", p, 30)
+            if step == 12:  # the burst decodes now (30 tokens each)
+                submit(sched, "late", late[0], 5)
+
+        got = run(sched, on_step=arrive)
+        assert {rid: list(d.token_ids) for rid, d in got.items()} == want
+        mixed = [b for b in worker.batches if not b.is_decode and any(not r.is_new for r in b.reqs)]
+        burst_batches = [
+            b for b in mixed if any(r.rid[0] == "b" and len(r.input_ids) > 4 for r in b.reqs)
+        ]
+        admitted_by[str(budget)] = len(burst_batches)
+        assert all(_prefill_tokens(b) <= max(budget, 64) for b in mixed)
+        late_batches = [b for b in mixed if any(r.rid == "late" for r in b.reqs)]
+        assert late_batches and all(_prefill_tokens(b) <= 64 for b in late_batches)
+    assert admitted_by["512"] <= 3 < 8 <= admitted_by["0"]  # 1,200 tokens: 512 vs 64 a step
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mixed_batches_with_retraction_stay_exact(page_size, caplog):
     rng = random.Random(8)

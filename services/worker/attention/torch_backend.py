@@ -11,6 +11,10 @@ Extend (prefill, possibly on top of a cached prefix): per request, scaled_dot_pr
 of its new rows over its whole context, the causal mask shifted by prefix_len:
 
     query row i (position prefix + i) sees keys 0 .. prefix + i
+
+In a mixed batch (prefill chunks plus the decoding requests' next tokens) the one-row
+requests are decodes: where the C kernel runs they go to it together, one call per layer,
+instead of a gather and an SDPA each (16 of them made a mixed step ~2x a decode step).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class TorchBackend(AttentionBackend):
         self._decode_slots: torch.Tensor | None = None  # [B, Lmax] int64 (torch path)
         self._decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive float
         self._extend: list[_ExtendItem] = []
+        # The extend batch's one-row requests, for the kernel: (first row, rows, req_slots,
+        # seq_lens); their rows are contiguous (the scheduler puts decodes last).
+        self._singles: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
 
     # ---- once per batch -------------------------------------------------------------
 
@@ -82,7 +89,12 @@ class TorchBackend(AttentionBackend):
         req_rows = meta.req_slots.tolist()
         dev = meta.req_to_token.device
         self._extend = []
+        self._singles = self._single_rows(meta, qo) if self._kernel is not None else None
+        first_single = len(prefix) if self._singles is None else len(prefix) - self._singles[1]
         for b, p in enumerate(prefix):
+            if b >= first_single:  # the kernel takes these (forward falls back if it cannot)
+                self._extend.append(_ExtendItem(qo[b], qo[b + 1], None, None))
+                continue
             n_new = qo[b + 1] - qo[b]
             if p == 0:
                 self._extend.append(_ExtendItem(qo[b], qo[b + 1], None, None))
@@ -91,6 +103,21 @@ class TorchBackend(AttentionBackend):
             mask = torch.arange(p + n_new, device=dev)[None, :] <= rows
             slots = meta.req_to_token[req_rows[b], : p + n_new].long()
             self._extend.append(_ExtendItem(qo[b], qo[b + 1], slots, mask))
+
+    @staticmethod
+    def _single_rows(
+        meta: AttentionMeta, qo: list[int]
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor] | None:
+        """The trailing run of requests with one new row each (a mixed batch's decodes)."""
+        b = len(qo) - 1
+        first = b
+        while first > 0 and qo[first] - qo[first - 1] == 1:
+            first -= 1
+        if first == b:
+            return None
+        req_slots = meta.req_slots[first:].to(torch.int32).contiguous()
+        seq_lens = meta.seq_lens[first:].to(torch.int32).contiguous()
+        return qo[first], b - first, req_slots, seq_lens
 
     # ---- per layer ------------------------------------------------------------------
 
@@ -107,7 +134,7 @@ class TorchBackend(AttentionBackend):
         v_pool.index_copy_(0, meta.out_slots, v)
         if meta.is_decode:
             return self._decode(q, k_pool, v_pool)
-        return self._extend_attention(q, (k, v), (k_pool, v_pool))
+        return self._extend_attention(q, (k, v), (k_pool, v_pool), meta)
 
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         meta = self._decode_meta
@@ -137,10 +164,25 @@ class TorchBackend(AttentionBackend):
         )
         return out.view(b, self.num_heads, self.head_dim)
 
-    def _extend_attention(self, q: torch.Tensor, new: _KV, pools: _KV) -> torch.Tensor:
+    def _extend_attention(
+        self, q: torch.Tensor, new: _KV, pools: _KV, meta: AttentionMeta
+    ) -> torch.Tensor:
         """Per request: its new rows over its whole context, the causal mask shifted."""
         out = torch.empty_like(q)  # [T, H, D]
-        for item in self._extend:
+        items = self._extend
+        single = self._singles
+        if single is not None and self._kernel is not None:
+            if cpu_decode_attention.supports(q, pools[0], meta.req_to_token):
+                start, n, req_slots, seq_lens = single
+                out[start : start + n] = self._kernel(
+                    q[start : start + n], *pools, meta.req_to_token, req_slots, seq_lens,
+                    self.sm_scale,
+                )  # fmt: skip
+                items = items[: len(items) - n]
+            else:  # the kernel cannot read these tensors: the per-request path after all
+                self._extend = items = self._with_context(items, meta)
+                self._singles = None
+        for item in items:
             s, e = item.q_start, item.q_end
             kh, vh = self._context_kv(item, new, pools)  # each [1, KVH, S, D]
             o = F.scaled_dot_product_attention(
@@ -153,6 +195,24 @@ class TorchBackend(AttentionBackend):
                 enable_gqa=self.group > 1,
             )
             out[s:e] = o[0].transpose(0, 1)  # [1, H, E, D] -> [E, H, D]
+        return out
+
+    def _with_context(self, items: list[_ExtendItem], meta: AttentionMeta) -> list[_ExtendItem]:
+        """The items the kernel would have taken, given their context slots and masks."""
+        assert self._singles is not None
+        start, n = self._singles[0], self._singles[1]
+        first = len(items) - n
+        rows = meta.req_slots.tolist()
+        prefix = meta.prefix_lens.tolist()
+        out = items[:first]
+        for b in range(first, len(items)):
+            p, row = prefix[b], start + b - first
+            if p == 0:
+                out.append(_ExtendItem(row, row + 1, None, None))
+                continue
+            slots = meta.req_to_token[rows[b], : p + 1].long()
+            sees_all = torch.ones((1, p + 1), dtype=torch.bool, device=slots.device)
+            out.append(_ExtendItem(row, row + 1, slots, sees_all))
         return out
 
     @staticmethod

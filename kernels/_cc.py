@@ -1,0 +1,90 @@
+"""Build and load the small C kernels of kernels/cpu_*.py (shared by every one of them).
+
+Why one module: each CPU kernel is a C source string compiled on first use with the system
+compiler and called through ctypes; the cache directory, the cache key (the source, the
+flags and the CPU's flags: ``-march=native`` code runs only on a CPU with the same
+features), the atomic write (concurrent workers never load a half-written file) and the
+opt-outs (``RADIXSERVE_CPU_KERNELS=0``, no compiler, a failed build: the caller gets None
+and keeps its torch path) must be the same for all of them.
+
+``~/.cache/radixserve/kernels`` holds the libraries; ``RADIXSERVE_KERNEL_CACHE`` moves it;
+``CC`` picks the compiler (else ``cc``, else ``gcc``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# -fno-math-errno only drops errno writes; nothing here reorders float arithmetic.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "radixserve" / "kernels"
+    return Path(os.environ.get("RADIXSERVE_KERNEL_CACHE") or default)
+
+
+def cpu_flags() -> str:
+    """-march=native code runs only on a CPU with the same features: part of the key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def disabled() -> bool:
+    return os.environ.get("RADIXSERVE_CPU_KERNELS", "1") == "0"
+
+
+def build(name: str, source: str, flags: list[str], cc: str) -> Path:
+    """``<cache>/<name>_<key>.so``, compiled unless a library of that key is there."""
+    key = hashlib.sha256("\n".join([source, *flags, cpu_flags()]).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"{name}_{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
+        subprocess.run(
+            [cc, *flags, str(src), "-o", str(out), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(out, lib)  # atomic: another worker sees the whole file or none
+    return lib
+
+
+def load_library(
+    name: str, source: str, what: str, logger: logging.Logger = log, flags: list[str] = FLAGS
+) -> ctypes.CDLL | None:
+    """The built library, or None (logged to `logger`) when disabled, without a compiler
+    or when the build fails. `what` names the kernel in the log lines."""
+    if disabled():
+        return None
+    cc = compiler()
+    if cc is None:
+        logger.info("no C compiler: %s stays on the torch path", what)
+        return None
+    try:
+        return ctypes.CDLL(str(build(name, source, flags, cc)))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("%s kernel not built (%s); using the torch path", what, e)
+        return None

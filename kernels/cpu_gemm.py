@@ -1,0 +1,288 @@
+"""Small-M float32 GEMM on CPU: ``y = x @ W^T (+ b)`` over the plain [N, K] weight, a C kernel.
+
+Why: a decode step's linears run at M = 1..64 rows, and every step the model's weights
+(~94 MB for the peers' small model) stream from memory, cold. oneDNN's packed path reads
+them far below the memory bandwidth there: with the small model's four linears of 8 layers
+cycling, 2 threads (``bench/bench_linear.py --sections gemm``), M=1 17 ms a step (the
+weights at 5.5 GB/s, where a 2-thread ``x.sum()`` reads 19 GB/s), M=16 23 ms. This kernel
+streams each weight row from memory once and reuses it from L1 for all M rows: blocks of 4
+weight rows (a contiguous run of W per thread, OpenMP over the blocks), K in chunks of 512
+so that the 4 x 512 weight chunk (8 KiB) stays in L1 while tiles of 3 x rows run over it,
+3 x 4 eight-lane AVX2/FMA accumulators in registers, the next block's rows prefetched
+during the first tile, lanes summed once at the end. Measured against oneDNN:
+services/worker/cpu_linear.py's docstring and ``bench/bench_linear.py --sections gemm``.
+
+Numerics: float32 with FMA, a fixed order (per lane k ascending, then a fixed tree over
+the 8 lanes, then + bias), no -ffast-math. The order does not depend on M, on which tile a
+row lands in or on the thread count, so a row's result is bit-identical whatever batch it
+is in. Against float64: max|err| / max|ref| ~1e-6, as oneDNN's. Other CPUs: the AVX2
+intrinsics sit behind ``__AVX2__`` / ``__FMA__``; elsewhere a portable C path with the same
+blocking builds instead.
+
+Built like kernels/cpu_decode_attention.py (kernels/_cc.py: system ``cc -O3 -march=native
+-fopenmp`` on first use, cached by source + flags + CPU flags, atomic write);
+``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()`` returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _cc
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), float32, K contiguous in x and w, y contiguous.
+
+   Blocks of NR = 4 weight rows, split across the threads (each thread streams a contiguous
+   part of w from memory once). K is cut into chunks of KC floats: the NR x KC weight chunk
+   (8 KiB) stays in L1 while every tile of up to MR = 3 x rows runs over it, so each weight
+   byte comes from memory once for all M rows. A tile keeps MR x NR 8-lane accumulators in
+   registers; between chunks they go to a small per-thread buffer, and only after the last
+   chunk are they summed across lanes. So every y[m, n] is the same sequence of float
+   operations whatever M, the tile it lands in and the thread count: per lane, k ascending;
+   then the lanes in a fixed tree; then + bias. */
+
+#define NR 4
+#define MR 3
+#define KC 512
+
+/* Keeps a loaded vector in a register: GCC would otherwise fold the load into each of the
+   MR FMAs that use it (MR loads instead of one; at MR x NR = 12 FMAs per step that makes
+   the loop load-bound). An empty asm, no instruction. */
+#define REG(v) __asm__("" : "+x"(v))
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static const int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* One tile: mr x rows by nr weight rows over k in [k0, k1). always_inline with constant
+   mr / nr: the accumulators become registers. */
+static inline __attribute__((always_inline)) void tile(
+    const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
+    const int mr, const int nr, float* part, int first, int last, float* y, int64_t ldy,
+    const float* bias, int pf) {
+    __m256 acc[MR][NR];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j)
+            acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + (i * NR + j) * 8);
+    int64_t k = k0;
+    if (pf) /* the chunk's first tile: fetch the next block's rows meanwhile (cold weights) */
+        for (; k + 16 <= k1; k += 16) {
+            for (int j = 0; j < nr; ++j)
+                _mm_prefetch((const char*)(w + (NR + j) * ldw + k), _MM_HINT_T0);
+            for (int h = 0; h < 16; h += 8) {
+                __m256 xv[MR];
+                for (int i = 0; i < mr; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k + h);
+                for (int j = 0; j < nr; ++j) {
+                    __m256 wv = _mm256_loadu_ps(w + j * ldw + k + h);
+                    REG(wv);
+                    for (int i = 0; i < mr; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+                }
+            }
+        }
+    for (; k + 8 <= k1; k += 8) {
+        __m256 xv[MR];
+        for (int i = 0; i < mr; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < nr; ++j) {
+            __m256 wv = _mm256_loadu_ps(w + j * ldw + k);
+            REG(wv);
+            for (int i = 0; i < mr; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        }
+    }
+    if (k < k1) { /* masked lanes load 0 for both: 0 * 0 adds nothing */
+        const __m256i m = _mm256_loadu_si256((const __m256i*)(tail_mask + 8 - (k1 - k)));
+        __m256 wv[NR];
+        for (int j = 0; j < nr; ++j) wv[j] = _mm256_maskload_ps(w + j * ldw + k, m);
+        for (int i = 0; i < mr; ++i) {
+            const __m256 xv = _mm256_maskload_ps(x + i * ldx + k, m);
+            for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (!last) {
+        for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < nr; ++j) _mm256_storeu_ps(part + (i * NR + j) * 8, acc[i][j]);
+        return;
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j) {
+            const float s = hsum(acc[i][j]);
+            y[i * ldy + j] = bias ? s + bias[j] : s;
+        }
+}
+
+#else /* portable C: the same blocking and lane structure, scalar code */
+
+static inline float hsum(const float* v) {
+    float a[4];
+    for (int l = 0; l < 4; ++l) a[l] = v[l] + v[l + 4];
+    a[0] += a[2];
+    a[1] += a[3];
+    return a[0] + a[1];
+}
+
+static inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0,
+                        int64_t k1, const int mr, const int nr, float* part, int first, int last,
+                        float* y, int64_t ldy, const float* bias, int pf) {
+    (void)pf;
+    float acc[MR][NR][8];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j)
+            for (int l = 0; l < 8; ++l) acc[i][j][l] = first ? 0.0f : part[(i * NR + j) * 8 + l];
+    for (int64_t k = k0; k < k1; k += 8) {
+        const int n = k1 - k < 8 ? (int)(k1 - k) : 8;
+        for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < nr; ++j)
+                for (int l = 0; l < n; ++l) acc[i][j][l] += x[i * ldx + k + l] * w[j * ldw + k + l];
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j) {
+            if (!last) {
+                for (int l = 0; l < 8; ++l) part[(i * NR + j) * 8 + l] = acc[i][j][l];
+            } else {
+                const float s = hsum(acc[i][j]);
+                y[i * ldy + j] = bias ? s + bias[j] : s;
+            }
+        }
+}
+#endif
+
+/* Tiles with the row counts as constants: 3 x rows (all but the last tile) by 4 weight rows
+   (all but the last block), and every remainder. */
+#define TILE(MRC, NRC) \
+    tile(xm, ldx, wn, ldw, k0, k1, MRC, NRC, pm, first, last, ym, N, bn, pf && m == 0)
+static void block(const float* x, int64_t ldx, const float* wn, int64_t ldw, const float* bn,
+                  float* yn, int64_t M, int64_t N, int64_t K, int nr, int pf, float* part) {
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+        const int first = k0 == 0, last = k1 == K;
+        for (int64_t m = 0; m < M; m += MR) {
+            const float* xm = x + m * ldx;
+            float* ym = yn + m * N;
+            float* pm = part + m * NR * 8;
+            const int mr = M - m < MR ? (int)(M - m) : MR;
+            if (nr == 4) {
+                if (mr == 3) TILE(3, 4); else if (mr == 2) TILE(2, 4); else TILE(1, 4);
+            } else if (nr == 3) {
+                if (mr == 3) TILE(3, 3); else if (mr == 2) TILE(2, 3); else TILE(1, 3);
+            } else if (nr == 2) {
+                if (mr == 3) TILE(3, 2); else if (mr == 2) TILE(2, 2); else TILE(1, 2);
+            } else {
+                if (mr == 3) TILE(3, 1); else if (mr == 2) TILE(2, 1); else TILE(1, 1);
+            }
+        }
+    }
+}
+
+/* Returns nonzero when a thread's partial-sum buffer could not be allocated. */
+int rs_gemm_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias,
+                float* y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (M <= 0 || N <= 0) return 0;
+    if (K <= 0) { /* an empty sum: y = bias or 0 */
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) y[m * N + n] = bias ? bias[n] : 0.0f;
+        return 0;
+    }
+    const int64_t blocks = (N + NR - 1) / NR;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|: failed)
+    {
+        float* part = K > KC ? (float*)malloc(sizeof(float) * (size_t)(M + MR) * NR * 8) : NULL;
+        if (K > KC && part == NULL) failed = 1;
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            if (failed) continue;
+            const int64_t n = b * NR;
+            const int nr = N - n < NR ? (int)(N - n) : NR;
+            block(x, ldx, w + n * ldw, ldw, bias ? bias + n : NULL, y + n, M, N, K, nr,
+                  n + 2 * NR <= N, part);
+        }
+        free(part);
+    }
+    return failed;
+}
+"""
+
+_I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+Gemm = Callable[..., torch.Tensor]
+
+
+@functools.cache
+def load() -> Gemm | None:
+    """The kernel as ``fn(x, weight, bias=None) -> y``, or None where it cannot be built
+    here (the caller keeps its torch path)."""
+    lib = _cc.load_library("gemm", _SOURCE, "CPU small-M GEMM", log)
+    if lib is None:
+        return None
+    fn = lib.rs_gemm_f32
+    fn.restype = _I32
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I32]
+    return functools.partial(_call, fn)
+
+
+def supports(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """A float32 CPU weight [N, K] with K contiguous (and a float32 contiguous bias)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and (
+            bias is None
+            or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.is_contiguous())
+        )
+    )
+
+
+def _call(
+    fn,
+    x: torch.Tensor,  # [..., K] float32
+    weight: torch.Tensor,  # [N, K] float32, K contiguous (supports())
+    bias: torch.Tensor | None = None,  # [N] float32 contiguous
+) -> torch.Tensor:  # [..., N] float32
+    n, k = weight.shape
+    if x.dtype != torch.float32 or x.shape[-1] != k:
+        raise ValueError(f"x must be float32 [..., {k}], got {x.dtype} {tuple(x.shape)}")
+    # A view where it can be (any row stride is fine, K must be dense); -1 fails for K = 0.
+    x2 = x.reshape(x.numel() // k if k else x.shape[:-1].numel(), k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    if m == 0:
+        return y
+    failed = fn(
+        x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(), y.data_ptr(),
+        m, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("cpu gemm: out of memory for the partial sums")
+    return y
+
+
+def gemm_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The exact answer (float64), in float64: the tests' reference."""
+    b = None if bias is None else bias.double()
+    return F.linear(x.double(), weight.double(), b)
