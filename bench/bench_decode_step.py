@@ -9,19 +9,30 @@ allocator hands them out.
 Switches (--ab):
 - ``decode-kernel``: the C decode-attention kernel (kernels/cpu_decode_attention.py) vs the
   torch gather + SDPA path.
+- ``cpu-gemm``: the small-M C linear kernel (kernels/cpu_gemm.py, rows < KERNEL_ROWS) vs
+  oneDNN (F.linear for single rows), both keeping the plain weights (``--cpu-linear hybrid``).
+- ``mixed-decode``: with ``--mixed-prefill N``, steps that also carry a new N-token prompt
+  (mixed batches): their one-row (decode) requests through the decode-attention kernel
+  together vs one gather + SDPA each, as before.
 - ``extend-split``: not a decode step but a prefill: --prefill-prompts prompts of
   --prompt-len tokens in one batch, run as groups of at most CPU_EXTEND_ROWS rows
   (services/worker/models/llama.py) vs as one forward; prefill tokens/s per round.
+- ``elementwise``: the fused C rotary and silu(gate) * up passes (kernels/cpu_elementwise.py,
+  ``layers.FUSED_ELEMENTWISE``) vs torch's op chains, switched per forward call: first
+  prefill tokens/s (--prefill-prompts x --prompt-len, --rounds), then the decode steps.
 
     M=~/.cache/radixserve-peers/models/small
     .venv/bin/python bench/bench_decode_step.py --model-path $M --batches 16 64 --steps 64
     .venv/bin/python bench/bench_decode_step.py --model-path $M --ab extend-split \
         --prefill-prompts 8 --prompt-len 1000 --rounds 4
+    .venv/bin/python bench/bench_decode_step.py --model-path $M --ab elementwise \
+        --prefill-prompts 2 --prompt-len 1000 --rounds 4 --batches 16 --steps 32
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -38,14 +49,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from radixserve.internal.v1 import engine_pb2  # noqa: E402
 from services.common.config import WorkerConfig  # noqa: E402
 from services.common.transport import pack_i32  # noqa: E402
-from services.worker import wire  # noqa: E402
+from services.worker import layers, wire  # noqa: E402
 from services.worker.attention.torch_backend import TorchBackend  # noqa: E402
+from services.worker.cpu_linear import KERNEL_ROWS, PackedLinear  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.models import llama  # noqa: E402
 
 
-def batches(prompts: list[list[int]], steps: int) -> list[engine_pb2.ForwardBatch]:
-    """[prefill, decode 0, decode 1, ...] with the server's slot layout."""
+def batches(prompts: list[list[int]], steps: int, mixed: int = 0) -> list[engine_pb2.ForwardBatch]:
+    """[prefill, decode 0, decode 1, ...] with the server's slot layout. ``mixed`` > 0: each
+    step also carries a new prompt of that many tokens first (a mixed batch, as the
+    scheduler builds while requests arrive), in the spare request row ``len(prompts)``."""
     b = len(prompts)
     prefill = engine_pb2.ForwardBatch()
     nxt = 1
@@ -61,8 +75,19 @@ def batches(prompts: list[list[int]], steps: int) -> list[engine_pb2.ForwardBatc
         )
         nxt += len(p)
     out = [prefill]
+    spare = nxt + steps * b  # the mixed prompts' slots, after every decode slot
     for step in range(steps):
-        batch = engine_pb2.ForwardBatch(batch_id=step + 1, is_decode=True)
+        batch = engine_pb2.ForwardBatch(batch_id=step + 1, is_decode=not mixed)
+        if mixed:
+            batch.reqs.add(
+                req_slot=b,
+                input_ids=pack_i32([7 + (step + i) % 50 for i in range(mixed)]),
+                prefix_len=0,
+                out_slots=pack_i32(range(spare + step * mixed, spare + (step + 1) * mixed)),
+                is_new=True,
+                sample=True,
+                sampling=engine_pb2.SamplingParams(temperature=0.0),
+            )
         for i, p in enumerate(prompts):
             batch.reqs.add(
                 req_slot=i,
@@ -78,28 +103,41 @@ def batches(prompts: list[list[int]], steps: int) -> list[engine_pb2.ForwardBatc
 def runner(path: str, tokens: int, make: Callable[[], AbstractContextManager]) -> ModelRunner:
     cfg = WorkerConfig(
         model_path=path, device="cpu", dtype="float32", max_total_tokens=tokens,
-        max_running_requests=64,
+        max_running_requests=65,  # 64 streams + the spare row of --mixed-prefill
     )  # fmt: skip
     with make():
         return ModelRunner(cfg)
 
 
-def prefill_split(path: str, prompts: int, length: int, rounds: int) -> None:
-    """Prefill tokens/s of one batch of ``prompts`` prompts, split vs whole, interleaved."""
+def prefill_rates(
+    path: str, prompts: int, length: int, rounds: int,
+    sides: dict[str, Callable[[], AbstractContextManager]],
+) -> dict[str, list[float]]:  # fmt: skip
+    """Prefill tokens/s of one batch of ``prompts`` new prompts per side and round, the
+    sides interleaved (which goes first alternates); round 0 warms up."""
     r = runner(path, prompts * length + 16, nullcontext)
     rng = random.Random(0)
-    caps = {"split": llama.CPU_EXTEND_ROWS, "whole": 1 << 40}
-    rates: dict[str, list[float]] = {k: [] for k in caps}
+    rates: dict[str, list[float]] = {k: [] for k in sides}
     for i in range(rounds + 1):
-        for side in caps if i % 2 else reversed(caps):
+        for side in sides if i % 2 else reversed(sides):
             texts = [
                 [rng.randrange(3, r.vocab_size) for _ in range(length)] for _ in range(prompts)
             ]
-            with mock.patch.object(llama, "CPU_EXTEND_ROWS", caps[side]):
+            with sides[side]():
                 start = time.perf_counter()
                 wire.forward(r, batches(texts, 0)[0])
-                if i:  # round 0 warms up
+                if i:
                     rates[side].append(prompts * length / (time.perf_counter() - start))
+    return rates
+
+
+def prefill_split(path: str, prompts: int, length: int, rounds: int) -> None:
+    """Prefill tokens/s of one batch of ``prompts`` prompts, split vs whole, interleaved."""
+    caps = {"split": llama.CPU_EXTEND_ROWS, "whole": 1 << 40}
+    rates = prefill_rates(path, prompts, length, rounds, {
+        side: functools.partial(mock.patch.object, llama, "CPU_EXTEND_ROWS", cap)
+        for side, cap in caps.items()
+    })  # fmt: skip
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"{prompts} x {length}-token prompts in one batch, {torch.get_num_threads()} threads, "
           f"groups of <= {caps['split']} rows vs one forward; prefill tokens/s")  # fmt: skip
@@ -109,6 +147,17 @@ def prefill_split(path: str, prompts: int, length: int, rounds: int) -> None:
           + ", ".join(f"{a:,.0f} / {b:,.0f}" for a, b in pairs))  # fmt: skip
 
 
+def _hybrid(kernel: bool) -> AbstractContextManager:
+    """Every PackedLinear keeps its plain weight (as --cpu-linear hybrid), C kernel or not."""
+    init = PackedLinear.__init__
+    rows = KERNEL_ROWS if kernel else 0
+
+    def patched(self, weight, bias=None, **kw) -> None:
+        init(self, weight, bias, **{**kw, "keep_plain": True, "kernel_rows": rows})
+
+    return mock.patch.object(PackedLinear, "__init__", patched)
+
+
 SWITCHES: dict[
     str, tuple[Callable[[], AbstractContextManager], Callable[[], AbstractContextManager]]
 ] = {
@@ -116,8 +165,34 @@ SWITCHES: dict[
         nullcontext,
         lambda: mock.patch.object(TorchBackend, "use_cpu_kernel", False),
     ),
+    "cpu-gemm": (lambda: _hybrid(True), lambda: _hybrid(False)),
+    "mixed-decode": (
+        nullcontext,
+        lambda: mock.patch.object(TorchBackend, "_single_rows", staticmethod(lambda m, q: None)),
+    ),
     "extend-split": (nullcontext, nullcontext),  # prefill_split() patches per call
+    "elementwise": (nullcontext, nullcontext),  # PER_CALL
 }
+
+
+def _fused(on: bool) -> AbstractContextManager:
+    return mock.patch.object(layers, "FUSED_ELEMENTWISE", on)
+
+
+# Switches read at every forward, not when the runner is built: (A, B) around each call.
+PER_CALL: dict[str, tuple[Callable[[], AbstractContextManager], ...]] = {
+    "elementwise": (lambda: _fused(True), lambda: _fused(False)),
+}
+
+
+def prefill_elementwise(path: str, prompts: int, length: int, rounds: int) -> None:
+    on, off = PER_CALL["elementwise"]
+    rates = prefill_rates(path, prompts, length, rounds, {"A": on, "B": off})
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    pairs = zip(rates["A"], rates["B"], strict=True)
+    print(f"prefill {prompts} x {length} tokens, {torch.get_num_threads()} threads, tokens/s: "
+          f"fused (A) {med['A']:,.0f}, torch (B) {med['B']:,.0f}, A / B {med['A'] / med['B']:.2f}x;"
+          " rounds (A / B): " + ", ".join(f"{a:,.0f} / {b:,.0f}" for a, b in pairs))  # fmt: skip
 
 
 def main() -> None:
@@ -132,15 +207,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--prefill-prompts", type=int, default=8, help="extend-split: prompts")
     ap.add_argument("--rounds", type=int, default=4, help="extend-split: rounds")
+    ap.add_argument(
+        "--mixed-prefill", type=int, default=0, help="a new prompt of N tokens in every step"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.ab == "extend-split":
         prefill_split(args.model_path, args.prefill_prompts, args.prompt_len, args.rounds)
         return
+    if args.ab == "elementwise":
+        prefill_elementwise(args.model_path, args.prefill_prompts, args.prompt_len, args.rounds)
     tokens = max(args.batches) * (args.prompt_len + args.steps) + 16
+    tokens += args.steps * args.mixed_prefill
     on, off = SWITCHES[args.ab]
     sides = {"A": runner(args.model_path, tokens, on), "B": runner(args.model_path, tokens, off)}
+    calls = dict(zip(sides, PER_CALL.get(args.ab, (nullcontext, nullcontext)), strict=True))
     rng = random.Random(0)
     print(f"A/B: {args.ab} on (A) / off (B); {torch.get_num_threads()} threads; "
           f"prompts {args.prompt_len} tokens; {args.steps} steps; "
@@ -150,15 +232,17 @@ def main() -> None:
     for b in args.batches:
         vocab = sides["A"].vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
-        todo = {s: batches(prompts, args.steps) for s in sides}
+        todo = {s: batches(prompts, args.steps, args.mixed_prefill) for s in sides}
         for s, r in sides.items():
-            wire.forward(r, todo[s][0])
+            with calls[s]():
+                wire.forward(r, todo[s][0])
         times: dict[str, list[float]] = {s: [] for s in sides}
         for i in range(1, args.steps + 1):
             order = list(sides) if i % 2 else list(reversed(sides))
             for s in order:
-                start = time.perf_counter()
-                wire.forward(sides[s], todo[s][i])
+                with calls[s]():
+                    start = time.perf_counter()
+                    wire.forward(sides[s], todo[s][i])
                 times[s].append(time.perf_counter() - start)
         ms = {s: statistics.median(t[1:]) * 1e3 for s, t in times.items()}
         print(f"| {b} | {ms['A']:.1f} | {ms['B']:.1f} | {b / ms['A'] * 1e3:,.0f} | "

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_elementwise
 from services.worker.cpu_linear import PackedLinear
 from services.worker.forward_context import ForwardContext
 from services.worker.quant.awq import PACK, dequantize, packed_shapes
@@ -236,8 +237,24 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+# Float32 CPU tensors take one fused C pass for the rotary embedding and for silu(gate) * up
+# (kernels/cpu_elementwise.py: 2-6x faster than the chains of torch ops they replace);
+# False keeps torch's expressions (bench/bench_decode_step.py --ab elementwise flips it).
+FUSED_ELEMENTWISE = True
+
+
+def _fused(x: torch.Tensor) -> cpu_elementwise.Elementwise | None:
+    """The fused kernels where they apply to x (float32 on CPU, built here), else None."""
+    if not FUSED_ELEMENTWISE or not cpu_elementwise.supports(x):
+        return None
+    return cpu_elementwise.load()
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, H, D]; cos/sin: [T, D/2] broadcast over heads
+    fused = _fused(x)
+    if fused is not None:  # the same rounded operations: bit-identical
+        return fused.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
@@ -265,7 +282,11 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # each [T, I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        fused = _fused(gate_up) if self.act is F.silu else None
+        if fused is not None and fused.silu_mul is not None:
+            return self.down_proj(fused.silu_mul(gate_up, self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # each [T, I]
         return self.down_proj(self.act(gate) * up)
 
 

@@ -1,0 +1,223 @@
+"""Fused element-wise ops of a CPU float32 forward: rotary embedding and SiLU-gated product.
+
+Why: in a cold float32 prefill on CPU about 12% of the time went to element-wise torch ops
+around the linears (torch.profiler, 2 x 1,000-token prefill of the peers' small model:
+aten::mul 6.3%, silu 3.1%, add 1.1%, cat 1.1%). Two sources are a chain of passes over the
+same rows: the rotary embedding (``cat(x1*c - x2*s, x2*c + x1*s)``: four products, a
+subtraction, an addition and a concatenation, six passes each writing a temporary) and the
+gated MLP's ``silu(gate) * up`` (a strided read of ``gate`` out of the fused gate/up output,
+a temporary, a second pass). Each becomes one pass here that reads its inputs once and
+writes the result once. Measured on the 2-core VM (2 threads, in-process, interleaved,
+medians; torch's time / this kernel's), rotary over q and k heads of the qkv view x 64:
+the small model's 12 heads at T = 16 / 128 / 2048 rows 3.0x / 5.0x / 4.9x, Qwen2-0.5B's 16
+heads 3.1x / 5.5x / 5.5x; silu_mul at I = 1408 2.0x / 2.1x / 2.2x, I = 4864 2.2x / 2.2x /
+2.0x. A whole 2 x 1,000-token prefill of the small model: 1.10x tokens/s (1,586 vs 1,441,
+medians of 10 rounds at load ~1.3, 9 of the 10 pairs faster; 1.12x and 1.29x in two
+noisier runs), a 16-request decode step 1.02-1.05x (``bench/bench_decode_step.py --ab
+elementwise``).
+
+Numerics:
+- ``rotary``: the same float operations as the torch expression, each rounded (the library
+  is built with ``-ffp-contract=off``: a fused multiply-add would round ``x1*c - x2*s``
+  once instead of twice), so the result is bit-identical to torch's.
+- ``silu_mul``: ``g / (1 + exp(-g)) * u`` as torch's CPU silu computes it, with an 8-lane
+  AVX2 exp (Cephes' degree-6 polynomial after a two-constant ln 2 reduction, ~1 ulp, as
+  torch's SLEEF exp): max relative error against float64 2.0e-7 over |g| < 80 (torch's
+  1.7e-7).
+  exp(-g) overflows to inf for g < -88.03 (the result is -0, as torch's from -88.72), and
+  underflows to 2^-126 for g > 87.3 (the result is g * u). Without AVX2/FMA there is no
+  ``silu_mul`` (libm's scalar ``expf`` made it 2-3x slower than torch's vectorized
+  silu + mul: 642 vs 238 us at 128 x 1408); the rotary is plain C either way.
+
+Built like kernels/cpu_gemm.py (kernels/_cc.py, system ``cc`` on first use, cached by
+source + flags + CPU flags); OpenMP over rows with ``torch.get_num_threads()`` threads, one
+thread below ``PARALLEL_MIN`` elements (a parallel region costs more than such a pass).
+``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()`` returns None and
+the callers (services/worker/layers.py) keep the torch expressions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _cc
+
+log = logging.getLogger(__name__)
+
+# Element count from which a pass is split over the threads (torch's own grain size).
+PARALLEL_MIN = 32768
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN @PARALLEL_MIN@
+
+/* out[t, h, :] = cat(x1*c - x2*s, x2*c + x1*s) with x1/x2 the halves of x[t, h, :] and
+   c/s = cos[t, :], sin[t, :]. x rows and heads strided (a view of the fused qkv output),
+   the head dim contiguous; out, cos, sin contiguous. Built with -ffp-contract=off: every
+   product and sum rounds on its own, as in torch. */
+void rs_rotary_f32(const float* x, int64_t sx_t, int64_t sx_h, const float* cs,
+                   const float* sn, float* out, int64_t T, int64_t H, int64_t D, int nth) {
+    const int64_t half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(nth) if (T * H * D >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; ++t) {
+        const float* restrict c = cs + t * half;
+        const float* restrict s = sn + t * half;
+        for (int64_t h = 0; h < H; ++h) {
+            const float* restrict x1 = x + t * sx_t + h * sx_h;
+            const float* restrict x2 = x1 + half;
+            float* restrict o1 = out + (t * H + h) * D;
+            float* restrict o2 = o1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static const int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+
+/* exp of 8 lanes: n = round(x log2 e), r = x - n ln2 (ln2 in two parts), Cephes' expf
+   polynomial, times 2^n built in the exponent bits. ~1 ulp. Inf from ~88.03 (expf: from
+   88.72; in silu, g / (1 + e) is then -0 instead of ~-1e-37); below -87.34 it stays at
+   2^-126 (1 + that is 1: silu needs no more). A NaN lane gives a finite value, but silu's
+   g / (1 + e) is NaN then anyway. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
+}
+
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+static inline void silu_mul_row(const float* g, const float* u, float* o, int64_t I) {
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8)
+        _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < I) { /* the same lanes, masked: the tail rounds exactly as the body */
+        const __m256i m = _mm256_loadu_si256((const __m256i*)(tail_mask + 8 - (I - i)));
+        _mm256_maskstore_ps(
+            o + i, m, silu_mul8(_mm256_maskload_ps(g + i, m), _mm256_maskload_ps(u + i, m)));
+    }
+}
+
+/* out[t, :] = silu(gu[t, :I]) * gu[t, I:2I]; gu and out contiguous. */
+void rs_silu_mul_f32(const float* gu, float* out, int64_t T, int64_t I, int nth) {
+    #pragma omp parallel for schedule(static) num_threads(nth) if (T * I >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; ++t)
+        silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, out + t * I, I);
+}
+#endif /* without AVX2/FMA no rs_silu_mul_f32: libm's scalar expf made it 2-3x slower than
+          torch's vectorized silu + mul; the caller keeps those */
+""".replace("@PARALLEL_MIN@", str(PARALLEL_MIN))
+
+_I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+class Elementwise(NamedTuple):
+    """The two fused passes (float32 CPU tensors only; see ``supports``)."""
+
+    rotary: Callable[..., torch.Tensor]  # (x [T, H, D], cos, sin [T, D/2]) -> [T, H, D]
+    # (gate_up [..., 2I], I) -> [..., I]; None where the CPU lacks AVX2/FMA (slower there)
+    silu_mul: Callable[..., torch.Tensor] | None
+
+
+@functools.cache
+def load() -> Elementwise | None:
+    """The kernels, or None where they cannot be built here (callers keep torch's path)."""
+    # -ffp-contract=off: the rotary's x1*c - x2*s must round twice as torch's does.
+    flags = [*_cc.FLAGS, "-ffp-contract=off"]
+    lib = _cc.load_library("elementwise", _SOURCE, "CPU fused element-wise", log, flags)
+    if lib is None:
+        return None
+    rot = lib.rs_rotary_f32
+    rot.restype = None
+    rot.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32]
+    silu_mul = None
+    if hasattr(lib, "rs_silu_mul_f32"):  # built with AVX2/FMA only
+        sm = lib.rs_silu_mul_f32
+        sm.restype = None
+        sm.argtypes = [_PTR, _PTR, _I64, _I64, _I32]
+        silu_mul = functools.partial(_silu_mul, sm)
+    return Elementwise(functools.partial(_rotary, rot), silu_mul)
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _rotary(
+    fn,
+    x: torch.Tensor,  # [T, H, D] float32, D even; rows / heads may be strided
+    cos: torch.Tensor,  # [T, D/2] float32
+    sin: torch.Tensor,  # [T, D/2] float32
+) -> torch.Tensor:  # [T, H, D] contiguous
+    t, h, d = x.shape
+    if x.dtype != torch.float32 or d % 2 or cos.shape != (t, d // 2) or sin.shape != cos.shape:
+        raise ValueError(f"rotary: x {x.dtype} {tuple(x.shape)}, cos/sin {tuple(cos.shape)}")
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty((t, h, d), dtype=torch.float32)
+    if out.numel():
+        fn(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+           out.data_ptr(), t, h, d, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def _silu_mul(
+    fn,
+    gate_up: torch.Tensor,  # [..., 2I] float32: gate then up, as the fused projection writes
+    inter: int,
+) -> torch.Tensor:  # [..., I]
+    if gate_up.dtype != torch.float32 or gate_up.dim() == 0 or gate_up.shape[-1] != 2 * inter:
+        raise ValueError(f"silu_mul: gate_up must be float32 [..., {2 * inter}], "
+                         f"got {gate_up.dtype} {tuple(gate_up.shape)}")  # fmt: skip
+    gu = gate_up.contiguous()
+    out = torch.empty((*gu.shape[:-1], inter), dtype=torch.float32)
+    if out.numel():
+        fn(gu.data_ptr(), out.data_ptr(), out.numel() // inter, inter, torch.get_num_threads())
+    return out
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch expression the kernel replaces (services/worker/layers.py's)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def silu_mul_ref(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    gate, up = gate_up.split(inter, dim=-1)
+    return F.silu(gate) * up
