@@ -158,6 +158,18 @@ def _hybrid(kernel: bool) -> AbstractContextManager:
     return mock.patch.object(PackedLinear, "__init__", patched)
 
 
+def _no_mixed_decode_kernel() -> AbstractContextManager:
+    """Backends built inside run each one-row request of a mixed batch alone, as before
+    (the switch must hold per instance: forward runs after the runner is built)."""
+    init = TorchBackend.__init__
+
+    def patched(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self._single_rows = lambda meta, qo: None
+
+    return mock.patch.object(TorchBackend, "__init__", patched)
+
+
 SWITCHES: dict[
     str, tuple[Callable[[], AbstractContextManager], Callable[[], AbstractContextManager]]
 ] = {
@@ -166,10 +178,7 @@ SWITCHES: dict[
         lambda: mock.patch.object(TorchBackend, "use_cpu_kernel", False),
     ),
     "cpu-gemm": (lambda: _hybrid(True), lambda: _hybrid(False)),
-    "mixed-decode": (
-        nullcontext,
-        lambda: mock.patch.object(TorchBackend, "_single_rows", staticmethod(lambda m, q: None)),
-    ),
+    "mixed-decode": (nullcontext, lambda: _no_mixed_decode_kernel()),
     "extend-split": (nullcontext, nullcontext),  # prefill_split() patches per call
     "elementwise": (nullcontext, nullcontext),  # PER_CALL
 }
