@@ -44,6 +44,13 @@ def test_kernel_builds_where_a_compiler_exists():
         assert kernel is None
 
 
+def test_silu_mul_builds_where_the_cpu_has_avx2_and_fma():
+    """needs_silu_mul may skip only on a CPU without AVX2/FMA, never hide a failed build."""
+    flags = f"{_cc.cpu_flags()} "
+    if kernel is not None and " avx2 " in flags and " fma " in flags:
+        assert kernel.silu_mul is not None, "AVX2/FMA here but silu_mul was not built"
+
+
 def _cos_sin(t: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """As RotaryEmbedding.cos_sin: angles of positions up to 40k."""
     freqs = torch.rand(t, d // 2, generator=g) * 40000

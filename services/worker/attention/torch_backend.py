@@ -85,24 +85,31 @@ class TorchBackend(AttentionBackend):
 
     def _prepare_extend(self, meta: AttentionMeta) -> None:
         qo = meta.qo_indptr.tolist()
-        prefix = meta.prefix_lens.tolist()
-        req_rows = meta.req_slots.tolist()
-        dev = meta.req_to_token.device
-        self._extend = []
         self._singles = self._single_rows(meta, qo) if self._kernel is not None else None
-        first_single = len(prefix) if self._singles is None else len(prefix) - self._singles[1]
-        for b, p in enumerate(prefix):
-            if b >= first_single:  # the kernel takes these (forward falls back if it cannot)
-                self._extend.append(_ExtendItem(qo[b], qo[b + 1], None, None))
-                continue
-            n_new = qo[b + 1] - qo[b]
+        kernel_from = len(qo) - 1 - (self._singles[1] if self._singles else 0)
+        # The kernel's requests get no context of their own (forward adds it if the kernel
+        # cannot read the tensors after all).
+        kernel_rows = range(kernel_from, len(qo) - 1)
+        self._extend = self._items(meta, qo, range(kernel_from))
+        self._extend += [_ExtendItem(qo[b], qo[b + 1], None, None) for b in kernel_rows]
+
+    @staticmethod
+    def _items(meta: AttentionMeta, qo: list[int], batch: range) -> list[_ExtendItem]:
+        """Each request's rows, and its context slots and shifted causal mask if it has a
+        prefix (query row i at position prefix + i sees keys 0 .. prefix + i)."""
+        prefix, req_rows = meta.prefix_lens.tolist(), meta.req_slots.tolist()
+        dev = meta.req_to_token.device
+        items = []
+        for b in batch:
+            p, n_new = prefix[b], qo[b + 1] - qo[b]
             if p == 0:
-                self._extend.append(_ExtendItem(qo[b], qo[b + 1], None, None))
+                items.append(_ExtendItem(qo[b], qo[b + 1], None, None))
                 continue
             rows = torch.arange(n_new, device=dev)[:, None] + p
             mask = torch.arange(p + n_new, device=dev)[None, :] <= rows
             slots = meta.req_to_token[req_rows[b], : p + n_new].long()
-            self._extend.append(_ExtendItem(qo[b], qo[b + 1], slots, mask))
+            items.append(_ExtendItem(qo[b], qo[b + 1], slots, mask))
+        return items
 
     @staticmethod
     def _single_rows(
@@ -180,7 +187,8 @@ class TorchBackend(AttentionBackend):
                 )  # fmt: skip
                 items = items[: len(items) - n]
             else:  # the kernel cannot read these tensors: the per-request path after all
-                self._extend = items = self._with_context(items, meta)
+                first = len(items) - single[1]
+                items[first:] = self._items(meta, meta.qo_indptr.tolist(), range(first, len(items)))
                 self._singles = None
         for item in items:
             s, e = item.q_start, item.q_end
@@ -195,24 +203,6 @@ class TorchBackend(AttentionBackend):
                 enable_gqa=self.group > 1,
             )
             out[s:e] = o[0].transpose(0, 1)  # [1, H, E, D] -> [E, H, D]
-        return out
-
-    def _with_context(self, items: list[_ExtendItem], meta: AttentionMeta) -> list[_ExtendItem]:
-        """The items the kernel would have taken, given their context slots and masks."""
-        assert self._singles is not None
-        start, n = self._singles[0], self._singles[1]
-        first = len(items) - n
-        rows = meta.req_slots.tolist()
-        prefix = meta.prefix_lens.tolist()
-        out = items[:first]
-        for b in range(first, len(items)):
-            p, row = prefix[b], start + b - first
-            if p == 0:
-                out.append(_ExtendItem(row, row + 1, None, None))
-                continue
-            slots = meta.req_to_token[rows[b], : p + 1].long()
-            sees_all = torch.ones((1, p + 1), dtype=torch.bool, device=slots.device)
-            out.append(_ExtendItem(row, row + 1, slots, sees_all))
         return out
 
     @staticmethod
