@@ -7,7 +7,7 @@ bookkeeping lifecycle: match, lock, allocate (evicting as needed), insert, free 
 and the tail, unlock. Then it times ``evict`` on a tree with many evictable leaves.
 
     .venv/bin/python bench/bench_radix_cache.py [--page-size 16] [--policy lfu]
-        [--count-token-frees] [--shared-ints]      (figures: docs/benchmarks.md)
+                                                   (figures: docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ import statistics
 import time
 from array import array
 
+from services.common.transport import pack_i32
 from services.scheduler.allocator import KVSlotAllocator
 from services.scheduler.eviction import policy_names
 from services.scheduler.radix_cache import RadixCache, TreeNode, check_slot_integrity
+from services.scheduler.tokens import Tokens, as_tokens, tokens_from_wire
 
 
-def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list[int], list[int]]]:
-    """(prompt, output) per request, shuffled. Each prompt is rebuilt from packed int32
-    (as a deserialised request would be), so no two requests share int objects: key
-    comparisons cost what they cost in the server, not a pointer compare."""
+def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[Tokens, Tokens]]:
+    """(prompt, output) per request, shuffled. Each prompt is an int32 token array unpacked
+    from its own packed bytes, as the scheduler builds a request's ids from the wire
+    (tokens_from_wire); the output is the array the request's sampled tokens fill."""
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(args.vocab) for _ in range(n)]
@@ -35,22 +37,18 @@ def build_trace(args: argparse.Namespace, rng: random.Random) -> list[tuple[list
     trace = []
     for g in range(args.groups):
         for _ in range(args.per_group):
-            prompt = systems[g] + ids(args.question_len)
-            if not args.shared_ints:
-                prompt = array("i", prompt).tolist()
-            trace.append((prompt, ids(args.output_len)))
+            wire = pack_i32(systems[g] + ids(args.question_len))
+            trace.append((tokens_from_wire(wire), as_tokens(ids(args.output_len))))
     rng.shuffle(trace)
     return trace
 
 
 def admit(
-    cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
-) -> tuple[TreeNode, int, list[int], list[int]]:
+    cache: RadixCache, alloc: KVSlotAllocator, prompt: Tokens, output: Tokens
+) -> tuple[TreeNode, int, list[int], Tokens]:
     """Arrival: match and lock the cached prefix, allocate slots for every other token
     (evicting if short); returns the locked node, the cached length, the request's slots
     and the sequence to insert."""
-    # No intern: the insert resumes at the matched node (start=), so nothing compares the
-    # cached prefix again and re-pointing the prompt at the tree's ints would not pay.
     m = cache.match_prompt(prompt)
     cache.lock(m.node)
     cached = len(m.slots)
@@ -66,9 +64,7 @@ def admit(
     return m.node, cached, slots, prompt + output[:-1]  # the last output token has no KV
 
 
-def serve_one(
-    cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
-) -> int:
+def serve_one(cache: RadixCache, alloc: KVSlotAllocator, prompt: Tokens, output: Tokens) -> int:
     """One request's KV bookkeeping, as the scheduler does it; returns the cached length."""
     node, cached, slots, seq = admit(cache, alloc, prompt, output)
     last = slots.pop()  # the last output token's slot (no KV to cache): insert takes the rest
@@ -93,13 +89,7 @@ def bench_trace(args: argparse.Namespace) -> None:
     alloc = KVSlotAllocator(args.pool, args.page_size)
     cache = RadixCache(alloc, args.page_size, args.policy)
     wall, cpu, hit, total = [], [], 0, 0
-    for request_ids, output in trace:
-        # The request owns its token ints (created by deserialisation, destroyed at its
-        # teardown, both outside the cache). A match with intern=True would re-point the
-        # list it is given at the tree's ints; without this copy the timed match would then
-        # also pay for destroying the request's own ints, which the request pays anyway
-        # (--count-token-frees).
-        prompt = request_ids if args.count_token_frees else list(request_ids)
+    for prompt, output in trace:
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         hit += serve_one(cache, alloc, prompt, output)
         wall.append(time.perf_counter_ns() - t0)
@@ -112,7 +102,7 @@ def bench_trace(args: argparse.Namespace) -> None:
         f"trace: {args.groups} groups x {args.per_group} requests, system {args.system_len}, "
         f"question {args.question_len}, output {args.output_len}, pool {args.pool}, "
         f"page_size {args.page_size}, policy {args.policy}, "
-        f"{'shared' if args.shared_ints else 'fresh'} int objects, {args.warmup} warm-up pass(es)"
+        f"int32 token arrays, {args.warmup} warm-up pass(es)"
     )
     for name, ns in (("wall", wall), ("cpu", cpu)):
         us = sorted(t / 1000 for t in ns)
@@ -129,9 +119,9 @@ def bench_trace(args: argparse.Namespace) -> None:
 
 
 def compare_reference(rng: random.Random, n: int) -> float:
-    """Median us of ``a == b`` for two equal n-token lists of distinct int objects: the
-    least work any exact prefix match must do, so per-request figures can be read as a
-    ratio on a busy machine."""
+    """Median us of ``a == b`` for two equal n-token lists of distinct int objects: a
+    machine-speed yardstick, so per-request figures can be read as a ratio on a busy
+    machine (the tree itself compares int32 arrays, ~20x faster than this)."""
     a = [rng.randrange(1 << 15) for _ in range(n)]
     b = array("i", a).tolist()
     times = []
@@ -215,16 +205,6 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=200_000)
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--shared-ints",
-        action="store_true",
-        help="requests of a group share the system prompt's int objects (optimistic)",
-    )
-    p.add_argument(
-        "--count-token-frees",
-        action="store_true",
-        help="let the timed match destroy the request's own token ints (see bench_trace)",
-    )
     p.add_argument(
         "--warmup",
         type=int,

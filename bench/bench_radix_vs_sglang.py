@@ -42,9 +42,10 @@ How faithful the SGLang side is:
   module whose attributes are placeholder classes; none is called on this path (metrics
   off, KV events off, no hierarchical cache, no mamba/SWA); no third-party package is
   stubbed (torch is the real one).
-- Token ids are ``array('q')`` as SGLang's ``Req.origin_input_ids`` holds them; each side
-  gets its own container (radixserve: a list of fresh ints) built untimed at the
-  request's arrival, as deserialisation would build it.
+- Token ids: each side gets its own container per request, built untimed at the
+  request's arrival as its scheduler builds it: SGLang ``array('q')`` (as
+  ``Req.origin_input_ids`` holds them), radixserve an ``array('i')`` unpacked from the
+  packed int32 bytes of the wire (``tokens_from_wire``; services/scheduler/tokens.py).
 - Not included on either side: the request-to-token table writes and GPU copies. By
   default neither side does the re-match after the insert either (bench_radix_cache's
   ``serve_one``, the issue's definition); ``--rematch`` adds it to both, as
@@ -79,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_radix_cache import admit, build_trace, serve_one  # noqa: E402
 from services.scheduler.allocator import KVSlotAllocator  # noqa: E402
 from services.scheduler.radix_cache import RadixCache, check_slot_integrity  # noqa: E402
+from services.scheduler.tokens import Tokens, tokens_from_wire  # noqa: E402
 
 _MEM = "sglang/srt/mem_cache/"
 # The SGLang files that run for real; every other sglang module is a stub.
@@ -228,7 +230,7 @@ class SGLangSide:
 
 
 # -- timing ------------------------------------------------------------------------------
-Trace = list[tuple[list[int], list[int]]]
+Trace = list[tuple[Tokens, Tokens]]
 Times = dict[str, list[int]]  # clock ("cpu", "wall") -> ns per request
 
 
@@ -241,7 +243,7 @@ class OursSide:
         self.cache = RadixCache(self.alloc, 1, "lru")
         self.rematch = rematch
 
-    def serve(self, prompt: list[int], output: list[int]) -> int:
+    def serve(self, prompt: Tokens, output: Tokens) -> int:
         if self.rematch:
             return serve_rematch(self.cache, self.alloc, prompt, output)
         return serve_one(self.cache, self.alloc, prompt, output)
@@ -267,9 +269,7 @@ class _GCClock:
             self.ns += time.thread_time_ns() - self._t0
 
 
-def serve_rematch(
-    cache: RadixCache, alloc: KVSlotAllocator, prompt: list[int], output: list[int]
-) -> int:
+def serve_rematch(cache: RadixCache, alloc: KVSlotAllocator, prompt: Tokens, output: Tokens) -> int:
     """serve_one with the release path of KVManager.commit/release: insert (resuming at the
     locked node), re-read the inserted tokens' slots from the node the insert returned (the
     re-match), lock that node, unlock the arrival's."""
@@ -306,11 +306,13 @@ def run_side(side: Any, trace: Trace, to_request: Callable[..., Any], gcc: _GCCl
     return times
 
 
-def ours_request(p: list[int], o: list[int]) -> tuple[list[int], list[int]]:
-    return list(p), o  # the request's own list of ints
+def ours_request(p: Tokens, o: Tokens) -> tuple[Tokens, Tokens]:
+    # As the scheduler builds a request: its ids unpacked from the wire's packed int32
+    # (a copy per request), its output an array it appends sampled tokens to.
+    return tokens_from_wire(p.tobytes()), array(o.typecode, o)
 
 
-def sglang_request(p: list[int], o: list[int]) -> tuple[array, array]:
+def sglang_request(p: Tokens, o: Tokens) -> tuple[array, array]:
     return array("q", p), array("q", o)  # as SGLang's Req.origin_input_ids holds them
 
 
@@ -344,7 +346,6 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    args.shared_ints = False  # build_trace: fresh int objects per request
     if not args.sglang_wheel.exists():
         sys.exit(f"--sglang-wheel {args.sglang_wheel} does not exist.\n{HOW_TO_GET}")
     rc, alloc_cls, wheel = load_sglang(args.sglang_wheel)

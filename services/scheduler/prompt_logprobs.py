@@ -54,7 +54,7 @@ def targets(req: Req, start: int, n: int) -> tuple[int, list[int]]:
     hi = min(start + n + 1, len(req.input_ids))
     if lo >= hi:
         return 0, []
-    return lo - start - 1, req.input_ids[lo:hi]
+    return lo - start - 1, req.input_ids[lo:hi].tolist()
 
 
 def collect(req: Req, logprobs: list[engine_pb2.TokenLogprob]) -> None:

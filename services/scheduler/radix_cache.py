@@ -33,6 +33,7 @@ from services.scheduler.cache_integrity import (
     recount_tree,
 )
 from services.scheduler.eviction import LeafHeap, make_policy
+from services.scheduler.tokens import Tokens, as_tokens
 
 __all__ = [
     "BasePrefixCache",
@@ -49,9 +50,6 @@ __all__ = [
     "common_prefix_len",
     "create_prefix_cache",
 ]
-
-
-_INTERN_MIN = 32  # shorter runs are not worth re-pointing (see match_prefix's ``intern``)
 
 
 class CacheLockError(RuntimeError):
@@ -73,9 +71,9 @@ class TreeNode:
     )
 
     def __init__(
-        self, key: list[int], value: list[int], parent: TreeNode | None, anchor: bool = False
+        self, key: Tokens, value: list[int], parent: TreeNode | None, anchor: bool = False
     ):
-        self.key = key  # token ids of this run
+        self.key = key  # token ids of this run (an int32 array: see tokens.py)
         self.value = value  # their KV slots, same length
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent  # None once evicted (or for the root)
@@ -116,19 +114,11 @@ class BasePrefixCache(ABC):
         priority: int = 0,
         *,
         peek: bool = False,
-        intern: bool = False,
     ) -> MatchResult:
         """Longest cached prefix (whole pages only); counts a hit for the eviction policy
-        unless ``peek`` (e.g. ordering the waiting queue is not a use of the cache).
-
-        ``intern``: when ``tokens`` is a plain list, its matched tokens are replaced *in
-        place* by the tree's int objects of equal value (runs of 32 tokens or more). Why: a
-        later walk of the same list (or of a list built from its items, such as prompt +
-        output) then finds ``x is y`` before comparing values, which halves its cost. Only
-        the caller's list changes, never its values; a tuple or array is copied first, so
-        interning it has no effect the caller can see."""
-        tokens = _as_list(tokens)
-        return self._match(tokens, len(tokens), namespace, priority, peek, intern)
+        unless ``peek`` (e.g. ordering the waiting queue is not a use of the cache)."""
+        tokens = as_tokens(tokens)
+        return self._match(tokens, len(tokens), namespace, priority, peek)
 
     def match_prompt(
         self,
@@ -137,12 +127,10 @@ class BasePrefixCache(ABC):
         priority: int = 0,
         *,
         peek: bool = False,
-        intern: bool = False,
     ) -> MatchResult:
-        """match_prefix(prompt[:-1]): the last prompt token is always computed (its logits).
-        ``intern`` re-points the matched part of ``prompt`` itself (see match_prefix)."""
-        prompt = _as_list(prompt)  # no prompt[:-1] copy: the walk stops one token short
-        return self._match(prompt, max(0, len(prompt) - 1), namespace, priority, peek, intern)
+        """match_prefix(prompt[:-1]): the last prompt token is always computed (its logits)."""
+        prompt = as_tokens(prompt)  # no prompt[:-1] copy: the walk stops one token short
+        return self._match(prompt, max(0, len(prompt) - 1), namespace, priority, peek)
 
     def insert_prefix(
         self,
@@ -151,12 +139,10 @@ class BasePrefixCache(ABC):
         namespace: str = "",
         priority: int = 0,
         *,
-        intern: bool = False,
         start: TreeNode | None = None,
     ) -> InsertResult:
         """Caches tokens -> slots (whole pages only). Slots at positions [0, prefix_len) were
         already cached: the caller frees those it owns, and any tail beyond the whole pages.
-        ``intern``: as in match_prefix, for the part of ``tokens`` already in the tree.
 
         ``start``: a node whose path (from the namespace's anchor) is ``tokens[:k]``, such
         as the node the caller matched these tokens to and still holds locked. The walk
@@ -164,10 +150,10 @@ class BasePrefixCache(ABC):
         cached prefix, most of a shared-prefix request, and comparing them again was the
         largest part of an insert. The caller guarantees the tokens; the result is the same
         as without ``start``. Ignored when k exceeds the whole pages of ``tokens``."""
-        tokens, slots = _as_list(tokens), _as_list(slots)
+        tokens, slots = as_tokens(tokens), _as_list(slots)
         if len(tokens) != len(slots):
             raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
-        return self._insert(tokens, slots, namespace, priority, intern, start)
+        return self._insert(tokens, slots, namespace, priority, start)
 
     def path_slots(self, node: TreeNode) -> list[int]:
         """The KV slots of node's path from its anchor: what a match ending at node returns
@@ -186,21 +172,20 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def _match(
-        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool, intern: bool
+        self, tokens: Tokens, end: int, namespace: str, priority: int, peek: bool
     ) -> MatchResult:
         """match_prefix of tokens[:end], without copying that slice."""
 
     @abstractmethod
     def _insert(
         self,
-        tokens: list[int],
+        tokens: Tokens,
         slots: list[int],
         namespace: str,
         priority: int,
-        intern: bool,
         start: TreeNode | None,
     ) -> InsertResult:
-        """insert_prefix once its arguments are checked lists of equal length."""
+        """insert_prefix once its arguments are a token array and a slot list of one length."""
 
     @abstractmethod
     def lock(self, node: TreeNode) -> None:
@@ -241,7 +226,7 @@ class RadixCache(BasePrefixCache):
         self.allocator = allocator
         self.page_size = page_size
         self.policy = make_policy(policy, slru_protected_hits)
-        self.root = TreeNode([], [], None, anchor=True)
+        self.root = TreeNode(as_tokens(()), [], None, anchor=True)
         self._evictable = 0
         self._protected = 0
         self._clock = 0
@@ -250,12 +235,12 @@ class RadixCache(BasePrefixCache):
 
     # -- match ------------------------------------------------------------------------
     def _match(
-        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool, intern: bool
+        self, tokens: Tokens, end: int, namespace: str, priority: int, peek: bool
     ) -> MatchResult:
         anchor = self.root.children.get(namespace)
         if anchor is None:
             return MatchResult([], self.root)
-        node, _, path = self._walk(anchor, tokens, end - end % self.page_size, intern)
+        node, _, path = self._walk(anchor, tokens, end - end % self.page_size)
         slots: list[int] = []
         for n in path:
             slots += n.value
@@ -270,12 +255,11 @@ class RadixCache(BasePrefixCache):
         return MatchResult(slots, node)
 
     def _walk(
-        self, node: TreeNode, tokens: list[int], end: int, intern: bool, pos: int = 0
+        self, node: TreeNode, tokens: Tokens, end: int, pos: int = 0
     ) -> tuple[TreeNode, int, list[TreeNode]]:
         """Follows tokens[pos:end] down from node (whose path is tokens[:pos]), splitting
         where the match ends inside a node. Returns the last matched node, the matched
-        length (from 0) and the matched path below node. With ``intern``, re-points the
-        matched runs of ``tokens`` at the tree's ints (in place)."""
+        length (from 0) and the matched path below node."""
         ps = self.page_size
         path: list[TreeNode] = []
         while pos < end:
@@ -285,11 +269,6 @@ class RadixCache(BasePrefixCache):
             n = common_prefix_len(child.key, tokens, pos, end)
             if ps > 1:
                 n -= n % ps
-            if intern and n >= _INTERN_MIN and tokens[pos + n - 1] is not child.key[n - 1]:
-                # Equal values, the tree's int objects: the same tokens' next walk (the
-                # insert after a match, the match after an insert) then compares pointers
-                # instead of int values.
-                tokens[pos : pos + n] = child.key if n == len(child.key) else child.key[:n]
             if n < len(child.key):  # the match ends inside child: cut it there and stop
                 child = self._split(child, n)
                 path.append(child)
@@ -316,17 +295,16 @@ class RadixCache(BasePrefixCache):
         new.children[self._child_key(child.key)] = child
         return new
 
-    def _child_key(self, key: list[int]) -> Any:
+    def _child_key(self, key: Tokens) -> Any:
         return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
 
     # -- insert -----------------------------------------------------------------------
     def _insert(
         self,
-        tokens: list[int],
+        tokens: Tokens,
         slots: list[int],
         namespace: str,
         priority: int,
-        intern: bool,
         start: TreeNode | None,
     ) -> InsertResult:
         end = len(tokens) - len(tokens) % self.page_size
@@ -342,7 +320,7 @@ class RadixCache(BasePrefixCache):
                 self._touch_path(start, priority)
             else:
                 depth = 0  # start lies beyond these tokens: walk from the anchor
-        node, pos, path = self._walk(node, tokens, end, intern, depth)
+        node, pos, path = self._walk(node, tokens, end, depth)
         clock = self._clock
         for n in path:
             n.last_access = clock
@@ -379,13 +357,11 @@ class RadixCache(BasePrefixCache):
         if anchor is None:
             if not isinstance(namespace, str):
                 raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-            anchor = TreeNode([], [], self.root, anchor=True)
+            anchor = TreeNode(as_tokens(()), [], self.root, anchor=True)
             self.root.children[namespace] = anchor
         return anchor
 
-    def _add_leaf(
-        self, parent: TreeNode, key: list[int], value: list[int], priority: int
-    ) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: Tokens, value: list[int], priority: int) -> TreeNode:
         leaf = TreeNode(key, value, parent)
         leaf.last_access = self._clock
         leaf.priority = priority
@@ -514,20 +490,19 @@ class DisabledCache(BasePrefixCache):
     def __init__(self, allocator: KVSlotAllocator, page_size: int = 1):
         self.allocator = allocator
         self.page_size = page_size
-        self.root = TreeNode([], [], None, anchor=True)
+        self.root = TreeNode(as_tokens(()), [], None, anchor=True)
 
     def _match(
-        self, tokens: list[int], end: int, namespace: str, priority: int, peek: bool, intern: bool
+        self, tokens: Tokens, end: int, namespace: str, priority: int, peek: bool
     ) -> MatchResult:
         return MatchResult([], self.root)
 
     def _insert(
         self,
-        tokens: list[int],
+        tokens: Tokens,
         slots: list[int],
         namespace: str,
         priority: int,
-        intern: bool,
         start: TreeNode | None,
     ) -> InsertResult:
         return InsertResult(0, self.root)
@@ -568,7 +543,7 @@ def create_prefix_cache(
 
 # -- helpers ----------------------------------------------------------------------------
 def _as_list(seq: Sequence[int]) -> list[int]:
-    """Keys are compared as lists (list == list runs in C); a tuple never equals a list."""
+    """Slots as a plain list (the allocator's and the requests' container)."""
     if type(seq) is list:
         return seq
     tolist = getattr(seq, "tolist", None)  # numpy arrays and tensors: plain ints, not scalars
@@ -576,12 +551,13 @@ def _as_list(seq: Sequence[int]) -> list[int]:
 
 
 def common_prefix_len(
-    key: list[int], tokens: list[int], start: int = 0, end: int | None = None
+    key: Sequence[int], tokens: Sequence[int], start: int = 0, end: int | None = None
 ) -> int:
     """Length of the common prefix of key and tokens[start:end].
 
-    The one helper for this in the scheduler and its tests. Both must be lists: a tuple
-    never equals a list slice. Whole-slice comparisons run in C; a per-token Python loop
+    The one helper for this in the scheduler and its tests. Both must be of one type (two
+    token arrays, as the tree's keys are, or two lists): a tuple never equals a list slice,
+    an array never equals a list. Whole-slice comparisons run in C; a per-token Python loop
     would dominate the cost of a request. When the slices differ, bisect with slice
     comparisons (O(len) C work in all).
     """

@@ -18,13 +18,14 @@ from typing import Any
 
 from radixserve.internal.v1 import engine_pb2
 from services.common.sampling_limits import DEFAULT_MAX_TOKENS
+from services.scheduler.tokens import Tokens, as_tokens, new_tokens
 
 
 @dataclass(eq=False)  # identity: requests are compared in queue lookups, never by value
 class Req:
     rid: str
     identity: bytes  # the frontend socket that gets this request's output
-    input_ids: list[int]
+    input_ids: Tokens  # int32 arrays (tokens.py); a list given here is converted
     sampling: engine_pb2.SamplingParams
     priority: int = 0
     namespace: str = ""
@@ -32,7 +33,7 @@ class Req:
     arrival_time: float = field(default_factory=time.time)
     trace_context: dict[str, str] = field(default_factory=dict)
 
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: Tokens = field(default_factory=new_tokens)
     kv_slots: list[int] = field(default_factory=list)
     locked_len: int = 0  # leading kv_slots owned by the tree (and locked)
     node: Any = None  # the tree node locked for this request
@@ -61,11 +62,13 @@ class Req:
     prefill_only: bool = False
 
     def __post_init__(self) -> None:
+        self.input_ids = as_tokens(self.input_ids)
+        self.output_ids = as_tokens(self.output_ids)
         self.prompt_logprobs_done = not self.sampling.prompt_logprobs
         self.prefill_only = self.max_new_tokens == 0
 
     @property
-    def fill_ids(self) -> list[int]:
+    def fill_ids(self) -> Tokens:
         return self.input_ids + self.output_ids
 
     @property

@@ -42,6 +42,7 @@ from services.scheduler.req_queues import ReqQueues
 from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
 from services.scheduler.request_checks import request_problem
+from services.scheduler.tokens import tokens_from_wire
 from services.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger("radixserve.scheduler")
@@ -185,7 +186,7 @@ class Scheduler:
         return Req(
             rid=msg.rid,
             identity=identity,
-            input_ids=unpack_i32(msg.input_ids).tolist(),
+            input_ids=tokens_from_wire(msg.input_ids),
             sampling=msg.sampling,
             priority=msg.priority,
             namespace=msg.cache_salt,
