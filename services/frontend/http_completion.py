@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from radixserve.v1 import generation_pb2 as pb
+from services.frontend import sse
 from services.frontend.openai_protocol import ApiError, api_error
 from services.frontend.pipeline import Frontend, FrontendError
 from services.frontend.spans import carrier_from
@@ -41,6 +41,10 @@ class Renderer(Protocol):
 
     def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
         """Chunks for one streamed response (none if it carries nothing worth sending)."""
+        ...
+
+    def events(self, resp: pb.GenerateResponse) -> str:
+        """The server-sent events of ``chunks(resp)`` ("" for none): what the stream sends."""
         ...
 
     def whole(
@@ -66,7 +70,7 @@ async def complete(
     collected = await _collect_while_connected(responses, renderer.input_param, http)
     if collected is None:  # nobody is left to read it
         return Response(status_code=499)
-    return JSONResponse(_payload(renderer.whole(*collected)))
+    return JSONResponse(sse.payload(renderer.whole(*collected)))
 
 
 async def _collect_while_connected(
@@ -124,22 +128,16 @@ async def _collect(
 async def _events(responses: Responses, renderer: Renderer) -> AsyncIterator[str]:
     """Server-sent events: the renderer's chunks, an error as the last one, then [DONE]."""
     try:
-        for chunk in renderer.opening():
-            yield _sse(_payload(chunk))
+        opening = sse.events(renderer.opening())
+        if opening:
+            yield opening
         async for resp in responses:
-            for chunk in renderer.chunks(resp):
-                yield _sse(_payload(chunk))
+            # A response's chunks (text, then usage after the last) go out in one write.
+            text = renderer.events(resp)
+            if text:
+                yield text
     except FrontendError as e:
-        yield _sse(api_error(e, renderer.input_param).body())
+        yield sse.data_event(api_error(e, renderer.input_param).body())
     finally:
         await responses.aclose()  # a client that went away aborts the request
     yield "data: [DONE]\n\n"
-
-
-def _payload(answer: BaseModel) -> dict[str, Any]:
-    # Unset fields are absent rather than null (a chunk's usage, a later delta's role).
-    return answer.model_dump(exclude_unset=True)
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

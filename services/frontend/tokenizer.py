@@ -6,9 +6,9 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, TokenizersBackend
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class Tokenizer:
         ]
         if self.hf.chat_template is None:
             log.warning("tokenizer in %s has no chat template: chat requests will fail", model_path)
+        self._rust_decode = _plain_rust_decode(self.hf)
 
     def encode(self, text: str) -> list[int]:
         """A raw prompt, with the special tokens the tokenizer adds by default (e.g. BOS)."""
@@ -95,9 +96,26 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:  # the same text, without transformers' wrapping
+            return self._rust_decode(list(ids), skip_special_tokens)
         text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         assert isinstance(text, str)  # one sequence of ids decodes to one string
         return text
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         return [t if t is not None else "" for t in self.hf.convert_ids_to_tokens(list(ids))]
+
+
+def _plain_rust_decode(hf: PreTrainedTokenizerBase) -> Callable[[list[int], bool], str] | None:
+    """The Rust tokenizer's own decode when transformers' decode adds nothing to it: a
+    TokenizersBackend with neither method overridden and no clean-up of spaces. The stream
+    decodes twice per output token, and transformers' argument handling around the Rust call
+    cost 2.5x the call itself (4.8 vs 2.0 us for six ids); None means use hf.decode."""
+    cls = type(hf)
+    plain = (
+        isinstance(hf, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+        and not hf.clean_up_tokenization_spaces
+    )
+    return hf.backend_tokenizer.decode if plain else None
