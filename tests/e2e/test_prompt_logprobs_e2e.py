@@ -159,7 +159,12 @@ def test_abort_during_long_prompt_logprob_prefill_leaves_the_pool_clean(server):
     threads = [threading.Thread(target=drain, args=(c,)) for c in calls]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # a 480-token prompt is 30 chunks of 16: still prefilling
+    # Cancel as soon as the scheduler runs them: a 480-token prompt is 30 chunks of 16, so
+    # the first answer is still far off (a fixed sleep raced faster scheduler steps).
+    deadline = time.monotonic() + 30
+    while not scrape_metrics(server.sched_metrics)["radixserve:num_running_reqs"]:
+        assert time.monotonic() < deadline, "the requests were never admitted"
+        time.sleep(0.005)
     mid_prefill = not answered
     for c in calls:
         c.cancel()
