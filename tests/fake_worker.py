@@ -149,19 +149,24 @@ def run(
     """Steps until idle; returns each request's tokens and final delta."""
     tokens: dict[str, list[int]] = {}
     final: dict[str, engine_pb2.TokenDelta] = {}
-    for step in range(max_steps):
-        worked = sched.step()
+
+    def collect() -> None:
         for deltas in sched.outbox.take().values():
             for d in deltas:
                 tokens.setdefault(d.rid, []).extend(d.token_ids)
                 if d.finish_reason:
                     final[d.rid] = d
+
+    for step in range(max_steps):
+        worked = sched.step()
+        collect()
         if on_step:
             on_step(step)
         if not worked:
             sched.check_idle()
             if not sched.has_requests():  # on_step may have submitted more
                 break
+    collect()  # what on_step's last call emitted (a request it submitted and aborted)
     for rid, d in final.items():
         d.token_ids[:] = tokens.get(rid, [])
     return final
