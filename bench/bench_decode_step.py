@@ -13,13 +13,16 @@ Switches (--ab):
   oneDNN (F.linear for single rows), both keeping the plain weights (``--cpu-linear hybrid``).
 - ``mixed-decode``: with ``--mixed-prefill N``, steps that also carry a new N-token prompt
   (mixed batches): their one-row (decode) requests through the decode-attention kernel
-  together vs one gather + SDPA each, as before.
+  together vs with the other requests (one gather + SDPA each, as before; where the C
+  extend kernel runs, in its one call with the prompt's rows).
 - ``extend-split``: not a decode step but a prefill: --prefill-prompts prompts of
   --prompt-len tokens in one batch, run as groups of at most CPU_EXTEND_ROWS rows
   (services/worker/models/llama.py) vs as one forward; prefill tokens/s per round.
 - ``elementwise``: the fused C rotary and silu(gate) * up passes (kernels/cpu_elementwise.py,
   ``layers.FUSED_ELEMENTWISE``) vs torch's op chains, switched per forward call: first
   prefill tokens/s (--prefill-prompts x --prompt-len, --rounds), then the decode steps.
+- ``extend-kernel``: the C extend-attention kernel (kernels/cpu_extend_attention.py) vs one
+  SDPA per request (its ``supports`` made False per forward call): prefill tokens/s only.
 
     M=~/.cache/radixserve-peers/models/small
     .venv/bin/python bench/bench_decode_step.py --model-path $M --batches 16 64 --steps 64
@@ -27,6 +30,8 @@ Switches (--ab):
         --prefill-prompts 8 --prompt-len 1000 --rounds 4
     .venv/bin/python bench/bench_decode_step.py --model-path $M --ab elementwise \
         --prefill-prompts 2 --prompt-len 1000 --rounds 4 --batches 16 --steps 32
+    .venv/bin/python bench/bench_decode_step.py --model-path $M --ab extend-kernel \
+        --prefill-prompts 8 --prompt-len 1000 --rounds 6
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import cpu_extend_attention  # noqa: E402
 from radixserve.internal.v1 import engine_pb2  # noqa: E402
 from services.common.config import WorkerConfig  # noqa: E402
 from services.common.transport import pack_i32  # noqa: E402
@@ -181,6 +187,7 @@ SWITCHES: dict[
     "mixed-decode": (nullcontext, lambda: _no_mixed_decode_kernel()),
     "extend-split": (nullcontext, nullcontext),  # prefill_split() patches per call
     "elementwise": (nullcontext, nullcontext),  # PER_CALL
+    "extend-kernel": (nullcontext, nullcontext),  # PER_CALL
 }
 
 
@@ -191,17 +198,22 @@ def _fused(on: bool) -> AbstractContextManager:
 # Switches read at every forward, not when the runner is built: (A, B) around each call.
 PER_CALL: dict[str, tuple[Callable[[], AbstractContextManager], ...]] = {
     "elementwise": (lambda: _fused(True), lambda: _fused(False)),
+    "extend-kernel": (
+        nullcontext,
+        lambda: mock.patch.object(cpu_extend_attention, "supports", lambda *a: False),
+    ),
 }
 
 
-def prefill_elementwise(path: str, prompts: int, length: int, rounds: int) -> None:
-    on, off = PER_CALL["elementwise"]
+def prefill_per_call(switch: str, path: str, prompts: int, length: int, rounds: int) -> None:
+    on, off = PER_CALL[switch]
     rates = prefill_rates(path, prompts, length, rounds, {"A": on, "B": off})
     med = {k: statistics.median(v) for k, v in rates.items()}
     pairs = zip(rates["A"], rates["B"], strict=True)
     print(f"prefill {prompts} x {length} tokens, {torch.get_num_threads()} threads, tokens/s: "
-          f"fused (A) {med['A']:,.0f}, torch (B) {med['B']:,.0f}, A / B {med['A'] / med['B']:.2f}x;"
-          " rounds (A / B): " + ", ".join(f"{a:,.0f} / {b:,.0f}" for a, b in pairs))  # fmt: skip
+          f"{switch} on (A) {med['A']:,.0f}, off (B) {med['B']:,.0f}, "
+          f"A / B {med['A'] / med['B']:.2f}x; rounds (A / B): "
+          + ", ".join(f"{a:,.0f} / {b:,.0f}" for a, b in pairs))  # fmt: skip
 
 
 def main() -> None:
@@ -225,8 +237,11 @@ def main() -> None:
     if args.ab == "extend-split":
         prefill_split(args.model_path, args.prefill_prompts, args.prompt_len, args.rounds)
         return
-    if args.ab == "elementwise":
-        prefill_elementwise(args.model_path, args.prefill_prompts, args.prompt_len, args.rounds)
+    if args.ab in ("elementwise", "extend-kernel"):
+        prefill_per_call(args.ab, args.model_path, args.prefill_prompts, args.prompt_len,
+                         args.rounds)  # fmt: skip
+    if args.ab == "extend-kernel":  # decode steps do not run it
+        return
     tokens = max(args.batches) * (args.prompt_len + args.steps) + 16
     tokens += args.steps * args.mixed_prefill
     on, off = SWITCHES[args.ab]

@@ -1,0 +1,434 @@
+"""Causal extend (prefill) attention on CPU straight from the paged KV pool: a C kernel.
+
+Why: a cold float32 prefill of the peers' small model spent ~26% of its time in torch's
+``_scaled_dot_product_flash_attention_for_cpu``, which reaches ~60-85 GFLOP/s on the 2-core
+VM while its linears run at the machine's ~140 GFLOP/s; a prefix (radix cache) hit also
+paid an ``index_select`` gather of the whole context and a boolean mask per request and
+layer. This kernel runs every extend request of the batch in one call and reads each K/V
+row where it lies in the pool, through the request-to-slot table, so a cached prefix costs
+no copy and no mask. Work items are (request, kv head, block of query rows), largest
+first, spread over ``nthreads`` by OpenMP (the libgomp torch has loaded: one thread pool);
+a call below ``PARALLEL_MIN`` runs on one thread.
+
+Per item, flash style: the g = Hq/Hkv query heads of the block share every K/V block they
+read (GQA). Queries are packed transposed and pre-scaled, 16 to a tile, so both products
+are broadcast-FMA register tiles of 6 x 16 (12 accumulators): scores = 6 keys (broadcast
+from their pool rows) x 16 queries, and the output, kept transposed, = 6 head-dim lanes
+(broadcast from the V rows) x 16 queries. The softmax is online, per query lane, in the
+same 8-lane layout; causality skips every key tile past a query tile's last position.
+
+Measured on the 2-core VM, 2 threads, one request, K/V at scattered slots, side by side
+with the SDPA call the torch backend made (medians of 30 interleaved calls, torch's time /
+this kernel's; bench/bench_extend_attention.py, quiet machine): the small model's 8 / 4
+heads at 1,000 new rows 1.38x (114 vs 83 GFLOP/s), Qwen2-0.5B's 14 / 2 at 512 rows 1.91x
+(116 vs 61), 200 rows on a 1,000-token prefix 1.25x (118 vs 95; SDPA's time includes the
+gather). A whole cold prefill of the small model, 8 x 1,000 tokens: 1.08x tokens/s (2,140
+vs 1,978, medians of 6 interleaved rounds, every round faster) and 1.03x (2,350 vs 2,272,
+7 of 8 rounds) in a second run (``bench/bench_decode_step.py --ab extend-kernel``); the
+attention inside a 2 x 1,000-token forward took 140 vs 199 ms of 833 vs 899: SDPA's
+share was ~22%, the linears' most of the rest.
+
+Numerics: float32, an 8-lane AVX2 exp (Cephes' polynomial, ~1 ulp), another summation
+order than SDPA (max diff ~1e-6 relative); ``extend_attention_ref`` is the plain-PyTorch
+reference the tests compare with. Without AVX2/FMA there is no kernel (``load()`` is None).
+
+Built like kernels/cpu_decode_attention.py (kernels/_cc.py: system ``cc -O3
+-march=native -fopenmp`` on first use, cached by source + flags + CPU flags); no compiler,
+a failed build or ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None and the caller
+keeps its SDPA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _cc
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_DIM = 256  # the zero row that stands in for keys past the context
+# Work (query rows x keys x heads x head dim) from which a call is split over the threads:
+# ~4 MFLOP, ~50 us on one core.
+PARALLEL_MIN = 1 << 20
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define BK 36   /* keys per block: a multiple of the 6-key tile; with its K and V rows (18
+                 KiB), a query tile, its scores and output stay in the 32 KiB L1 */
+#define VT 16   /* query lanes per tile (two 8-lane vectors) */
+#define DMAX @DMAX@
+#define PARALLEL_MIN @PARALLEL_MIN@
+
+static const float zero_row[DMAX];
+
+/* exp of 8 lanes, x <= 0 (a score minus its running max): Cephes' expf polynomial after a
+   two-constant ln 2 reduction, times 2^n built in the exponent bits; 0 below -87.3 (a
+   masked -inf score gives exactly 0, which the softmax needs). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365478515625f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* s[n][0..16) = sum_d k[n][d] qt[d][0..16) for 6 keys; qt is the tile's [D][16] queries. */
+static inline void qk_tile(const float* const* k, const float* qt, int D, float* s) {
+    __m256 a[6][2];
+    for (int i = 0; i < 6; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        const __m256 q0 = _mm256_load_ps(qt + d * VT), q1 = _mm256_load_ps(qt + d * VT + 8);
+        for (int i = 0; i < 6; ++i) {
+            const __m256 b = _mm256_broadcast_ss(k[i] + d);
+            a[i][0] = _mm256_fmadd_ps(b, q0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(b, q1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < 6; ++i) {
+        _mm256_store_ps(s + i * VT, a[i][0]);
+        _mm256_store_ps(s + i * VT + 8, a[i][1]);
+    }
+}
+
+/* ot[d0 + i][0..16) = alpha * ot[..] + sum_{n < nk} v[n][d0 + i] p[n][0..16), i < R: one
+   function per R (6, and 1-5 for the last head-dim tile), each with an accumulator array
+   of exactly R rows, which gcc keeps in registers (a larger, partly used one it spills). */
+#define PV_TILE(R)                                                                          \
+static void pv_tile##R(const float* const* v, int d0, const float* p, int nk, float* ot,   \
+                       __m256 al0, __m256 al1) {                                           \
+    __m256 a[R][2];                                                                         \
+    for (int i = 0; i < R; ++i) {                                                           \
+        a[i][0] = _mm256_mul_ps(al0, _mm256_load_ps(ot + (d0 + i) * VT));                   \
+        a[i][1] = _mm256_mul_ps(al1, _mm256_load_ps(ot + (d0 + i) * VT + 8));               \
+    }                                                                                       \
+    for (int n = 0; n < nk; ++n) {                                                          \
+        const __m256 p0 = _mm256_load_ps(p + n * VT), p1 = _mm256_load_ps(p + n * VT + 8);  \
+        const float* vr = v[n] + d0;                                                        \
+        for (int i = 0; i < R; ++i) {                                                       \
+            const __m256 b = _mm256_broadcast_ss(vr + i);                                   \
+            a[i][0] = _mm256_fmadd_ps(b, p0, a[i][0]);                                      \
+            a[i][1] = _mm256_fmadd_ps(b, p1, a[i][1]);                                      \
+        }                                                                                   \
+    }                                                                                       \
+    for (int i = 0; i < R; ++i) {                                                           \
+        _mm256_store_ps(ot + (d0 + i) * VT, a[i][0]);                                       \
+        _mm256_store_ps(ot + (d0 + i) * VT + 8, a[i][1]);                                   \
+    }                                                                                       \
+}
+PV_TILE(1) PV_TILE(2) PV_TILE(3) PV_TILE(4) PV_TILE(5) PV_TILE(6)
+
+static void pv_all(const float* const* v, int D, const float* p, int nk, float* ot,
+                   __m256 al0, __m256 al1) {
+    int d0 = 0;
+    for (; d0 + 6 <= D; d0 += 6) pv_tile6(v, d0, p, nk, ot, al0, al1);
+    switch (D - d0) {
+        case 1: pv_tile1(v, d0, p, nk, ot, al0, al1); break;
+        case 2: pv_tile2(v, d0, p, nk, ot, al0, al1); break;
+        case 3: pv_tile3(v, d0, p, nk, ot, al0, al1); break;
+        case 4: pv_tile4(v, d0, p, nk, ot, al0, al1); break;
+        case 5: pv_tile5(v, d0, p, nk, ot, al0, al1); break;
+        default: break;
+    }
+}
+
+/* Online softmax of one tile's scores s[n][16], n < nk, keys at positions kb + n; lanes at
+   query positions qpos[0..16). Masks key > query when `diag`, turns s into p in place,
+   updates the running max m and sum l, returns the factors (al) for the old output. A
+   lane that has seen no key yet keeps m = -inf, l = 0 and p = 0 (exp's base 0, not -inf:
+   -inf - -inf would be NaN); only rows at positions before the context's first key, an
+   inconsistent batch, stay so, and give zeros as SDPA's fully masked rows. */
+static void softmax_tile(float* s, int nk, int kb, const float* qpos, int diag, float* m,
+                         float* l, __m256* al) {
+    for (int j = 0; j < 2; ++j) {
+        const __m256 qp = _mm256_loadu_ps(qpos + 8 * j), ninf = _mm256_set1_ps(-INFINITY);
+        const __m256 m_old = _mm256_load_ps(m + 8 * j);
+        __m256 mx = m_old;
+        for (int n = 0; n < nk; ++n) {
+            __m256 x = _mm256_load_ps(s + n * VT + 8 * j);
+            if (diag) {
+                const __m256 kp = _mm256_set1_ps((float)(kb + n));
+                x = _mm256_blendv_ps(x, ninf, _mm256_cmp_ps(kp, qp, _CMP_GT_OQ));
+                _mm256_store_ps(s + n * VT + 8 * j, x);
+            }
+            mx = _mm256_max_ps(mx, x);
+        }
+        const __m256 base = _mm256_blendv_ps(mx, _mm256_setzero_ps(),
+                                             _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
+        __m256 sum = _mm256_setzero_ps();
+        for (int n = 0; n < nk; ++n) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + n * VT + 8 * j), base));
+            _mm256_store_ps(s + n * VT + 8 * j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        al[j] = exp8(_mm256_sub_ps(m_old, base));
+        _mm256_store_ps(l + 8 * j, _mm256_fmadd_ps(_mm256_load_ps(l + 8 * j), al[j], sum));
+        _mm256_store_ps(m + 8 * j, mx);
+    }
+}
+
+typedef struct {
+    const float* q; int64_t q_t, q_h;
+    const float *k_pool, *v_pool; int64_t slot_stride;
+    const int32_t* req_to_token; int64_t table_stride;
+    const int32_t *req_slots, *qo_indptr, *prefix_lens;
+    float* out;
+    int H, KVH, D, BQ;
+    float scale;
+} Args;
+
+typedef struct { float *qt, *ot, *s, *m, *l, *qpos; const float **kp, **vp; } Work;
+
+/* Rows r0 .. r0 + rows of request b, kv head kh: their G heads as G * bq query lanes
+   (lane = g * bq + r, bq = rows rounded up to the tile; the padding lanes are zero
+   queries whose results are dropped), in tiles of 16 lanes: one head, 16 rows. */
+static void item(const Args* a, const Work* w, int b, int kh, int r0, int rows) {
+    const int G = a->H / a->KVH, D = a->D, bq = (rows + VT - 1) / VT * VT;
+    const int tiles_per_head = bq / VT, ntiles = G * tiles_per_head;
+    const int prefix = a->prefix_lens[b], row0 = a->qo_indptr[b] + r0;
+    const int32_t* slots = a->req_to_token + (int64_t)a->req_slots[b] * a->table_stride;
+    const int kend = prefix + r0 + rows; /* keys 0 .. kend - 1: the last row's context */
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < bq; ++r) {
+            float* dst = w->qt + (int64_t)(g * tiles_per_head + r / VT) * D * VT + r % VT;
+            const float* src = a->q + (int64_t)(row0 + r) * a->q_t + (int64_t)(kh * G + g) * a->q_h;
+            for (int d = 0; d < D; ++d) dst[d * VT] = r < rows ? src[d] * a->scale : 0.0f;
+        }
+    memset(w->ot, 0, sizeof(float) * (size_t)ntiles * D * VT);
+    for (int i = 0; i < ntiles * VT; ++i) { w->m[i] = -INFINITY; w->l[i] = 0.0f; }
+    for (int r = 0; r < bq; ++r) w->qpos[r] = (float)(prefix + r0 + r);
+    for (int kb = 0; kb < kend; kb += BK) {
+        const int nk = kend - kb < BK ? kend - kb : BK;
+        for (int n = 0; n < BK; ++n) {
+            const int64_t off = n < nk ? (int64_t)slots[kb + n] * a->slot_stride + kh * D : -1;
+            w->kp[n] = off < 0 ? zero_row : a->k_pool + off;
+            w->vp[n] = off < 0 ? zero_row : a->v_pool + off;
+        }
+        /* The next block's rows, scattered over the pool: fetched while this one runs. */
+        for (int n = kb + BK; n < kb + 2 * BK && n < kend; ++n) {
+            const int64_t off = (int64_t)slots[n] * a->slot_stride + kh * D;
+            for (int c = 0; c < D; c += 16) {
+                __builtin_prefetch(a->k_pool + off + c);
+                __builtin_prefetch(a->v_pool + off + c);
+            }
+        }
+        for (int t = 0; t < ntiles; ++t) {
+            const int rr = (t % tiles_per_head) * VT, first = prefix + r0 + rr;
+            if (kb > first + VT - 1) continue; /* every key of the block is in the future */
+            const int lim = first + VT - kb, n_use = nk < lim ? nk : lim;
+            const float* qt = w->qt + (int64_t)t * D * VT;
+            for (int n0 = 0; n0 < n_use; n0 += 6) qk_tile(w->kp + n0, qt, D, w->s + n0 * VT);
+            __m256 al[2];
+            softmax_tile(w->s, n_use, kb, w->qpos + rr, kb + n_use - 1 > first,
+                         w->m + t * VT, w->l + t * VT, al);
+            pv_all(w->vp, D, w->s, n_use, w->ot + (int64_t)t * D * VT, al[0], al[1]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < rows; ++r) {
+            const int t = g * tiles_per_head + r / VT, lane = r % VT;
+            const float l = w->l[t * VT + lane], inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const float* src = w->ot + (int64_t)t * D * VT + lane;
+            float* dst = a->out + ((int64_t)(row0 + r) * a->H + kh * G + g) * D;
+            for (int d = 0; d < D; ++d) dst[d] = src[d * VT] * inv;
+        }
+}
+
+typedef struct { int64_t cost; int b, qb; } Task;
+
+static int by_cost(const void* x, const void* y) {
+    const int64_t a = ((const Task*)x)->cost, b = ((const Task*)y)->cost;
+    return a < b ? 1 : a > b ? -1 : 0;
+}
+
+/* q [T, H, D] (strides q_t, q_h; D contiguous); pools [S, KVH, D], rows slot_stride
+   apart; out [T, H, D] contiguous (only the rows of requests 0 .. B - 1 are written).
+   Request b: rows qo_indptr[b] .. qo_indptr[b + 1], positions prefix_lens[b] + i, its
+   context req_to_token[req_slots[b], 0 .. prefix + rows]. Returns nonzero when out of
+   memory. */
+int rs_extend_attention_f32(const float* q, int64_t q_t, int64_t q_h, const float* k_pool,
+                            const float* v_pool, int64_t slot_stride,
+                            const int32_t* req_to_token, int64_t table_stride,
+                            const int32_t* req_slots, const int32_t* qo_indptr,
+                            const int32_t* prefix_lens, float* out, int B, int H, int KVH,
+                            int D, float scale, int BQ, int nthreads) {
+    const Args a = {q, q_t, q_h, k_pool, v_pool, slot_stride, req_to_token, table_stride,
+                    req_slots, qo_indptr, prefix_lens, out, H, KVH, D, BQ, scale};
+    int64_t ntask = 0;
+    for (int b = 0; b < B; ++b) ntask += (qo_indptr[b + 1] - qo_indptr[b] + BQ - 1) / BQ;
+    Task* tasks = (Task*)malloc(sizeof(Task) * (ntask ? ntask : 1));
+    if (tasks == NULL) return 1;
+    int64_t i = 0, work = 0; /* work: (query row, key) pairs, an upper bound */
+    for (int b = 0; b < B; ++b) {
+        const int n = qo_indptr[b + 1] - qo_indptr[b];
+        for (int qb = 0; qb * BQ < n; ++qb) {
+            const int rows = n - qb * BQ < BQ ? n - qb * BQ : BQ;
+            tasks[i++] = (Task){(int64_t)(prefix_lens[b] + qb * BQ + rows) * rows, b, qb};
+            work += tasks[i - 1].cost;
+        }
+    }
+    qsort(tasks, ntask, sizeof(Task), by_cost); /* largest first: the threads end together */
+    const int G = H / KVH, bq_max = (BQ + VT - 1) / VT * VT, lanes = G * bq_max;
+    int failed = 0;
+    /* A small call runs on one thread: a parallel region costs more than it saves there,
+       and a whole scheduler time slice when another process holds the other core. */
+    const int nth = work * H * D < PARALLEL_MIN ? 1 : nthreads;
+    #pragma omp parallel num_threads(nth) reduction(|: failed)
+    {
+        Work w;
+        float* buf = (float*)aligned_alloc(64, sizeof(float) * ((size_t)2 * lanes * D
+                                           + BK * VT + 3 * lanes + 64));
+        const float** ptrs = (const float**)malloc(sizeof(float*) * 2 * BK);
+        if (buf != NULL && ptrs != NULL) {
+            w.qt = buf;
+            w.ot = w.qt + (size_t)lanes * D;
+            w.s = w.ot + (size_t)lanes * D;
+            w.m = w.s + BK * VT;
+            w.l = w.m + lanes;
+            w.qpos = w.l + lanes;
+            w.kp = ptrs;
+            w.vp = ptrs + BK;
+        } else {
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t t = 0; t < ntask * KVH; ++t) {
+            if (buf == NULL || ptrs == NULL) continue;
+            const Task* k = tasks + t / KVH;
+            const int n = qo_indptr[k->b + 1] - qo_indptr[k->b], r0 = k->qb * BQ;
+            item(&a, &w, k->b, (int)(t % KVH), r0, n - r0 < BQ ? n - r0 : BQ);
+        }
+        free(buf);
+        free(ptrs);
+    }
+    free(tasks);
+    return failed;
+}
+#endif /* without AVX2/FMA no kernel (its tiles are AVX2 code): the caller keeps SDPA */
+""".replace("@DMAX@", str(MAX_HEAD_DIM)).replace("@PARALLEL_MIN@", str(PARALLEL_MIN))
+
+_I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+ExtendAttention = Callable[..., torch.Tensor]
+
+
+def block_rows(group: int) -> int:
+    """Query rows per work item: with g heads sharing it, g * rows query lanes reuse each
+    K/V block read (~128-256 lanes); fewer rows for large groups keep the items many."""
+    return 64 if group <= 2 else 32
+
+
+@functools.cache
+def load() -> ExtendAttention | None:
+    """The kernel as ``fn(q, k_pool, v_pool, req_to_token, req_slots, qo_indptr,
+    prefix_lens, scale, out=None)``, or None where it cannot be built here (the caller
+    keeps its SDPA path)."""
+    lib = _cc.load_library("extend_attention", _SOURCE, "CPU extend attention", log)
+    if lib is None or not hasattr(lib, "rs_extend_attention_f32"):
+        return None
+    fn = lib.rs_extend_attention_f32
+    fn.restype = _I32
+    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    fn.argtypes += [_I32, _I32, _I32, _I32, _F32, _I32, _I32]
+    return functools.partial(_call, fn)
+
+
+def supports(q: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> bool:
+    """float32 CPU tensors, the head dim contiguous (at most MAX_HEAD_DIM), int32 table."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k_pool.dtype == torch.float32
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and q.stride(-1) == 1
+        and k_pool.stride(-1) == 1
+        and k_pool.stride(-2) == k_pool.shape[-1]
+        and req_to_token.dtype == torch.int32
+        and req_to_token.stride(-1) == 1
+    )
+
+
+def _call(
+    fn,
+    q: torch.Tensor,  # [T, H, D] float32, D contiguous
+    k_pool: torch.Tensor,  # [S, KVH, D]
+    v_pool: torch.Tensor,  # [S, KVH, D], same strides as k_pool
+    req_to_token: torch.Tensor,  # [R, C] int32
+    req_slots: torch.Tensor,  # [B] int32 contiguous
+    qo_indptr: torch.Tensor,  # [B + 1] int32 contiguous: rows of q (need not start at 0)
+    prefix_lens: torch.Tensor,  # [B] int32 contiguous
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D] contiguous; only the requests' rows written
+    block_q: int = 0,  # query rows per work item (0: block_rows(group))
+) -> torch.Tensor:
+    t, h, d = q.shape
+    kvh = k_pool.shape[1]
+    if v_pool.stride() != k_pool.stride():
+        raise ValueError("k_pool and v_pool must share one layout")
+    block_q = block_q or block_rows(h // kvh)
+    if block_q < 1 or h % kvh:
+        raise ValueError(f"extend attention: block_q {block_q}, heads {h} / kv heads {kvh}")
+    if out is None:
+        out = torch.empty((t, h, d), dtype=torch.float32)
+    elif not out.is_contiguous() or out.shape != q.shape:
+        raise ValueError("out must be a contiguous tensor of q's shape")
+    failed = fn(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
+        req_to_token.data_ptr(), req_to_token.stride(0),
+        req_slots.data_ptr(), qo_indptr.data_ptr(), prefix_lens.data_ptr(), out.data_ptr(),
+        len(req_slots), h, kvh, d, scale, block_q, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("extend attention: out of memory for the work buffers")
+    return out
+
+
+def extend_attention_ref(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same in plain PyTorch, one request at a time (the tests' reference): SDPA of
+    the request's rows over its gathered context, query i seeing keys 0 .. prefix + i."""
+    h = q.shape[1]
+    group = h // k_pool.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(len(req_slots)):
+        s, e, p = int(qo_indptr[b]), int(qo_indptr[b + 1]), int(prefix_lens[b])
+        slots = req_to_token[int(req_slots[b]), : p + e - s].long()
+        k = k_pool[slots].transpose(0, 1).repeat_interleave(group, 0)  # [H, S, D]
+        v = v_pool[slots].transpose(0, 1).repeat_interleave(group, 0)
+        mask = torch.arange(p + e - s)[None, :] <= torch.arange(e - s)[:, None] + p
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k, v, mask, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
