@@ -94,24 +94,11 @@ static const int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0
    88.72; in silu, g / (1 + e) is then -0 instead of ~-1e-37); below -87.34 it stays at
    2^-126 (1 + that is 1: silu needs no more). A NaN lane gives a finite value, but silu's
    g / (1 + e) is NaN then anyway. */
+@EXP8_CORE@
 static inline __m256 exp8(__m256 x) {
     const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
     const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    const __m256 y = exp8_core(_mm256_max_ps(_mm256_min_ps(x, hi), lo));
     return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
 }
 
@@ -139,7 +126,10 @@ void rs_silu_mul_f32(const float* gu, float* out, int64_t T, int64_t I, int nth)
 }
 #endif /* without AVX2/FMA no rs_silu_mul_f32: libm's scalar expf made it 2-3x slower than
           torch's vectorized silu + mul; the caller keeps those */
-""".replace("@PARALLEL_MIN@", str(PARALLEL_MIN))
+"""
+_SOURCE = _SOURCE.replace("@EXP8_CORE@", _cc.AVX2_EXP8_CORE).replace(
+    "@PARALLEL_MIN@", str(PARALLEL_MIN)
+)
 
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 

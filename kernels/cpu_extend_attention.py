@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc
+from kernels import _cc, cpu_decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -77,24 +77,11 @@ static const float zero_row[DMAX];
 /* exp of 8 lanes, x <= 0 (a score minus its running max): Cephes' expf polynomial after a
    two-constant ln 2 reduction, times 2^n built in the exponent bits; 0 below -87.3 (a
    masked -inf score gives exactly 0, which the softmax needs). */
+@EXP8_CORE@
 static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3365478515625f);
     const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    return _mm256_andnot_ps(under, exp8_core(_mm256_max_ps(x, lo)));
 }
 
 /* s[n][0..16) = sum_d k[n][d] qt[d][0..16) for 6 keys; qt is the tile's [D][16] queries. */
@@ -329,7 +316,12 @@ int rs_extend_attention_f32(const float* q, int64_t q_t, int64_t q_h, const floa
     return failed;
 }
 #endif /* without AVX2/FMA no kernel (its tiles are AVX2 code): the caller keeps SDPA */
-""".replace("@DMAX@", str(MAX_HEAD_DIM)).replace("@PARALLEL_MIN@", str(PARALLEL_MIN))
+"""
+_SOURCE = (
+    _SOURCE.replace("@EXP8_CORE@", _cc.AVX2_EXP8_CORE)
+    .replace("@DMAX@", str(MAX_HEAD_DIM))
+    .replace("@PARALLEL_MIN@", str(PARALLEL_MIN))
+)
 
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -358,18 +350,9 @@ def load() -> ExtendAttention | None:
 
 
 def supports(q: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> bool:
-    """float32 CPU tensors, the head dim contiguous (at most MAX_HEAD_DIM), int32 table."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_pool.dtype == torch.float32
-        and q.shape[-1] <= MAX_HEAD_DIM
-        and q.stride(-1) == 1
-        and k_pool.stride(-1) == 1
-        and k_pool.stride(-2) == k_pool.shape[-1]
-        and req_to_token.dtype == torch.int32
-        and req_to_token.stride(-1) == 1
-    )
+    """What the decode kernel reads (float32 CPU, head dim contiguous, int32 table), with
+    the head dim at most MAX_HEAD_DIM."""
+    return q.shape[-1] <= MAX_HEAD_DIM and cpu_decode_attention.supports(q, k_pool, req_to_token)
 
 
 def _call(
