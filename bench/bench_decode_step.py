@@ -9,7 +9,7 @@ allocator hands them out.
 Switches (--ab):
 - ``decode-kernel``: the C decode-attention kernel (kernels/cpu_decode_attention.py) vs the
   torch gather + SDPA path.
-- ``cpu-gemm``: the small-M C linear kernel (kernels/cpu_gemm.py, rows < KERNEL_ROWS) vs
+- ``cpu-gemm``: the small-M C linear kernel (kernels/cpu_gemm.py, rows < default_kernel_rows()) vs
   oneDNN (F.linear for single rows), both keeping the plain weights (``--cpu-linear hybrid``).
 - ``mixed-decode``: with ``--mixed-prefill N``, steps that also carry a new N-token prompt
   (mixed batches): their one-row (decode) requests through the decode-attention kernel
@@ -57,7 +57,7 @@ from services.common.config import WorkerConfig  # noqa: E402
 from services.common.transport import pack_i32  # noqa: E402
 from services.worker import layers, wire  # noqa: E402
 from services.worker.attention.torch_backend import TorchBackend  # noqa: E402
-from services.worker.cpu_linear import KERNEL_ROWS, PackedLinear  # noqa: E402
+from services.worker.cpu_linear import PackedLinear, default_kernel_rows  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.models import llama  # noqa: E402
 
@@ -156,7 +156,7 @@ def prefill_split(path: str, prompts: int, length: int, rounds: int) -> None:
 def _hybrid(kernel: bool) -> AbstractContextManager:
     """Every PackedLinear keeps its plain weight (as --cpu-linear hybrid), C kernel or not."""
     init = PackedLinear.__init__
-    rows = KERNEL_ROWS if kernel else 0
+    rows = default_kernel_rows() if kernel else 0
 
     def patched(self, weight, bias=None, **kw) -> None:
         init(self, weight, bias, **{**kw, "keep_plain": True, "kernel_rows": rows})

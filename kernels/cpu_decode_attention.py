@@ -11,6 +11,13 @@ table, as the Triton kernel does), takes an exact two-pass softmax, and sums the
 OpenMP spreads the (request, kv head) items over ``nthreads``; the library links the
 libgomp that torch has already loaded, so both share one thread pool.
 
+The softmax runs on vectors (the 16-lane AVX-512 or 8-lane AVX2 exp of kernels/_cc.py,
+the same polynomial as the extend kernel's) and, with AVX-512, each score's dot product on
+16 lanes; before, libm's scalar ``expf`` per (query head, key) was a third of the kernel.
+On the 2-core Xeon (Sapphire Rapids), one layer, contexts of 350 tokens, medians of 40
+interleaved calls, previous / this: 8 / 4 heads 1.43x (16 requests) and 1.46x (64), 14 / 2
+heads 1.43x and 1.54x.
+
 Numerics: float32 throughout, another summation order than SDPA (max |diff| ~1e-6
 relative); ``decode_attention_ref`` is the plain-PyTorch reference the tests compare with.
 
@@ -42,7 +49,7 @@ _SOURCE = r"""
 #include <stdlib.h>
 
 /* Eight independent partial sums: vectorizes without -ffast-math (lane-wise adds). */
-static inline float dot(const float* a, const float* b, int d) {
+static inline float dot_c(const float* a, const float* b, int d) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int i = 0;
     for (; i + 8 <= d; i += 8)
@@ -51,6 +58,79 @@ static inline float dot(const float* a, const float* b, int d) {
     for (; i < d; ++i) s += a[i] * b[i];
     return s;
 }
+
+/* One row of L scores in place: s = exp(s - max) / sum. Vector code where the CPU has it:
+   libm's scalar expf was most of this kernel's time (one per query head and key). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+@EXP16_CORE@
+static inline float dot(const float* a, const float* b, int d) {
+    if (d & 15) return dot_c(a, b, d);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+static void softmax_row(float* s, int L) {
+    const __m512 lo = _mm512_set1_ps(-87.3365478515625f);
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int j = 0; j < L; j += 16) {
+        const __mmask16 k = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1u);
+        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + j));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int j = 0; j < L; j += 16) {
+        const __mmask16 k = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1u);
+        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m);
+        const __mmask16 keep = k & (__mmask16)~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp16_core(_mm512_max_ps(x, lo)));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int j = 0; j < L; j += 16) {
+        const __mmask16 k = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1u);
+        _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+@EXP8_CORE@
+#define dot dot_c
+
+static void softmax_row(float* s, int L) {
+    const __m256 lo = _mm256_set1_ps(-87.3365478515625f);
+    float m = -INFINITY, total = 0.0f;
+    int j = 0;
+    for (; j < L; ++j) m = s[j] > m ? s[j] : m;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= L; j += 8) {
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), mv);
+        const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+        const __m256 e = _mm256_andnot_ps(under, exp8_core(_mm256_max_ps(x, lo)));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    for (int l = 0; l < 8; ++l) total += lanes[l];
+    for (; j < L; ++j) { s[j] = expf(s[j] - m); total += s[j]; }
+    const float inv = 1.0f / total;
+    for (j = 0; j < L; ++j) s[j] *= inv;
+}
+#else
+#define dot dot_c
+
+static void softmax_row(float* s, int L) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int j = 0; j < L; ++j) m = s[j] > m ? s[j] : m;
+    for (int j = 0; j < L; ++j) { s[j] = expf(s[j] - m); sum += s[j]; }
+    const float inv = 1.0f / sum;
+    for (int j = 0; j < L; ++j) s[j] *= inv;
+}
+#endif
 
 /* Kv heads kh0..kh1 of one request: scores [nh, L] in buf (nh = query heads in the range),
    softmax, then out[h] = sum_j p[h, j] v_j. Each slot's K (V) row is read once, whole and
@@ -70,12 +150,7 @@ static void heads(const float* q, int64_t q_h, const float* k_pool, const float*
             buf[h * L + j] = dot(q + h * q_h, kr + (kh0 + h / G) * D, D) * scale;
     }
     for (int h = 0; h < nh; ++h) {
-        float* s = buf + h * L;
-        float m = -INFINITY, sum = 0.0f;
-        for (int j = 0; j < L; ++j) m = s[j] > m ? s[j] : m;
-        for (int j = 0; j < L; ++j) { s[j] = expf(s[j] - m); sum += s[j]; }
-        const float inv = 1.0f / sum;
-        for (int j = 0; j < L; ++j) s[j] *= inv;
+        softmax_row(buf + h * L, L);
         float* o = out + h * D;
         for (int d = 0; d < D; ++d) o[d] = 0.0f;
     }
@@ -128,16 +203,23 @@ int rs_decode_attention_f32(const float* q, int64_t q_b, int64_t q_h, const floa
 }
 """
 
+_SOURCE = _SOURCE.replace("@EXP8_CORE@", _cc.AVX2_EXP8_CORE).replace(
+    "@EXP16_CORE@", _cc.AVX512_EXP16_CORE
+)
+
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 DecodeAttention = Callable[..., torch.Tensor]
 
 
 @functools.cache
-def load() -> DecodeAttention | None:
+def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
     """The kernel as ``fn(q, k_pool, v_pool, req_to_token, req_slots, seq_lens, scale)``,
-    or None where it cannot be built here (the caller keeps its torch path)."""
-    lib = _cc.load_library("decode_attention", _SOURCE, "CPU decode attention", log)
+    or None where it cannot be built here (the caller keeps its torch path).
+    ``extra_flags`` follow ``-march=native`` (the tests build the AVX2 and the portable
+    variants on an AVX-512 CPU with ``-mno-avx512f`` / ``-mno-avx2``)."""
+    flags = [*_cc.FLAGS, *extra_flags]
+    lib = _cc.load_library("decode_attention", _SOURCE, "CPU decode attention", log, flags)
     if lib is None:
         return None
     fn = lib.rs_decode_attention_f32

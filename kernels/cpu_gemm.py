@@ -62,8 +62,78 @@ _SOURCE = r"""
    the loop load-bound). An empty asm, no instruction. */
 #define REG(v) __asm__("" : "+x"(v))
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* 16 lanes: the same tile as the AVX2 one below with zmm registers and masked tails. */
+#undef REG
+#define REG(v) __asm__("" : "+v"(v))
+#define LANES 16
+int rs_gemm_lanes(void) { return LANES; }
+
+static inline __attribute__((always_inline)) void tile(
+    const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
+    const int mr, const int nr, float* part, int first, int last, float* y, int64_t ldy,
+    const float* bias, int pf) {
+    __m512 acc[MR][NR];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j)
+            acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (i * NR + j) * LANES);
+    int64_t k = k0;
+    if (pf) /* the chunk's first tile: fetch the next block's rows meanwhile (cold weights) */
+        for (; k + 16 <= k1; k += 16) {
+            for (int j = 0; j < nr; ++j)
+                _mm_prefetch((const char*)(w + (NR + j) * ldw + k), _MM_HINT_T0);
+            __m512 xv[MR];
+            for (int i = 0; i < mr; ++i) xv[i] = _mm512_loadu_ps(x + i * ldx + k);
+            for (int j = 0; j < nr; ++j) {
+                __m512 wv = _mm512_loadu_ps(w + j * ldw + k);
+                REG(wv);
+                for (int i = 0; i < mr; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+            }
+        }
+    for (; k + 16 <= k1; k += 16) {
+        __m512 xv[MR];
+        for (int i = 0; i < mr; ++i) xv[i] = _mm512_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < nr; ++j) {
+            __m512 wv = _mm512_loadu_ps(w + j * ldw + k);
+            REG(wv);
+            for (int i = 0; i < mr; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+        }
+    }
+    if (k < k1) { /* masked lanes load 0 for both: 0 * 0 adds nothing */
+        const __mmask16 m = (__mmask16)((1u << (k1 - k)) - 1u);
+        __m512 wv[NR];
+        for (int j = 0; j < nr; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * ldw + k);
+        for (int i = 0; i < mr; ++i) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
+            for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (!last) {
+        for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < nr; ++j) _mm512_storeu_ps(part + (i * NR + j) * LANES, acc[i][j]);
+        return;
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j) {
+            /* a fixed tree over the 16 lanes: halves, then the AVX2 order over 8 */
+            const __m512d wide = _mm512_castps_pd(acc[i][j]);
+            const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[i][j]),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(wide, 1)));
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            const float t = _mm_cvtss_f32(s);
+            y[i * ldy + j] = bias ? t + bias[j] : t;
+        }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define LANES 8
+int rs_gemm_lanes(void) { return LANES; }
 
 static const int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
@@ -131,6 +201,9 @@ static inline __attribute__((always_inline)) void tile(
 
 #else /* portable C: the same blocking and lane structure, scalar code */
 
+#define LANES 8
+int rs_gemm_lanes(void) { return 0; }
+
 static inline float hsum(const float* v) {
     float a[4];
     for (int l = 0; l < 4; ++l) a[l] = v[l] + v[l + 4];
@@ -177,7 +250,7 @@ static void block(const float* x, int64_t ldx, const float* wn, int64_t ldw, con
         for (int64_t m = 0; m < M; m += MR) {
             const float* xm = x + m * ldx;
             float* ym = yn + m * N;
-            float* pm = part + m * NR * 8;
+            float* pm = part + m * NR * LANES;
             const int mr = M - m < MR ? (int)(M - m) : MR;
             if (nr == 4) {
                 if (mr == 3) TILE(3, 4); else if (mr == 2) TILE(2, 4); else TILE(1, 4);
@@ -205,7 +278,7 @@ int rs_gemm_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const 
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|: failed)
     {
-        float* part = K > KC ? (float*)malloc(sizeof(float) * (size_t)(M + MR) * NR * 8) : NULL;
+        float* part = K > KC ? (float*)malloc(sizeof(float) * (size_t)(M + MR) * NR * LANES) : NULL;
         if (K > KC && part == NULL) failed = 1;
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
@@ -226,11 +299,29 @@ _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 Gemm = Callable[..., torch.Tensor]
 
 
+def _library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    flags = [*_cc.FLAGS, *extra_flags]
+    return _cc.load_library("gemm", _SOURCE, "CPU small-M GEMM", log, flags)
+
+
 @functools.cache
-def load() -> Gemm | None:
+def lanes(extra_flags: tuple[str, ...] = ()) -> int:
+    """Float lanes of the built kernel's vectors: 16 (AVX-512), 8 (AVX2/FMA), 0 (portable
+    C, or no kernel). Where oneDNN overtakes it depends on this (services/worker/cpu_linear.py)."""
+    lib = _library(extra_flags)
+    if lib is None:
+        return 0
+    lib.rs_gemm_lanes.restype = _I32
+    return int(lib.rs_gemm_lanes())
+
+
+@functools.cache
+def load(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The kernel as ``fn(x, weight, bias=None) -> y``, or None where it cannot be built
-    here (the caller keeps its torch path)."""
-    lib = _cc.load_library("gemm", _SOURCE, "CPU small-M GEMM", log)
+    here (the caller keeps its torch path). ``extra_flags`` go to the compiler after
+    ``-march=native``: the tests build the AVX2 variant on an AVX-512 CPU with
+    ``("-mno-avx512f",)``."""
+    lib = _library(extra_flags)
     if lib is None:
         return None
     fn = lib.rs_gemm_f32

@@ -55,6 +55,13 @@ two runs): batch 1 1.11x / 1.04x, 4 1.24x, 16 1.17x / 1.17x, 64 0.95x / 1.02x (l
 oneDNN in both: noise). Against the worker's default packed-only (oneDNN for every M,
 the same A/B with B unpatched): 1 1.23x, 4 1.15x, 16 1.17x, 64 1.04x.
 
+On the 2-core Xeon (Sapphire Rapids: AVX-512, where oneDNN's brgemm runs AVX-512 too and
+the kernel builds its 16-lane variant), the same command, 3 rounds, ``--gemm-ms 1 4 8 16 24
+32 48 64``, oneDNN packed / kernel: small 1.61x at M=1, 1.55x at 4, 1.40x at 8, 1.14x at 16,
+0.95x at 24, 0.97x at 32, 0.76x at 64; Qwen2-0.5B 1.06x, 1.22x, 1.23x, 0.98x, 1.03x, 0.97x,
+0.79x at 64 (the AVX2 kernel there: 1.29x at 1, 0.83x at 16, 0.61x at 64). So
+``KERNEL_ROWS_AVX512 = 20``.
+
 Exactness: the float32 oneDNN path computes in float32 with another summation order,
 nothing else. Against float64, over both models' shapes at M = 1 / 64 / 2048: oneDNN
 max|err| / max|ref| <= 1.4e-6 (MKL: 8.4e-7); it differs from ``F.linear`` by <= 1.4e-6
@@ -75,7 +82,8 @@ torch has a working oneDNN (``torch.backends.mkldnn.enabled``), otherwise plain
 ``F.linear`` over the original tensors (CUDA, float16/float64, builds without oneDNN), so
 callers never branch. The only per-call choice is by size, and only while the original
 (plain) weight is kept: fewer than ``min_rows`` rows go to ``F.linear`` on it, then fewer
-than ``kernel_rows`` (default ``KERNEL_ROWS``; float32 and oneDNN, where the C kernel
+than ``kernel_rows`` (default ``default_kernel_rows()``, by the kernel's vector width;
+float32 and oneDNN, where the C kernel
 builds) to kernels/cpu_gemm.py on it, the rest to oneDNN. ``min_rows`` defaults to 0 when
 the kernel serves (it beats ``F.linear`` at one row too), else to 2.
 
@@ -113,8 +121,17 @@ from kernels import cpu_gemm
 __all__ = ["PackedLinear", "pack_linear", "onednn_fp32_available", "onednn_bf16_available"]
 
 # Fewer rows than this run kernels/cpu_gemm.py on the plain weight (float32, plain weight
-# kept): faster than oneDNN below it, slower from it on (module docstring's table).
+# kept): faster than oneDNN below it, slower from it on (module docstring's tables). Where
+# they cross depends on the vector width both use: 28 rows with AVX2 (the 2-core AMD EPYC),
+# 20 with AVX-512 (the 2-core Xeon, Sapphire Rapids, where oneDNN's kernels are AVX-512 too).
 KERNEL_ROWS = 28
+KERNEL_ROWS_AVX512 = 20
+
+
+def default_kernel_rows() -> int:
+    """KERNEL_ROWS for the kernel this CPU builds (0 where it builds none)."""
+    lanes = cpu_gemm.lanes()
+    return KERNEL_ROWS_AVX512 if lanes == 16 else KERNEL_ROWS if lanes else 0
 
 
 def _probe(dtype: torch.dtype) -> bool:
@@ -173,7 +190,7 @@ class PackedLinear:
         bf16: bool = False,
         keep_plain: bool = True,
         min_rows: int | None = None,
-        kernel_rows: int = KERNEL_ROWS,
+        kernel_rows: int | None = None,
     ):
         if weight.dim() != 2:
             raise ValueError(
@@ -205,6 +222,8 @@ class PackedLinear:
             self._bias = b
         hybrid = self._packed is not None and self._plain is not None
         kernel = cpu_gemm.load() if hybrid and self.path == "onednn" else None
+        if kernel_rows is None:
+            kernel_rows = default_kernel_rows()
         if kernel is None or kernel_rows <= 0 or not cpu_gemm.supports(w, b):
             kernel, kernel_rows = None, 0
         self._kernel = kernel

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_decode_attention
+from kernels import _cc, cpu_decode_attention
 from services.worker.attention.base import AttentionMeta
 from services.worker.attention.torch_backend import TorchBackend
 
@@ -21,6 +21,17 @@ DISABLED = os.environ.get("RADIXSERVE_CPU_KERNELS", "1") == "0"
 needs_kernel = pytest.mark.skipif(
     kernel is None, reason="no C compiler on PATH or RADIXSERVE_CPU_KERNELS=0"
 )
+
+
+# The native build has the widest vectors this CPU has; the narrower variants (AVX2, plain
+# C) are built beside it where the CPU has more, so that every one stays tested.
+FLAGS = set(_cc.cpu_flags().split())
+NARROWER = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
+VARIANTS = [pytest.param(None, id="native")] + [
+    pytest.param(cpu_decode_attention.load(extra), id=name)
+    for name, extra in NARROWER.items()
+    if kernel is not None and ("avx512f" in FLAGS or (name == "portable" and "avx2" in FLAGS))
+]
 
 
 def test_kernel_builds_where_a_compiler_exists():
@@ -57,19 +68,39 @@ def _case(b: int, heads: int, kv_heads: int, d: int, lens: list[int], seed: int 
         (14, 2, 64, [129, 33]),  # Qwen2-0.5B's group of 7; fewer requests than threads
         (4, 4, 36, [5, 40, 17, 2, 90]),  # no grouping; head dim not a multiple of 8
         (16, 2, 128, [513]),
+        (8, 4, 64, [2000, 15, 16, 17]),  # a long context; tails around the 16-lane vector
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_reference(heads, kv_heads, d, lens, threads):
+@pytest.mark.parametrize("fn", VARIANTS)
+def test_kernel_matches_reference(heads, kv_heads, d, lens, threads, fn):
+    fn = fn or kernel
+    assert fn is not None, "a narrower variant failed to build"
     case = _case(len(lens), heads, kv_heads, d, lens)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernel(*case, 0.125)
+        out = fn(*case, 0.125)
     finally:
         torch.set_num_threads(old)
     ref = cpu_decode_attention.decode_attention_ref(*case, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fn", VARIANTS)
+def test_large_scores_stay_finite_and_exact(fn):
+    """Scores of several hundred: exp(s - max) underflows to exactly 0 for most keys and
+    the result still matches a float64 reference."""
+    fn = fn or kernel
+    q, k_pool, v_pool, *rest = _case(3, 8, 4, 64, [90, 33, 301], seed=3)
+    q, k_pool = q * 12, k_pool * 12
+    out = fn(q, k_pool, v_pool, *rest, 0.125)
+    ref = cpu_decode_attention.decode_attention_ref(
+        q.double(), k_pool.double(), v_pool.double(), *rest, 0.125
+    )
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_supports_only_float32_cpu_with_an_int32_table():

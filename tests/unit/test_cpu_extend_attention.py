@@ -31,9 +31,24 @@ def test_kernel_builds_where_a_compiler_exists():
         assert kernel is None
 
 
-def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-    assert kernel is not None
-    return kernel(*args, **kwargs)
+def run(*args: Any, fn=None, **kwargs: Any) -> torch.Tensor:
+    fn = fn or kernel
+    assert fn is not None
+    return fn(*args, **kwargs)
+
+
+# On an AVX-512 CPU the native build has the 16-lane tiles; the AVX2 ones are built beside
+# it with -mno-avx512f, so that both stay tested wherever this runs.
+AVX512 = "avx512f" in _cc.cpu_flags().split()
+avx2_kernel = cpu_extend_attention.load(("-mno-avx512f",)) if kernel and AVX512 else None
+VARIANTS = [pytest.param(None, id="native")] + (
+    [pytest.param(avx2_kernel, id="avx2")] if avx2_kernel is not None else []
+)
+
+
+def test_both_vector_widths_build_on_an_avx512_cpu():
+    if kernel is not None and AVX512:
+        assert avx2_kernel is not None
 
 
 def reference(*args: Any) -> torch.Tensor:
@@ -77,15 +92,18 @@ def _case(
         (8, 4, 64, [5, 1, 131, 17, 66], [0, 9, 3, 40, 0]),  # several requests, odd lengths
         (4, 2, 36, [23, 50], [11, 0]),  # head dim not a multiple of the 6-lane tile
         (2, 1, 128, [90], [33]),
+        (6, 3, 100, [40], [7]),  # head dim 6 x 16 + 4: both P.V tile widths' remainders
+        (2, 2, 24, [19], [0]),
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_reference(heads, kv_heads, d, new, prefix, threads):
+@pytest.mark.parametrize("fn", VARIANTS)
+def test_kernel_matches_reference(heads, kv_heads, d, new, prefix, threads, fn):
     case = _case(heads, kv_heads, d, new, prefix)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = run(*case, 0.125)
+        out = run(*case, 0.125, fn=fn)
     finally:
         torch.set_num_threads(old)
     ref = reference(*case, 0.125)
@@ -104,12 +122,13 @@ def test_query_blocks_split_requests_exactly(block_q):
 
 
 @needs_kernel
-def test_large_scores_do_not_overflow():
+@pytest.mark.parametrize("fn", VARIANTS)
+def test_large_scores_do_not_overflow(fn):
     """Scores of several hundred (large q and k): the online softmax stays finite and
     close to a float64 reference (a score's float32 rounding alone moves it ~1e-5)."""
     q, k_pool, v_pool, *rest = _case(8, 4, 64, [60], [50], seed=2)
     q, k_pool = q * 10, k_pool * 10
-    out = run(q, k_pool, v_pool, *rest, 0.125)
+    out = run(q, k_pool, v_pool, *rest, 0.125, fn=fn)
     ref = reference(q.double(), k_pool.double(), v_pool.double(), *rest, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)

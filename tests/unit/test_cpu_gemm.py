@@ -17,9 +17,28 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    assert kernel is not None  # the tests that call it are @needs_kernel
-    return kernel(x, w, b)
+def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fn=None) -> torch.Tensor:
+    fn = fn or kernel
+    assert fn is not None  # the tests that call it are @needs_kernel
+    return fn(x, w, b)
+
+
+FLAGS = _cc.cpu_flags().split()
+# On an AVX-512 CPU the native build is the 16-lane variant; the 8-lane (AVX2) one is built
+# beside it with -mno-avx512f so that both stay tested wherever this runs.
+NO_AVX512 = ("-mno-avx512f",)
+avx2_kernel = cpu_gemm.load(NO_AVX512) if kernel is not None and "avx512f" in FLAGS else None
+VARIANTS = [pytest.param(None, id="native")] + (
+    [pytest.param(avx2_kernel, id="avx2")] if avx2_kernel is not None else []
+)
+
+
+@needs_kernel
+def test_the_widest_vectors_this_cpu_has_are_built():
+    want = 16 if "avx512f" in FLAGS else 8 if {"avx2", "fma"} <= set(FLAGS) else 0
+    assert cpu_gemm.lanes() == want
+    if want == 16:
+        assert cpu_gemm.lanes(NO_AVX512) == 8 and avx2_kernel is not None
 
 
 SHAPES = [  # (N, K)
@@ -50,16 +69,17 @@ def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
 
 
 @needs_kernel
+@pytest.mark.parametrize("fn", VARIANTS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_kernel_matches_float64(n: int, k: int, bias: bool, threads: int):
+def test_kernel_matches_float64(n: int, k: int, bias: bool, threads: int, fn):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for m in (0, 1, 2, 3, 5, 16, 31, 64):
             x, w, b = _case(m, n, k, bias)
-            y = gemm(x, w, b)
+            y = gemm(x, w, b, fn)
             assert y.shape == (m, n) and y.dtype == torch.float32
             assert _rel(y, cpu_gemm.gemm_ref(x, w, b)) < 1e-5, (m, n, k)
     finally:
@@ -76,19 +96,20 @@ def test_qwen_gate_up_and_error_no_worse_than_f_linear():
 
 
 @needs_kernel
-def test_rows_are_batch_invariant_and_thread_invariant():
+@pytest.mark.parametrize("fn", VARIANTS)
+def test_rows_are_batch_invariant_and_thread_invariant(fn):
     """A fixed summation order that depends on neither M, the tile nor the threads."""
     x, w, b = _case(31, 300, 1100, True)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        full = gemm(x, w, b)
+        full = gemm(x, w, b, fn)
         torch.set_num_threads(1)
-        assert torch.equal(gemm(x, w, b), full)
+        assert torch.equal(gemm(x, w, b, fn), full)
     finally:
         torch.set_num_threads(old)
     for rows in (slice(0, 1), slice(4, 6), slice(29, 31)):
-        assert torch.equal(gemm(x[rows], w, b), full[rows])
+        assert torch.equal(gemm(x[rows], w, b, fn), full[rows])
 
 
 @needs_kernel
