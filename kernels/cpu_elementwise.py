@@ -84,6 +84,35 @@ void rs_rotary_f32(const float* x, int64_t sx_t, int64_t sx_h, const float* cs,
     }
 }
 
+/* RMSNorm of rows of N floats, optionally after the residual add: s = x (+ res), written
+   to sum when res is given; out = s * (1 / sqrt(mean(s^2) + eps)) * w. The sum of squares
+   in 16 partial sums (vectorizes without reassociating: a fixed order), then a fixed tree.
+   x, res, sum, out contiguous [T, N]. */
+void rs_rms_norm_f32(const float* x, const float* res, const float* w, float eps, float* sum,
+                     float* out, int64_t T, int64_t N, int nth) {
+    #pragma omp parallel for schedule(static) num_threads(nth) if (T * N >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; ++t) {
+        const float* restrict xr = x + t * N;
+        const float* s = xr;
+        if (res != 0) {
+            const float* restrict rr = res + t * N;
+            float* restrict sr = sum + t * N;
+            for (int64_t i = 0; i < N; ++i) sr[i] = xr[i] + rr[i];
+            s = sr;
+        }
+        float acc[16] = {0};
+        int64_t i = 0;
+        for (; i + 16 <= N; i += 16)
+            for (int l = 0; l < 16; ++l) acc[l] += s[i + l] * s[i + l];
+        for (int l = 0; i < N; ++i, ++l) acc[l] += s[i] * s[i];
+        for (int h = 8; h > 0; h /= 2)
+            for (int l = 0; l < h; ++l) acc[l] += acc[l + h];
+        const float inv = 1.0f / sqrtf(acc[0] / (float)N + eps);
+        float* restrict o = out + t * N;
+        for (int64_t j = 0; j < N; ++j) o[j] = s[j] * inv * w[j];
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -135,11 +164,13 @@ _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 class Elementwise(NamedTuple):
-    """The two fused passes (float32 CPU tensors only; see ``supports``)."""
+    """The fused passes (float32 CPU tensors only; see ``supports``)."""
 
     rotary: Callable[..., torch.Tensor]  # (x [T, H, D], cos, sin [T, D/2]) -> [T, H, D]
     # (gate_up [..., 2I], I) -> [..., I]; None where the CPU lacks AVX2/FMA (slower there)
     silu_mul: Callable[..., torch.Tensor] | None
+    # (x [..., N], weight [N], eps, residual=None) -> (x + residual or x, its RMSNorm)
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @functools.cache
@@ -159,7 +190,10 @@ def load() -> Elementwise | None:
         sm.restype = None
         sm.argtypes = [_PTR, _PTR, _I64, _I64, _I32]
         silu_mul = functools.partial(_silu_mul, sm)
-    return Elementwise(functools.partial(_rotary, rot), silu_mul)
+    norm = lib.rs_rms_norm_f32
+    norm.restype = None
+    norm.argtypes = [_PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, _I64, _I64, _I32]
+    return Elementwise(functools.partial(_rotary, rot), silu_mul, functools.partial(_rms, norm))
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -198,6 +232,36 @@ def _silu_mul(
     if out.numel():
         fn(gu.data_ptr(), out.data_ptr(), out.numel() // inter, inter, torch.get_num_threads())
     return out
+
+
+def _rms(
+    fn,
+    x: torch.Tensor,  # [..., N] float32
+    weight: torch.Tensor,  # [N] float32
+    eps: float,
+    residual: torch.Tensor | None = None,  # x's shape: added first (the residual stream)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x + residual, or x itself; RMSNorm of it)
+    n = x.shape[-1]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (n,):
+        raise ValueError(f"rms_norm: x {x.dtype} {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} for x {tuple(x.shape)}")
+    xc, w = x.contiguous(), weight.contiguous()
+    rc = None if residual is None else residual.contiguous()
+    total = xc if rc is None else torch.empty_like(xc)
+    out = torch.empty_like(xc)
+    if out.numel():
+        fn(xc.data_ptr(), None if rc is None else rc.data_ptr(), w.data_ptr(), eps,
+           total.data_ptr(), out.data_ptr(), out.numel() // n, n, torch.get_num_threads())  # fmt: skip
+    return total, out
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops the kernel replaces (services/worker/layers.py's RMSNorm)."""
+    total = x if residual is None else x + residual
+    return total, F.rms_norm(total, (x.shape[-1],), weight, eps)
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,9 @@ def _service_main(name: str) -> Callable[[Any], None]:
 
         return scheduler_main
     _passive_openmp()
+    from services.worker import host_memory  # before torch: see its docstring
+
+    host_memory.tune()
     from services.worker.main import main as worker_main
 
     return worker_main
