@@ -43,10 +43,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = _fused(x) if x.is_contiguous() else None
+        if fused is not None:  # one C pass (torch's CPU rms_norm is a chain of ops)
+            return fused.rms_norm(x, self.weight, self.eps)[1]
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Reduced precision: statistics in float32, the weight applied in x's dtype (as HF).
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, the norm of it): the residual add and the norm in one pass where the C
+        kernel serves (the same float sum, so the residual stream is bit-identical)."""
+        fused = _fused(x) if x.is_contiguous() and h.is_contiguous() else None
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps, h)
+        total = x + h
+        return total, self(total)
 
 
 class Linear(nn.Linear):

@@ -156,7 +156,11 @@ def test_layers_use_the_kernels_for_float32_cpu_only(monkeypatch):
         calls.append("silu_mul")
         return silu_mul(*a)
 
-    spy = cpu_elementwise.Elementwise(rotary, silu_mul_spy)
+    def rms_norm_spy(*a) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append("rms_norm")
+        return real.rms_norm(*a)
+
+    spy = cpu_elementwise.Elementwise(rotary, silu_mul_spy, rms_norm_spy)
     monkeypatch.setattr(cpu_elementwise, "load", lambda: spy)
     x, (cos, sin) = torch.randn(5, 4, 64), _cos_sin(5, 64, torch.Generator().manual_seed(0))
     assert torch.equal(layers.apply_rotary(x, cos, sin), cpu_elementwise.rotary_ref(x, cos, sin))
@@ -172,6 +176,21 @@ def test_layers_use_the_kernels_for_float32_cpu_only(monkeypatch):
         monkeypatch.setattr(layers, "FUSED_ELEMENTWISE", False)
         torch.testing.assert_close(out, mlp(h), rtol=1e-5, atol=1e-5)
     assert calls == ["rotary", "silu_mul"]  # the second call took torch's path
+
+    monkeypatch.setattr(layers, "FUSED_ELEMENTWISE", True)
+    calls.clear()
+    norm = layers.RMSNorm(16, 1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x, res = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.no_grad():
+        ref_total, ref = cpu_elementwise.rms_norm_ref(x, norm.weight, 1e-6, res)
+        total, normed = norm.add_forward(x, res)
+        assert torch.equal(total, ref_total)  # the same float sum: bit-identical stream
+        torch.testing.assert_close(normed, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(norm(x), cpu_elementwise.rms_norm_ref(x, norm.weight, 1e-6)[1])
+        norm(torch.randn(3, 32)[:, :16])  # a strided view: torch's path
+        norm(x.double().float().half().float().t().contiguous().t())  # not contiguous: torch
+    assert calls == ["rms_norm", "rms_norm"]
 
 
 def test_portable_build_has_the_rotary_but_no_silu_mul(tmp_path, monkeypatch):
@@ -204,3 +223,43 @@ def test_kernel_off_by_environment(monkeypatch):
         cpu_elementwise.load.cache_clear()
         monkeypatch.delenv("RADIXSERVE_CPU_KERNELS")
         assert (cpu_elementwise.load() is None) == (kernel is None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize(
+    "shape", [(1, 512), (16, 512), (70, 896), (5, 3, 24), (2049, 64), (0, 512), (3, 17)]
+)
+def test_rms_norm_matches_torch(shape, residual, threads):
+    """RMSNorm (after the residual add) against torch's ops: the sum bit-identical, the norm
+    within float32 rounding of F.rms_norm, for any leading shape and N off the 16 lanes."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    res = torch.randn(shape, generator=g) if residual else None
+    w = torch.randn(shape[-1], generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        total, out = fused().rms_norm(x, w, 1e-6, res)
+    finally:
+        torch.set_num_threads(old)
+    ref_total, ref = cpu_elementwise.rms_norm_ref(x, w, 1e-6, res)
+    assert total.shape == out.shape == x.shape
+    assert torch.equal(total, ref_total)
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+    if x.numel():  # no further from the float64 answer than torch's own
+        exact = F.rms_norm(ref_total.double(), (shape[-1],), w.double(), 1e-6)
+        err, err_torch = (out.double() - exact).abs().max(), (ref.double() - exact).abs().max()
+        assert err.item() <= 4 * err_torch.item() + 1e-6
+
+
+@needs_kernel
+def test_rms_norm_refuses_mismatched_inputs():
+    k = fused()
+    with pytest.raises(ValueError):
+        k.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-6)
+    with pytest.raises(ValueError):
+        k.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError):
+        k.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6, torch.randn(3, 8))

@@ -116,8 +116,9 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)  # x: [T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), ctx)  # x, h: [T, hidden]
+        x, normed = self.post_attention_layernorm.add_forward(x, h)  # x + h, its norm
+        return x + self.mlp(normed)
 
 
 class DecoderBody(nn.Module):
