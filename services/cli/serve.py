@@ -42,10 +42,25 @@ STOP_GRACE_S = 10.0  # beyond the children's own --shutdown-grace-period (their 
 MAX_BACKOFF_S = 30.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()) -> int:
+    """A port the kernel calls free now, other than the ports in `avoid`: those named on the
+    command line are not bound yet (the frontend binds them later), so the kernel may hand
+    one of them out again, and two services would then race for it."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def _named_ports(ns: argparse.Namespace) -> set[int]:
+    """Every port the command line gives a service (metrics: the three of serve's block)."""
+    named = {getattr(ns, name, 0) or 0 for name in ("port", "http_port", "worker_grpc_port",
+                                                    "control_port")}  # fmt: skip
+    if getattr(ns, "metrics_port", 0):
+        named |= {ns.metrics_port + i for i in range(3)}
+    return {p for p in named if p > 0}
 
 
 def _die_with_parent() -> None:
@@ -70,11 +85,14 @@ def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, Fronten
     """The three configs, with every internal address filled in for this instance."""
     host = ns.host
     metrics = ns.metrics_port
+    taken = _named_ports(ns)
+    worker_port = ns.worker_grpc_port or free_port(host, frozenset(taken))
+    taken.add(worker_port)
     worker = from_args(
         WorkerConfig,
         ns,
         worker_addr=ns.worker_addr or new_ipc_addr("worker"),
-        worker_grpc_port=ns.worker_grpc_port or free_port(host),
+        worker_grpc_port=worker_port,
         metrics_port=metrics + 2 if metrics else 0,
     )
     sched = from_args(
@@ -82,7 +100,7 @@ def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, Fronten
         ns,
         worker_addr=worker.worker_addr,
         scheduler_addr=ns.scheduler_addr or new_ipc_addr("scheduler"),
-        control_port=ns.control_port or free_port(host),
+        control_port=ns.control_port or free_port(host, frozenset(taken)),
         metrics_port=metrics + 1 if metrics else 0,
     )
     front = from_args(
