@@ -62,86 +62,55 @@ _SOURCE = r"""
    the loop load-bound). An empty asm, no instruction. */
 #define REG(v) __asm__("" : "+x"(v))
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
-/* 16 lanes: the same tile as the AVX2 one below with zmm registers and masked tails. */
+/* The vector vocabulary of the tile below, per width: 16 lanes in zmm registers with tails
+   through a mask register, or 8 in ymm registers with tails through a lane mask. */
+#if defined(__AVX512F__)
 #undef REG
 #define REG(v) __asm__("" : "+v"(v))
 #define LANES 16
-int rs_gemm_lanes(void) { return LANES; }
-
-static inline __attribute__((always_inline)) void tile(
-    const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
-    const int mr, const int nr, float* part, int first, int last, float* y, int64_t ldy,
-    const float* bias, int pf) {
-    __m512 acc[MR][NR];
-    for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nr; ++j)
-            acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (i * NR + j) * LANES);
-    int64_t k = k0;
-    if (pf) /* the chunk's first tile: fetch the next block's rows meanwhile (cold weights) */
-        for (; k + 16 <= k1; k += 16) {
-            for (int j = 0; j < nr; ++j)
-                _mm_prefetch((const char*)(w + (NR + j) * ldw + k), _MM_HINT_T0);
-            __m512 xv[MR];
-            for (int i = 0; i < mr; ++i) xv[i] = _mm512_loadu_ps(x + i * ldx + k);
-            for (int j = 0; j < nr; ++j) {
-                __m512 wv = _mm512_loadu_ps(w + j * ldw + k);
-                REG(wv);
-                for (int i = 0; i < mr; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
-        }
-    for (; k + 16 <= k1; k += 16) {
-        __m512 xv[MR];
-        for (int i = 0; i < mr; ++i) xv[i] = _mm512_loadu_ps(x + i * ldx + k);
-        for (int j = 0; j < nr; ++j) {
-            __m512 wv = _mm512_loadu_ps(w + j * ldw + k);
-            REG(wv);
-            for (int i = 0; i < mr; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
-        }
-    }
-    if (k < k1) { /* masked lanes load 0 for both: 0 * 0 adds nothing */
-        const __mmask16 m = (__mmask16)((1u << (k1 - k)) - 1u);
-        __m512 wv[NR];
-        for (int j = 0; j < nr; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * ldw + k);
-        for (int i = 0; i < mr; ++i) {
-            const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
-            for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-        }
-    }
-    if (!last) {
-        for (int i = 0; i < mr; ++i)
-            for (int j = 0; j < nr; ++j) _mm512_storeu_ps(part + (i * NR + j) * LANES, acc[i][j]);
-        return;
-    }
-    for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nr; ++j) {
-            /* a fixed tree over the 16 lanes: halves, then the AVX2 order over 8 */
-            const __m512d wide = _mm512_castps_pd(acc[i][j]);
-            const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[i][j]),
-                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(wide, 1)));
-            __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-            const float t = _mm_cvtss_f32(s);
-            y[i * ldy + j] = bias ? t + bias[j] : t;
-        }
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
+typedef __m512 vec;
+typedef __mmask16 tail_t;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VLOAD_TAIL(p, m) _mm512_maskz_loadu_ps(m, p)
+static inline tail_t tail_of(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+#else
 #define LANES 8
+typedef __m256 vec;
+typedef __m256i tail_t;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VLOAD_TAIL(p, m) _mm256_maskload_ps(p, m)
+static const int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+static inline tail_t tail_of(int64_t n) {
+    return _mm256_loadu_si256((const __m256i*)(tail_mask + 8 - n));
+}
+#endif
+
 int rs_gemm_lanes(void) { return LANES; }
 
-static const int32_t tail_mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-
-static inline float hsum(__m256 v) {
+static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
+}
+
+/* A fixed tree over the lanes (16 lanes: the two halves first, then the 8-lane order). */
+static inline float hsum(vec v) {
+#if defined(__AVX512F__)
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+#else
+    return hsum8(v);
+#endif
 }
 
 /* One tile: mr x rows by nr weight rows over k in [k0, k1). always_inline with constant
@@ -150,46 +119,46 @@ static inline __attribute__((always_inline)) void tile(
     const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
     const int mr, const int nr, float* part, int first, int last, float* y, int64_t ldy,
     const float* bias, int pf) {
-    __m256 acc[MR][NR];
+    vec acc[MR][NR];
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nr; ++j)
-            acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + (i * NR + j) * 8);
+            acc[i][j] = first ? VZERO() : VLOAD(part + (i * NR + j) * LANES);
     int64_t k = k0;
     if (pf) /* the chunk's first tile: fetch the next block's rows meanwhile (cold weights) */
         for (; k + 16 <= k1; k += 16) {
             for (int j = 0; j < nr; ++j)
                 _mm_prefetch((const char*)(w + (NR + j) * ldw + k), _MM_HINT_T0);
-            for (int h = 0; h < 16; h += 8) {
-                __m256 xv[MR];
-                for (int i = 0; i < mr; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k + h);
+            for (int h = 0; h < 16; h += LANES) {
+                vec xv[MR];
+                for (int i = 0; i < mr; ++i) xv[i] = VLOAD(x + i * ldx + k + h);
                 for (int j = 0; j < nr; ++j) {
-                    __m256 wv = _mm256_loadu_ps(w + j * ldw + k + h);
+                    vec wv = VLOAD(w + j * ldw + k + h);
                     REG(wv);
-                    for (int i = 0; i < mr; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+                    for (int i = 0; i < mr; ++i) acc[i][j] = VFMA(xv[i], wv, acc[i][j]);
                 }
             }
         }
-    for (; k + 8 <= k1; k += 8) {
-        __m256 xv[MR];
-        for (int i = 0; i < mr; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+    for (; k + LANES <= k1; k += LANES) {
+        vec xv[MR];
+        for (int i = 0; i < mr; ++i) xv[i] = VLOAD(x + i * ldx + k);
         for (int j = 0; j < nr; ++j) {
-            __m256 wv = _mm256_loadu_ps(w + j * ldw + k);
+            vec wv = VLOAD(w + j * ldw + k);
             REG(wv);
-            for (int i = 0; i < mr; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            for (int i = 0; i < mr; ++i) acc[i][j] = VFMA(xv[i], wv, acc[i][j]);
         }
     }
     if (k < k1) { /* masked lanes load 0 for both: 0 * 0 adds nothing */
-        const __m256i m = _mm256_loadu_si256((const __m256i*)(tail_mask + 8 - (k1 - k)));
-        __m256 wv[NR];
-        for (int j = 0; j < nr; ++j) wv[j] = _mm256_maskload_ps(w + j * ldw + k, m);
+        const tail_t m = tail_of(k1 - k);
+        vec wv[NR];
+        for (int j = 0; j < nr; ++j) wv[j] = VLOAD_TAIL(w + j * ldw + k, m);
         for (int i = 0; i < mr; ++i) {
-            const __m256 xv = _mm256_maskload_ps(x + i * ldx + k, m);
-            for (int j = 0; j < nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+            const vec xv = VLOAD_TAIL(x + i * ldx + k, m);
+            for (int j = 0; j < nr; ++j) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
         }
     }
     if (!last) {
         for (int i = 0; i < mr; ++i)
-            for (int j = 0; j < nr; ++j) _mm256_storeu_ps(part + (i * NR + j) * 8, acc[i][j]);
+            for (int j = 0; j < nr; ++j) VSTORE(part + (i * NR + j) * LANES, acc[i][j]);
         return;
     }
     for (int i = 0; i < mr; ++i)

@@ -129,9 +129,9 @@ KERNEL_ROWS_AVX512 = 20
 
 
 def default_kernel_rows() -> int:
-    """KERNEL_ROWS for the kernel this CPU builds (0 where it builds none)."""
-    lanes = cpu_gemm.lanes()
-    return KERNEL_ROWS_AVX512 if lanes == 16 else KERNEL_ROWS if lanes else 0
+    """The crossing for the width of the kernel this CPU builds (PackedLinear uses no kernel
+    at all where none builds)."""
+    return KERNEL_ROWS_AVX512 if cpu_gemm.lanes() == 16 else KERNEL_ROWS
 
 
 def _probe(dtype: torch.dtype) -> bool:
