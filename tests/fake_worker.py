@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
+from collections.abc import Callable
 
 from radixserve.internal.v1 import engine_pb2
 from services.common.config import SchedulerConfig
@@ -50,6 +51,8 @@ class FakeWorker:
         self.last: dict[int, int] = {}  # req_slot -> token sampled last (overlap schedule input)
         self.num_slots = num_slots
         self.batches: list[engine_pb2.ForwardBatch] = []
+        # Set: each result reports this many seconds of forward time (a cost model).
+        self.step_time: Callable[[engine_pb2.ForwardBatch], float] | None = None
         self.info = engine_pb2.WorkerInfo(
             model_id="fake",
             architecture="Fake",
@@ -72,6 +75,8 @@ class FakeWorker:
     def forward(self, batch: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
         self.batches.append(batch)
         result = engine_pb2.ForwardResult(batch_id=batch.batch_id)
+        if self.step_time is not None:
+            result.forward_time = self.step_time(batch)
         for r in batch.reqs:
             ids, out = unpack_i32(r.input_ids).tolist(), unpack_i32(r.out_slots).tolist()
             if r.use_last_sampled:

@@ -14,6 +14,10 @@ Fairness:
 - order: both servers stay up; only one is under load at a time (the other idles). For
   every workload of a round both servers run it back to back, and which goes first
   alternates every round, so a drift in the machine's load hurts both alike.
+- quiet: vLLM's engine keeps one core busy for about a second after its last request
+  (measured: 1.0 core for 1 s after every workload, then ~0), and the server that runs next
+  would lose that core. Before every workload the harness waits until no server's process
+  group uses more than QUIET_CORES of a core (at most QUIET_TIMEOUT_S).
 - texts: every round draws fresh random texts (a new seed per round and workload), the
   same for both servers, so no server is helped by a previous round's cache.
 
@@ -55,6 +59,9 @@ VLLM_PYTHON = Path(os.environ.get("RADIXSERVE_VLLM_VENV", PEERS_DIR / "vllm")) /
 DOCS = REPO / "docs" / "benchmarks.md"
 IMG_DIR = REPO / "docs" / "img"
 SERVERS = ("radixserve", "vllm")
+QUIET_CORES = 0.1  # a server's idle baseline is below 0.05 cores on this machine
+QUIET_WINDOW_S = 0.25
+QUIET_TIMEOUT_S = 15.0
 
 
 # ---- workloads ------------------------------------------------------------------------
@@ -165,6 +172,12 @@ class Server:
             time.sleep(2)
         raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log}")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU of every live process in this server's process group."""
+        if self.proc is None:
+            return 0.0
+        return sum(cpu for pgid, cpu in proc_cpu() if pgid == self.proc.pid)
+
     def stop(self) -> None:
         """Ends the process group this Server started (its own children only)."""
         if self.proc is None or self.proc.poll() is not None:
@@ -175,6 +188,31 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def proc_cpu() -> list[tuple[int, float]]:
+    """(process group, CPU seconds) of every process, from /proc/<pid>/stat."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        out.append((int(fields[2]), (int(fields[11]) + int(fields[12])) / tick))
+    return out
+
+
+def wait_quiet(servers: dict[str, Server]) -> float:
+    """Waits until no server burns CPU (see `quiet` above); returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < QUIET_TIMEOUT_S:
+        before = {k: s.cpu_seconds() for k, s in servers.items()}
+        time.sleep(QUIET_WINDOW_S)
+        busy = [(s.cpu_seconds() - before[k]) / QUIET_WINDOW_S for k, s in servers.items()]
+        if max(busy) < QUIET_CORES:
+            break
+    return time.monotonic() - t0
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
@@ -255,7 +293,9 @@ def one_round(
     for i, w in enumerate(loads):
         seed = base_seed + 1000 * r + i  # fresh texts each round, the same for both servers
         for s in order:
+            quiet = wait_quiet(servers)
             rep = benchmark(bench_args(servers[s].url, w.flags, seed, model_dir))
+            rep["quiet_wait_s"] = round(quiet, 2)
             out[s][w.name] = rep
             print(f"round {r + 1} {w.name:<10} {s:<10} {one_line(rep)}", flush=True)
     return out
@@ -265,7 +305,7 @@ def one_line(rep: dict) -> str:
     return (
         f"wall {rep['wall_s']:.2f} s, out {rep['output_throughput']:.0f} tok/s, "
         f"ttft p50 {rep['ttft_ms']['p50'] or 0:.0f} ms, hit {rep['cache_hit_rate'] or 0:.2f}, "
-        f"errors {rep['errors']}"
+        f"errors {rep['errors']}, waited {rep.get('quiet_wait_s', 0):.1f} s for quiet"
     )
 
 
@@ -457,7 +497,9 @@ PEERS_INTRO = (
     "(`bench/peers/make_model.py`), with the same threads and KV memory, and drives both\n"
     "with `radixserve bench` (streaming /v1/completions). Workloads of a round run on both\n"
     "servers back to back, which goes first alternating per round; each round's texts are\n"
-    "fresh and the same for both. How to run it: `bench/peers/README.md`.\n"
+    "fresh and the same for both. Before every workload the harness waits until neither\n"
+    "server burns CPU (vLLM's engine keeps a core busy for ~1 s after each load). How to\n"
+    "run it: `bench/peers/README.md`.\n"
 )
 
 

@@ -143,6 +143,12 @@ class SchedulerConfig:
         "--mixed-prefill-tokens: the burst is admitted in a few longer steps instead of a "
         "trickle of short ones (0: always --mixed-prefill-tokens)",
     )
+    mixed_step_slowdown: float = _opt(
+        3.0,
+        "outside bursts, a mixed batch also carries no more prefill tokens than keep it within "
+        "about this many decode steps' time, by the worker's measured forward times (a large "
+        "model on a CPU gets fewer than --mixed-prefill-tokens a step; 0: that fixed budget)",
+    )
     max_running_requests: int = _opt(
         64, "requests decoded at once (rows of the request-slot table)"
     )

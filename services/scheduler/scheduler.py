@@ -42,6 +42,7 @@ from services.scheduler.req_queues import ReqQueues
 from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
 from services.scheduler.request_checks import request_problem
+from services.scheduler.step_costs import StepCosts
 from services.scheduler.tokens import tokens_from_wire
 from services.scheduler.worker_link import WorkerLink
 
@@ -83,6 +84,7 @@ class Scheduler:
         self.link = WorkerLink(worker_sock, info, self.metrics, self.worker_lost, timeout)
         self.grammars = GrammarGate()
         self.in_burst = False  # admitting a burst of arrivals (_mixed_budget)
+        self.costs = StepCosts()  # the worker's decode-step and prefill-token times
         self.dirty_since_check = False  # work done since the idle slot check
         self.tree_unchecked = False  # work done since the idle whole-tree recount
         self.publish_stats()
@@ -134,11 +136,13 @@ class Scheduler:
 
     def _mixed_budget(self) -> int:
         """Prefill tokens of the next mixed batch. Few arrivals beside many decoding
-        streams get --mixed-prefill-tokens a step (the streams' inter-token latency is
-        what matters); a burst, as many requests waiting for a first token as decoding,
-        gets --mixed-burst-tokens, since then the burst's time to first token is what
-        matters: 16 prompts of 288 tokens sent at once, the first admitted alone, took
-        36 mixed steps of 128 tokens (5 s on the 2-core CPU) to admit the other 15."""
+        streams get --mixed-prefill-tokens a step, fewer where that would make the step
+        more than --mixed-step-slowdown decode steps long (step_costs.py: the streams'
+        inter-token latency is what matters); a burst, as many requests waiting for a
+        first token as decoding, gets --mixed-burst-tokens, since then the burst's time
+        to first token is what matters: 16 prompts of 288 tokens sent at once, the first
+        admitted alone, took 36 mixed steps of 128 tokens (5 s on the 2-core CPU) to admit
+        the other 15."""
         cfg = self.cfg
         running = self.queues.running
         decoding = sum(not r.in_prefill for r in running)
@@ -149,8 +153,11 @@ class Scheduler:
             self.in_burst = False
         elif first >= decoding:
             self.in_burst = True
-        budget = cfg.mixed_burst_tokens if self.in_burst else cfg.mixed_prefill_tokens
-        return min(max(budget, cfg.mixed_prefill_tokens), cfg.max_prefill_tokens)
+        if self.in_burst:
+            budget = max(cfg.mixed_burst_tokens, cfg.mixed_prefill_tokens)
+        else:
+            budget = self.costs.mixed_budget(cfg.mixed_step_slowdown, cfg.mixed_prefill_tokens)
+        return min(budget, cfg.max_prefill_tokens)
 
     def _admissible_waiting(self) -> bool:
         """Whether a waiting request may be admitted next (one whose grammar still compiles
@@ -254,6 +261,8 @@ class Scheduler:
             if not it.req.finished:  # finished (or aborted) while this step was queued
                 self._apply_item(it, tok, result.batch_id, now)
         decoded = sum(not it.is_prefill for it in items)
+        prefilled = sum(it.n for it in items if it.is_prefill)
+        self.costs.observe(decoded, prefilled, result.forward_time)
         if decoded:  # a decode step, or a mixed batch's decode part
             self.decode.after_step(decoded, result)
 

@@ -11,6 +11,7 @@ from radixserve.internal.v1 import engine_pb2
 from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.step_costs import MIN_TOKENS, StepCosts
 from tests.fake_worker import FRONTEND, FakeWorker, FakeWorkerSocket, expected, make, run, submit
 
 
@@ -296,6 +297,49 @@ def test_mixed_batches_keep_every_stream_decoding_and_stay_exact(page_size, over
                 for b in worker.batches
             )
     assert got[0] == got[64]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_batches_shrink_where_prefill_tokens_are_slow(overlap):
+    """A model whose prefill tokens cost much against its decode step (a large model on a
+    CPU): by the forward times the worker reports (0.1 s a decode step, 4 ms a prefill
+    token), a mixed batch within --mixed-step-slowdown 2.5 decode steps carries at most
+    1.5 x 0.1 / 0.004 = 37 prefill tokens, not --mixed-prefill-tokens 128; 0 keeps 128."""
+    got, largest = {}, {}
+    for slowdown in (2.5, 0.0):
+        sched, worker = make(
+            num_slots=3000, mixed_prefill_tokens=128, mixed_step_slowdown=slowdown,
+            disable_overlap_schedule=not overlap,
+        )  # fmt: skip
+        worker.step_time = lambda b: (
+            0.1 * any(len(r.input_ids) // 4 <= 1 for r in b.reqs) + 0.004 * _prefill_tokens(b)
+        )
+        want, arrive = _stall_workload(sched, random.Random(21))
+        got[slowdown] = {rid: list(d.token_ids) for rid, d in run(sched, on_step=arrive).items()}
+        assert got[slowdown] == want
+        mixed = [b for b in worker.batches if not b.is_decode and any(not r.is_new for r in b.reqs)]
+        # The first mixed batch is the one that measures a prefill token.
+        largest[slowdown] = max(_prefill_tokens(b) for b in mixed[1:])
+    assert 30 <= largest[2.5] <= 37 < 128 == largest[0.0]
+
+
+def test_step_costs_estimate_and_cap_the_mixed_budget():
+    costs = StepCosts()
+    assert costs.mixed_budget(2.5, 128) == 128  # nothing measured yet
+    costs.observe(decode_rows=8, prefill_tokens=128, seconds=0.5)  # no decode step known
+    assert costs.token_s == 0.0
+    costs.observe(decode_rows=8, prefill_tokens=0, seconds=0.1)
+    costs.observe(decode_rows=0, prefill_tokens=1000, seconds=3.0)  # a prefill batch
+    assert costs.mixed_budget(2.5, 128) == int(1.5 * 0.1 / 0.003) == 50
+    costs.observe(decode_rows=8, prefill_tokens=50, seconds=0.1 + 50 * 0.001)  # a mixed batch
+    assert costs.token_s == pytest.approx(0.003 + 0.2 * (0.001 - 0.003))
+    costs.observe(decode_rows=8, prefill_tokens=0, seconds=0.0)  # not reported: ignored
+    assert costs.decode_s == 0.1
+    assert costs.mixed_budget(0.0, 128) == 128  # off
+    assert costs.mixed_budget(1.0001, 128) == MIN_TOKENS  # never below the floor
+    assert costs.mixed_budget(1000.0, 128) == 128  # the fixed budget is the ceiling
+    fast = StepCosts(decode_s=0.01, token_s=1e-6)  # a GPU: prefill tokens are cheap
+    assert fast.mixed_budget(2.5, 128) == 128
 
 
 @pytest.mark.parametrize("overlap", [True, False])
