@@ -8,6 +8,7 @@ and hand finished KV to the tree. When the loop goes idle it checks that no KV s
 The loop only wires these together (one job per module):
 
     prefill.py      prefill batches: chunks of long prompts, admission, new-token ratio
+    step_costs.py   the worker's decode-step and prefill-token times: mixed batch budgets
     decode.py       decode steps, the lookahead step (overlap schedule), retraction
     worker_link.py  batches to the worker and results back, in order (ZeroMQ)
     req_queues.py   the waiting and running requests and what a running one holds
