@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         from services.bench.serving import run_bench
 
         return run_bench(ns)
-    _service_main(ns.command)(from_args(SERVICES[ns.command], ns))
+    try:
+        cfg = from_args(SERVICES[ns.command], ns)
+    except ValueError as e:  # a flag out of its range (the configs check their own)
+        raise SystemExit(f"radixserve {ns.command}: {e}") from None
+    _service_main(ns.command)(cfg)
     return 0
 
 

@@ -228,7 +228,10 @@ def serve(ns: argparse.Namespace) -> int:
     )
     if own_keys:
         ns.internal_keys_dir = own_keys
-    worker, sched, front = plan(ns)
+    try:
+        worker, sched, front = plan(ns)
+    except ValueError as e:  # a flag out of its range (the configs check their own)
+        raise SystemExit(f"radixserve serve: {e}") from None
     host = ns.host
     children: list[Child] = []
     signal.signal(signal.SIGTERM, _interrupt)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import math
 import os
 import types
 import typing
@@ -183,6 +184,14 @@ class SchedulerConfig:
         "", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)"
     )
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
+
+    def __post_init__(self) -> None:
+        # A NaN or infinite slowdown would reach int() in the mixed-batch budget.
+        if not math.isfinite(self.mixed_step_slowdown) or self.mixed_step_slowdown < 0:
+            raise ValueError(
+                f"--mixed-step-slowdown must be a finite number >= 0 (0: off), "
+                f"got {self.mixed_step_slowdown}"
+            )
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ small model (16 streams, 8 prompts) keeps 128: a 128-token mixed step is ~2.6 de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Weight of the newest batch in the running averages: a few steps follow a change in the
@@ -51,8 +52,8 @@ class StepCosts:
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         """One batch came back: ``decode_rows`` decoding requests and ``prefill_tokens``
         new prompt tokens ran in ``seconds`` of forward time (0: not reported; ignored)."""
-        if seconds <= 0.0 or (decode_rows <= 0 and prefill_tokens <= 0):
-            return
+        if not 0.0 < seconds < math.inf or (decode_rows <= 0 and prefill_tokens <= 0):
+            return  # NaN, infinite or absent: the worker's word is not trusted blindly
         if prefill_tokens <= 0:
             self.decode_s = _average(self.decode_s, seconds)
             return
@@ -67,5 +68,7 @@ class StepCosts:
         missing or when ``slowdown`` is off (<= 1); never fewer than MIN_TOKENS."""
         if slowdown <= 1.0 or self.decode_s <= 0.0 or self.token_s <= 0.0:
             return ceiling
-        fits = int((slowdown - 1.0) * self.decode_s / self.token_s)
-        return min(ceiling, max(fits, MIN_TOKENS))
+        fits = (slowdown - 1.0) * self.decode_s / self.token_s
+        if not fits < ceiling:  # also an overflow to inf
+            return ceiling
+        return max(int(fits), MIN_TOKENS)

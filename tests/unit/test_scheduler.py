@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import re
 
@@ -323,6 +324,19 @@ def test_mixed_batches_shrink_where_prefill_tokens_are_slow(overlap):
     assert 30 <= largest[2.5] <= 37 < 128 == largest[0.0]
 
 
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_bad_mixed_step_slowdown_is_refused_naming_the_flag(value):
+    with pytest.raises(ValueError, match="--mixed-step-slowdown must be a finite number >= 0"):
+        SchedulerConfig(mixed_step_slowdown=value)
+
+
+def test_the_cli_refuses_a_bad_mixed_step_slowdown_without_a_traceback(capsys):
+    from services.cli.main import main
+
+    with pytest.raises(SystemExit, match="radixserve scheduler: --mixed-step-slowdown"):
+        main(["scheduler", "--mixed-step-slowdown", "nan"])
+
+
 def test_step_costs_estimate_and_cap_the_mixed_budget():
     costs = StepCosts()
     assert costs.mixed_budget(2.5, 128) == 128  # nothing measured yet
@@ -340,6 +354,12 @@ def test_step_costs_estimate_and_cap_the_mixed_budget():
     assert costs.mixed_budget(1000.0, 128) == 128  # the fixed budget is the ceiling
     fast = StepCosts(decode_s=0.01, token_s=1e-6)  # a GPU: prefill tokens are cheap
     assert fast.mixed_budget(2.5, 128) == 128
+    for bad in (float("nan"), float("inf"), -1.0):  # a worker's garbage is ignored
+        costs.observe(decode_rows=8, prefill_tokens=0, seconds=bad)
+        costs.observe(decode_rows=8, prefill_tokens=50, seconds=bad)
+    assert costs.decode_s == 0.1 and math.isfinite(costs.token_s)
+    huge = StepCosts(decode_s=1e308, token_s=1e-300)  # finite, but the ratio overflows
+    assert huge.mixed_budget(3.0, 128) == 128
 
 
 @pytest.mark.parametrize("overlap", [True, False])
