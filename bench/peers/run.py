@@ -172,12 +172,6 @@ class Server:
             time.sleep(2)
         raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log}")
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU of every live process in this server's process group."""
-        if self.proc is None:
-            return 0.0
-        return sum(cpu for pgid, cpu in proc_cpu() if pgid == self.proc.pid)
-
     def stop(self) -> None:
         """Ends the process group this Server started (its own children only)."""
         if self.proc is None or self.proc.poll() is not None:
@@ -203,14 +197,22 @@ def proc_cpu() -> list[tuple[int, float]]:
     return out
 
 
+def group_cpu(servers: dict[str, Server]) -> dict[str, float]:
+    """CPU seconds of each server's process group (its live processes), one /proc scan."""
+    by_group: dict[int, float] = {}
+    for pgid, cpu in proc_cpu():
+        by_group[pgid] = by_group.get(pgid, 0.0) + cpu
+    return {k: by_group.get(s.proc.pid, 0.0) if s.proc else 0.0 for k, s in servers.items()}
+
+
 def wait_quiet(servers: dict[str, Server]) -> float:
     """Waits until no server burns CPU (see `quiet` above); returns the seconds waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < QUIET_TIMEOUT_S:
-        before = {k: s.cpu_seconds() for k, s in servers.items()}
+        before = group_cpu(servers)
         time.sleep(QUIET_WINDOW_S)
-        busy = [(s.cpu_seconds() - before[k]) / QUIET_WINDOW_S for k, s in servers.items()]
-        if max(busy) < QUIET_CORES:
+        after = group_cpu(servers)
+        if max(after[k] - before[k] for k in servers) / QUIET_WINDOW_S < QUIET_CORES:
             break
     return time.monotonic() - t0
 

@@ -186,7 +186,7 @@ class SchedulerConfig:
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
-        # A NaN or infinite slowdown would reach int() in the mixed-batch budget.
+        # A number of decode steps: NaN, infinity or a negative one is a typo, not a setting.
         if not math.isfinite(self.mixed_step_slowdown) or self.mixed_step_slowdown < 0:
             raise ValueError(
                 f"--mixed-step-slowdown must be a finite number >= 0 (0: off), "

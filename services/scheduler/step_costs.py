@@ -65,10 +65,11 @@ class StepCosts:
     def mixed_budget(self, slowdown: float, ceiling: int) -> int:
         """Prefill tokens a mixed batch may carry so that it takes about ``slowdown``
         decode steps at most: ``ceiling`` when that allows more, when either estimate is
-        missing or when ``slowdown`` is off (<= 1); never fewer than MIN_TOKENS."""
+        missing or when ``slowdown`` is off (<= 1); never fewer than MIN_TOKENS (unless
+        the ceiling itself is lower)."""
         if slowdown <= 1.0 or self.decode_s <= 0.0 or self.token_s <= 0.0:
             return ceiling
         fits = (slowdown - 1.0) * self.decode_s / self.token_s
         if not fits < ceiling:  # also an overflow to inf
             return ceiling
-        return max(int(fits), MIN_TOKENS)
+        return max(int(fits), min(MIN_TOKENS, ceiling))

@@ -330,7 +330,7 @@ def test_a_bad_mixed_step_slowdown_is_refused_naming_the_flag(value):
         SchedulerConfig(mixed_step_slowdown=value)
 
 
-def test_the_cli_refuses_a_bad_mixed_step_slowdown_without_a_traceback(capsys):
+def test_the_cli_refuses_a_bad_mixed_step_slowdown_without_a_traceback():
     from services.cli.main import main
 
     with pytest.raises(SystemExit, match="radixserve scheduler: --mixed-step-slowdown"):
