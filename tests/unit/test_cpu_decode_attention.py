@@ -69,6 +69,9 @@ def _case(b: int, heads: int, kv_heads: int, d: int, lens: list[int], seed: int 
         (4, 4, 36, [5, 40, 17, 2, 90]),  # no grouping; head dim not a multiple of 8
         (16, 2, 128, [513]),
         (8, 4, 64, [2000, 15, 16, 17]),  # a long context; tails around the 16-lane vector
+        (16, 1, 64, [40, 3]),  # one kv head of 16: the P.V tiles cut 5 + 5 + 6
+        (14, 2, 128, [31, 200, 1]),  # a group of 7 at head dim 128: tiles of 2 + 2 + 3
+        (4, 2, 256, [50, 17]),  # head dim 256: the per-slot path (no register tiles)
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
