@@ -47,9 +47,13 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from unittest import mock
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.worker import host_memory  # noqa: E402
+
+host_memory.tune()  # as the worker process does, before torch loads: malloc keeps activations
+
+import torch  # noqa: E402
 
 from kernels import cpu_extend_attention  # noqa: E402
 from radixserve.internal.v1 import engine_pb2  # noqa: E402

@@ -24,10 +24,11 @@ dot products per query head, their lane sums in one transposing shuffle tree ins
 the head dim, each V row loaded once for the tile. With the K/V rows hot (every request
 reading the same 352 slots) the per-slot loop took 18.1 ms for 64 requests x 8 layers,
 compute-bound; these tiles 6.0 ms. Side by side with the previous build, 2 threads, 288 +
-64 slots per request in the server's layout, medians of 12 alternating calls: 8 / 4 heads
-at 16 requests 1.18x, at 64 1.12x (now bound by memory: ~19 GB/s); 14 / 2 heads (24
-layers) 1.67x at 16 requests, 1.88x at 8. The tree adds in the order that
-``_mm512_reduce_add_ps`` does, so the results are bit-identical to the per-slot loop's.
+64 slots per request in the server's layout, medians of 12 alternating calls
+(``bench/bench_decode_attention.py --against 77df978``): 8 / 4 heads at 16 requests 1.18x,
+at 64 1.06-1.12x (now bound by memory); 14 / 2 heads (24 layers) 1.66x at 16 requests,
+1.88-2.04x at 8. The tree adds in the order that ``_mm512_reduce_add_ps`` does, so the
+results are bit-identical to the per-slot loop's.
 
 Numerics: float32 throughout, another summation order than SDPA (max |diff| ~1e-6
 relative); ``decode_attention_ref`` is the plain-PyTorch reference the tests compare with.
