@@ -46,12 +46,13 @@ def module_at(rev: str) -> ModuleType:
         ["git", "-C", str(REPO), "show", f"{rev}:{KERNEL}"],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "decode_attention_at_rev.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("decode_attention_at_rev", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "decode_attention_at_rev.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location("decode_attention_at_rev", path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     return mod
 
 

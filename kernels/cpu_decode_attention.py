@@ -173,7 +173,7 @@ static void pv_##HC##_##DV(const float* v_pool, int64_t slot_stride, const int32
     for (int g = 0; g < HC; ++g)                                                              \
         for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();                          \
     for (int j = 0; j < L; ++j) {                                                             \
-        if (j + 4 < L) {                                                                      \
+        if (j + 4 < L) { /* one line in four of the V row 4 slots ahead (the first at D 64) */ \
             const char* nxt = (const char*)(v_pool + (int64_t)slots[j + 4] * slot_stride + off); \
             for (int c = 0; c < DV; c += 4) __builtin_prefetch(nxt + 64 * c);                 \
         }                                                                                     \
@@ -315,15 +315,16 @@ int rs_decode_attention_f32(const float* q, int64_t q_b, int64_t q_h, const floa
                 buf = (float*)malloc(sizeof(float) * cap);
             }
             if (buf == NULL) { cap = 0; failed = 1; continue; }
+            const float* qi = q + b * q_b + (int64_t)kh0 * G * q_h;
+            const int32_t* slots = req_to_token + (int64_t)req_slots[b] * table_stride;
+            float* oi = out + ((int64_t)b * H + (int64_t)kh0 * G) * D;
 #ifdef HAVE_HEADS16
-            if (heads16(q + b * q_b + (int64_t)kh0 * G * q_h, q_h, k_pool, v_pool, slot_stride,
-                        req_to_token + (int64_t)req_slots[b] * table_stride, L, kh0, kh0 + per,
-                        G, D, scale, buf, out + ((int64_t)b * H + (int64_t)kh0 * G) * D))
+            if (heads16(qi, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D,
+                        scale, buf, oi))
                 continue;
 #endif
-            heads(q + b * q_b + (int64_t)kh0 * G * q_h, q_h, k_pool, v_pool, slot_stride,
-                  req_to_token + (int64_t)req_slots[b] * table_stride, L, kh0, kh0 + per, G, D,
-                  scale, buf, out + ((int64_t)b * H + (int64_t)kh0 * G) * D);
+            heads(qi, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D, scale,
+                  buf, oi);
         }
         free(buf);
     }
