@@ -38,6 +38,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -542,7 +543,17 @@ def vllm_version(python: Path) -> str:
     return res.stdout.strip() or "?"
 
 
+def check_port_free(port: int) -> None:
+    """A server left running on a port would answer the health checks in place of the one
+    started here (whose own start fails to bind), and be measured instead."""
+    with socket.socket() as sock:
+        if sock.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already in use (a server left running?)")
+
+
 def start_servers(servers: dict[str, Server], ns: argparse.Namespace, model_dir: Path) -> None:
+    for port in (ns.port_base, *(s.port for s in servers.values())):
+        check_port_free(port)
     for s in servers.values():
         s.start()
     for s in servers.values():

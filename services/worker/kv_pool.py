@@ -49,11 +49,13 @@ class KVPool:
         self.shape = shape
         self.num_slots = num_slots
         dims = (shape.num_layers, num_slots + 1, shape.num_kv_heads, shape.head_dim)
-        # torch.empty: on CPU the pages are committed only when written.
-        self.k_buffer = torch.empty(dims, dtype=shape.dtype, device=device)
-        self.v_buffer = torch.empty(dims, dtype=shape.dtype, device=device)
-        self.k_buffer[:, 0].zero_()
-        self.v_buffer[:, 0].zero_()
+        # Zeroed whole, which on CPU commits every page now: left to the first write of each
+        # slot, the kernel zeroed each (huge) page inside the KV store of a forward, one
+        # thread working while the other waited; 13% of a served cold prefill went there
+        # until the pool had filled once (issue 18, docs/benchmarks.md). vLLM also commits its
+        # pool at start-up. Slot 0 must be zeros anyway (above).
+        self.k_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.v_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
         # Per-layer views, what the attention layers index.
         self.k = list(self.k_buffer.unbind(0))
         self.v = list(self.v_buffer.unbind(0))

@@ -133,7 +133,11 @@ class ModelRunner:
             cap_tokens=cfg.max_running_requests * self.max_context,
             reserve=self._runtime_reserve(),
         )
-        return KVPool(shape, num_slots, self.device)
+        start = time.perf_counter()
+        pool = KVPool(shape, num_slots, self.device)
+        log.info("KV pool of %.2f GiB zeroed in %.1f s", pool.nbytes() / 2**30,
+                 time.perf_counter() - start)  # fmt: skip
+        return pool
 
     def _runtime_reserve(self) -> RuntimeReserve:
         """What the sampler, graphs and prefill activations take after the pool (kv_pool.py)."""
