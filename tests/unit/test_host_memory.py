@@ -15,8 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Page faults of each round of a layer-like pattern: three 12 MiB blocks (a prefill group's
-# activations) allocated, touched, then all freed; after host_memory.tune() or not.
+# Page faults of each round of a layer-like pattern: COUNT blocks of SIZE MiB (a prefill
+# group's activations) allocated, touched, then all freed; after host_memory.tune() or not.
 PROBE = r"""
 import ctypes, ctypes.util, json, os, resource, sys
 from services.worker import host_memory
@@ -24,10 +24,10 @@ tuned = host_memory.tune() if sys.argv[1] == "tune" else None
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-size, faults = 12 << 20, []
+size, count, faults = int(sys.argv[2]) << 20, int(sys.argv[3]), []
 for _ in range(5):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    blocks = [libc.malloc(size) for _ in range(3)]
+    blocks = [libc.malloc(size) for _ in range(count)]
     for b in blocks:
         ctypes.memset(b, 1, size)
     for b in blocks:
@@ -42,11 +42,11 @@ glibc = pytest.mark.skipif(
 )
 
 
-def probe(mode: str, **env: str) -> dict:
+def probe(mode: str, size_mib: int = 12, count: int = 3, **env: str) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))}
     base.pop("THP_MEM_ALLOC_ENABLE", None)
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode],
+        [sys.executable, "-c", PROBE, mode, str(size_mib), str(count)],
         cwd=ROOT,
         env={**base, **env, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -64,6 +64,18 @@ def test_tuned_malloc_reuses_freed_blocks_instead_of_faulting_them_in_again():
     pages = 3 * (12 << 20) // os.sysconf("SC_PAGE_SIZE")
     # The first rounds fault the blocks in; later rounds find them in the heap.
     assert max(tuned["faults"][2:]) < pages // 16, tuned["faults"]
+
+
+@glibc
+def test_tuned_malloc_reuses_a_block_above_glibcs_largest_mmap_threshold():
+    """A 78 MB gate/up output (Qwen2-0.5B's at 2,000 rows) is above the 32 MiB that
+    M_MMAP_THRESHOLD may be: without M_MMAP_MAX 0 it would be mapped and faulted in anew
+    in every layer."""
+    tuned = probe("tune", size_mib=80, count=1)
+    pages = (80 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert max(tuned["faults"][2:]) < pages // 16, tuned["faults"]
+    plain = probe("plain", size_mib=80, count=1)
+    assert min(plain["faults"][2:]) > pages // 2, plain["faults"]
 
 
 @glibc
