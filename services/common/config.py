@@ -130,7 +130,11 @@ class SchedulerConfig:
     chunked_prefill_size: int = _opt(
         2048, "prefill at most this many new tokens of one request per batch (-1: no chunking)"
     )
-    max_prefill_tokens: int = _opt(8192, "new tokens in one prefill batch at most")
+    max_prefill_tokens: int = _opt(
+        0,
+        "new tokens in one prefill batch at most (0: 8192 on a GPU worker, 2048 on a CPU one, "
+        "where a batch's first tokens leave only when all of it is computed, seconds later)",
+    )
     mixed_prefill_tokens: int = _opt(
         128,
         "while requests decode, each batch carries every decoding request's next token plus "

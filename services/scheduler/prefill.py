@@ -50,6 +50,23 @@ class NewTokenRatio:
         self.value = max(MIN_NEW_TOKEN_RATIO, self.value - NEW_TOKEN_RATIO_DECAY)
 
 
+# --max-prefill-tokens 0: by the worker's device. A batch's first tokens leave when all of
+# it is computed: 8 x 1,000-token prompts in one batch of 8,192 took 30-38 s on the 2-core
+# CPU with the Qwen2-0.5B shape, and none of the 8 saw a token before the end (vLLM, in
+# 2,048-token steps: time to first token p50 19-21 s, the same wall time). A CPU worker
+# computes a large batch in groups of ~2,048 rows anyway (CPU_EXTEND_ROWS,
+# services/worker/models/llama.py), so batches of that size cost it nothing.
+DEFAULT_MAX_PREFILL_TOKENS = 8192
+CPU_MAX_PREFILL_TOKENS = 2048
+
+
+def max_prefill_tokens(setting: int, device: str) -> int:
+    """New tokens of one prefill batch at most: the setting, or by device when it is 0."""
+    if setting > 0:
+        return setting
+    return CPU_MAX_PREFILL_TOKENS if device == "cpu" else DEFAULT_MAX_PREFILL_TOKENS
+
+
 @dataclass(eq=False)
 class PrefillBuilder:
     cfg: SchedulerConfig
@@ -58,6 +75,7 @@ class PrefillBuilder:
     max_running: int
     metrics: SchedulerMetrics
     batch_log: BatchLog
+    max_prefill: int  # max_prefill_tokens(cfg.max_prefill_tokens, the worker's device)
 
     @property
     def kv(self) -> KVManager:
@@ -72,7 +90,7 @@ class PrefillBuilder:
     def build(self, budget: int | None = None) -> list[Item]:
         """The next prefill batch of at most ``budget`` new tokens (default
         --max-prefill-tokens): [] when no chunk is due and no waiting request fits."""
-        budget = self.cfg.max_prefill_tokens if budget is None else budget
+        budget = self.max_prefill if budget is None else budget
         items = self._next_chunks(budget)
         budget -= sum(it.n for it in items)
         admitted = self._admit(budget, items) if self.queues.waiting and budget > 0 else []

@@ -37,7 +37,7 @@ from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outbox import Outbox
-from services.scheduler.prefill import NewTokenRatio, PrefillBuilder
+from services.scheduler.prefill import NewTokenRatio, PrefillBuilder, max_prefill_tokens
 from services.scheduler.radix_cache import check_slot_integrity
 from services.scheduler.req_queues import ReqQueues
 from services.scheduler.req_slots import ReqSlotTable
@@ -79,7 +79,10 @@ class Scheduler:
         table = ReqSlotTable(max_running)
         self.queues = ReqQueues(self.kv, table, cache_finished=not cfg.disable_radix_cache)
         ratio, batch_log = NewTokenRatio(), BatchLog(cfg.decode_log_interval)
-        self.prefill = PrefillBuilder(cfg, self.queues, ratio, max_running, self.metrics, batch_log)
+        max_prefill = max_prefill_tokens(cfg.max_prefill_tokens, info.device)
+        self.prefill = PrefillBuilder(
+            cfg, self.queues, ratio, max_running, self.metrics, batch_log, max_prefill
+        )
         self.decode = DecodeBuilder(self.queues, ratio, self.max_model_len, self.metrics, batch_log)
         timeout = cfg.worker_result_timeout
         self.link = WorkerLink(worker_sock, info, self.metrics, self.worker_lost, timeout)
@@ -158,7 +161,7 @@ class Scheduler:
             budget = max(cfg.mixed_burst_tokens, cfg.mixed_prefill_tokens)
         else:
             budget = self.costs.mixed_budget(cfg.mixed_step_slowdown, cfg.mixed_prefill_tokens)
-        return min(budget, cfg.max_prefill_tokens)
+        return min(budget, self.prefill.max_prefill)
 
     def _admissible_waiting(self) -> bool:
         """Whether a waiting request may be admitted next (one whose grammar still compiles

@@ -470,3 +470,26 @@ def test_idle_check_counts_slots_at_once_and_walks_the_tree_only_when_full(monke
     monkeypatch.setattr(sched.kv, "held_by_requests", lambda: 5)  # the cheap check sees it
     with pytest.raises(Exception, match="do not add up"):
         sched.check_idle(full=False)
+
+
+@pytest.mark.parametrize(
+    "device, setting, largest",
+    [("cpu", 0, 2048), ("cuda:0", 0, 8000), ("cpu", 4096, 4096)],
+)
+def test_prefill_batches_are_sized_by_the_workers_device_unless_set(device, setting, largest):
+    """--max-prefill-tokens 0: 2,048 new tokens a batch on a CPU worker (a batch's first
+    tokens leave only when all of it is computed), 8,192 on a GPU; a setting wins."""
+    rng = random.Random(11)
+    prompts = [rand_prompt(rng, 1000) for _ in range(8)]
+    worker = FakeWorker(20_000)
+    worker.info.device = device
+    cfg = SchedulerConfig(max_prefill_tokens=setting)
+    sched = Scheduler(cfg, FakeWorkerSocket(worker), worker.info)
+    for i, p in enumerate(prompts):
+        submit(sched, f"r{i}", p, 2)
+    got = run(sched)
+    assert {rid: list(d.token_ids) for rid, d in got.items()} == {
+        f"r{i}": expected(p, 2) for i, p in enumerate(prompts)
+    }
+    sizes = [_prefill_tokens(b) for b in worker.batches if not b.is_decode]
+    assert max(sizes) == largest, sizes

@@ -59,7 +59,9 @@ TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 # small peers model's gate_up output alone is 90 MB) spill the caches that 2,000 rows fit:
 # 8 x 1,000-token prompts prefilled at 1,618 tokens/s in batches of 2 prompts against 946
 # as one batch of 8 (1,363 one at a time), interleaved, 2 threads (issue 18,
-# docs/benchmarks.md). The scheduler's --max-prefill-tokens (8,192) suits GPUs.
+# docs/benchmarks.md). The scheduler hands a CPU worker batches of 2,048 new tokens by
+# default (--max-prefill-tokens 0, services/scheduler/prefill.py), so groups matter for
+# an explicit larger setting.
 CPU_EXTEND_ROWS = 2048
 
 
