@@ -64,8 +64,9 @@ class KVPool:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
 
 
-# Activations are budgeted for a prefill batch of this many tokens: the scheduler's default
-# --max-prefill-tokens (a larger setting on a nearly full GPU needs a lower memory share).
+# Activations are budgeted for a prefill batch of this many tokens: what the scheduler's
+# default --max-prefill-tokens (0) gives a GPU worker (DEFAULT_MAX_PREFILL_TOKENS in
+# services/scheduler/prefill.py; a larger setting on a nearly full GPU needs a lower share).
 RESERVE_PREFILL_TOKENS = 8192
 WORKSPACE_BYTES = 256 << 20  # cuBLAS / Triton workspaces, allocator slack
 

@@ -135,8 +135,8 @@ class ModelRunner:
         )
         start = time.perf_counter()
         pool = KVPool(shape, num_slots, self.device)
-        log.info("KV pool of %.2f GiB zeroed in %.1f s", pool.nbytes() / 2**30,
-                 time.perf_counter() - start)  # fmt: skip
+        seconds = time.perf_counter() - start
+        log.info("KV pool of %.2f GiB zeroed in %.1f s", pool.nbytes() / 2**30, seconds)
         return pool
 
     def _runtime_reserve(self) -> RuntimeReserve:
