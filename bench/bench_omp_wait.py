@@ -5,11 +5,13 @@ child process; the settings alternate round after round and the medians are comp
 A child builds a ModelRunner (the server's defaults: packed linears, the C decode kernel),
 prefills --batch prompts and times --steps decode steps (wall ms per step, median).
 
-    passive   OMP_WAIT_POLICY=PASSIVE (the worker's default since issue 18)
+    passive   OMP_WAIT_POLICY=PASSIVE: sleep at once
     spin      GOMP_SPINCOUNT=300000 (libgomp's own default: spin ~300k rounds, then sleep)
+    spinN     GOMP_SPINCOUNT=N
 
     M=~/.cache/radixserve-peers/models/small
-    .venv/bin/python bench/bench_omp_wait.py --model-path $M --batches 16 64 --rounds 3
+    .venv/bin/python bench/bench_omp_wait.py --model-path $M --batches 16 64 --rounds 3 \
+        --policies passive spin20000 spin
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-POLICIES = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin": {"GOMP_SPINCOUNT": "300000"}}
+
+def policy_env(name: str) -> dict[str, str]:
+    """The environment of one --policies name (see the docstring)."""
+    if name == "passive":
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    count = name.removeprefix("spin") or "300000"
+    if not count.isdigit():
+        raise SystemExit(f"--policies: unknown policy {name!r}")
+    return {"GOMP_SPINCOUNT": count}
 
 
 def child(path: str, batch: int, prompt_len: int, steps: int, threads: int) -> None:
@@ -53,7 +63,7 @@ def child(path: str, batch: int, prompt_len: int, steps: int, threads: int) -> N
 
 def run_child(ns: argparse.Namespace, policy: str, batch: int) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(POLICIES[policy])
+    env.update(policy_env(policy))
     argv = [sys.executable, __file__, "--child", "--model-path", ns.model_path,
             "--batches", str(batch), "--prompt-len", str(ns.prompt_len), "--steps",
             str(ns.steps), "--threads", str(ns.threads)]  # fmt: skip
@@ -71,6 +81,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--policies", nargs="+", default=["passive", "spin"])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
@@ -78,19 +89,22 @@ def main() -> None:
         return
     print(f"{ns.threads} threads, prompts {ns.prompt_len}, {ns.steps} decode steps per child, "
           f"{ns.rounds} rounds, load average at start {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("| decode batch | passive ms/step | spin ms/step | passive / spin speed | per round |")
-    print("|---:|---:|---:|---:|---|")
+    base = ns.policies[0]
+    head = " | ".join(f"{p} ms/step" for p in ns.policies)
+    speed = " | ".join(f"{p} / {base} speed" for p in ns.policies[1:])
+    print(f"| decode batch | {head} | {speed} | per round ({' / '.join(ns.policies)}) |")
+    print("|---:|" + "---:|" * (2 * len(ns.policies) - 1) + "---|")
     for b in ns.batches:
-        ms: dict[str, list[float]] = {p: [] for p in POLICIES}
+        ms: dict[str, list[float]] = {p: [] for p in ns.policies}
         for r in range(ns.rounds):
-            for p in POLICIES if r % 2 == 0 else reversed(POLICIES):
+            for p in ns.policies if r % 2 == 0 else reversed(ns.policies):
                 ms[p].append(run_child(ns, p, b))
         med = {p: statistics.median(v) for p, v in ms.items()}
-        rounds = ", ".join(
-            f"{a:.0f}/{s:.0f}" for a, s in zip(ms["passive"], ms["spin"], strict=True)
-        )
-        print(f"| {b} | {med['passive']:.1f} | {med['spin']:.1f} | "
-              f"{med['spin'] / med['passive']:.2f}x | {rounds} |", flush=True)  # fmt: skip
+        cells = " | ".join(f"{med[p]:.1f}" for p in ns.policies)
+        ratios = " | ".join(f"{med[base] / med[p]:.2f}x" for p in ns.policies[1:])
+        rounds = ", ".join("/".join(f"{ms[p][r]:.0f}" for p in ns.policies)
+                           for r in range(ns.rounds))  # fmt: skip
+        print(f"| {b} | {cells} | {ratios} | {rounds} |", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
