@@ -84,6 +84,10 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["passive", "spin"])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    for name in ns.policies:  # a bad name fails here, not after the first children ran
+        policy_env(name)
+    if len(set(ns.policies)) != len(ns.policies):
+        raise SystemExit("--policies: each policy once")
     if ns.child:
         child(ns.model_path, ns.batches[0], ns.prompt_len, ns.steps, ns.threads)
         return
