@@ -5,13 +5,20 @@ child process; the settings alternate round after round and the medians are comp
 A child builds a ModelRunner (the server's defaults: packed linears, the C decode kernel),
 prefills --batch prompts and times --steps decode steps (wall ms per step, median).
 
-    passive   OMP_WAIT_POLICY=PASSIVE: sleep at once
+    passive   OMP_WAIT_POLICY=PASSIVE: sleep at once (the worker's --cpu-wait passive)
     spin      GOMP_SPINCOUNT=300000 (libgomp's own default: spin ~300k rounds, then sleep)
-    spinN     GOMP_SPINCOUNT=N
+    spinN     GOMP_SPINCOUNT=N (--cpu-wait spin is spin30000)
+    adaptive  --cpu-wait adaptive, the worker's default: spin30000, and the worker's thread
+              governor (services/worker/cpu_threads.py) after every step
+
+``--busy N`` runs N busy loops (one process each) beside the children for the whole run:
+the cores wanted by someone else, as on a shared machine.
 
     M=~/.cache/radixserve-peers/models/small
     .venv/bin/python bench/bench_omp_wait.py --model-path $M --batches 16 64 --rounds 3 \
         --policies passive spin20000 spin
+    .venv/bin/python bench/bench_omp_wait.py --model-path $M --batches 16 --rounds 2 \
+        --policies passive spin30000 adaptive --busy 1
 """
 
 from __future__ import annotations
@@ -24,18 +31,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from services.worker.cpu_threads import SPIN_COUNT  # noqa: E402  (stdlib only: no torch yet)
+
 
 def policy_env(name: str) -> dict[str, str]:
     """The environment of one --policies name (see the docstring)."""
     if name == "passive":
         return {"OMP_WAIT_POLICY": "PASSIVE"}
+    if name == "adaptive":
+        return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
     count = name.removeprefix("spin") or "300000"
     if not count.isdigit():
         raise SystemExit(f"--policies: unknown policy {name!r}")
     return {"GOMP_SPINCOUNT": count}
 
 
-def child(path: str, batch: int, prompt_len: int, steps: int, threads: int) -> None:
+def child(path: str, batch: int, prompt_len: int, steps: int, threads: int, adapt: bool) -> None:
     import random
     import time
     from contextlib import nullcontext
@@ -46,8 +58,10 @@ def child(path: str, batch: int, prompt_len: int, steps: int, threads: int) -> N
     from bench_decode_step import batches, runner
 
     from services.worker import wire
+    from services.worker.cpu_threads import ThreadGovernor
 
     torch.set_num_threads(threads)
+    governor = ThreadGovernor(threads, torch.set_num_threads) if adapt else None
     r = runner(path, batch * (prompt_len + steps) + 16, nullcontext)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, r.vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
@@ -58,6 +72,8 @@ def child(path: str, batch: int, prompt_len: int, steps: int, threads: int) -> N
         start = time.perf_counter()
         wire.forward(r, b)
         times.append(time.perf_counter() - start)
+        if governor:
+            governor.after_step()
     print(json.dumps({"ms": statistics.median(times[1:]) * 1e3}))
 
 
@@ -67,6 +83,8 @@ def run_child(ns: argparse.Namespace, policy: str, batch: int) -> float:
     argv = [sys.executable, __file__, "--child", "--model-path", ns.model_path,
             "--batches", str(batch), "--prompt-len", str(ns.prompt_len), "--steps",
             str(ns.steps), "--threads", str(ns.threads)]  # fmt: skip
+    if policy == "adaptive":
+        argv.append("--adaptive")
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
     return float(json.loads(out.strip().splitlines()[-1])["ms"])
 
@@ -82,17 +100,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--policies", nargs="+", default=["passive", "spin"])
+    ap.add_argument("--busy", type=int, default=0, help="busy-loop processes beside the run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--adaptive", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     for name in ns.policies:  # a bad name fails here, not after the first children ran
         policy_env(name)
     if len(set(ns.policies)) != len(ns.policies):
         raise SystemExit("--policies: each policy once")
     if ns.child:
-        child(ns.model_path, ns.batches[0], ns.prompt_len, ns.steps, ns.threads)
+        child(ns.model_path, ns.batches[0], ns.prompt_len, ns.steps, ns.threads, ns.adaptive)
         return
+    if ns.busy < 0:
+        raise SystemExit("--busy: a count >= 0")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(ns.busy)]
+    try:
+        compare(ns)
+    finally:
+        for proc in busy:
+            proc.kill()
+
+
+def compare(ns: argparse.Namespace) -> None:
     print(f"{ns.threads} threads, prompts {ns.prompt_len}, {ns.steps} decode steps per child, "
-          f"{ns.rounds} rounds, load average at start {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"{ns.rounds} rounds, {ns.busy} busy loops beside, load average at start "
+          f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     base = ns.policies[0]
     head = " | ".join(f"{p} ms/step" for p in ns.policies)
     speed = " | ".join(f"{p} / {base} speed" for p in ns.policies[1:])

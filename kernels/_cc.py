@@ -88,6 +88,18 @@ def cpu_flags() -> str:
     return ""
 
 
+def cpu_vendor() -> str:
+    """``GenuineIntel``, ``AuthenticAMD``, ... ("" where /proc/cpuinfo does not say): where
+    oneDNN overtakes a kernel differs between vendors of the same vector width."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 

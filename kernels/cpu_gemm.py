@@ -24,6 +24,14 @@ layers cycling (cold, as in decode), 2 threads, both builds in one process alter
 medians of 8 rounds: M = 8 1.09x, 16 1.15x, 20 1.04x, 28 1.07x, 32 1.04x. Every sum keeps
 its order, so the results are bit-identical to the previous build's.
 
+The prefetches go to L2 (``_MM_HINT_T1``), not L1: on the 2-core AMD EPYC (Zen 4, 32 KiB
+L1d) the 4 x 512-float chunk in use, the rows of x and the next block's lines fetched into
+L1 evicted each other. The Qwen2-0.5B shape's linears, 8 layers cycling, 2 threads,
+``GOMP_SPINCOUNT=100000``, medians of 5 interleaved rounds, ms per step, L1 -> L2: M = 1
+22.6 -> 15.2, 4 37.6 -> 21.0, 6 27.6 -> 17.9, 8 33.4 -> 27.3, 16 49.5 -> 47.4 (the weights at
+31 GB/s for one row, where a 2-thread ``x.sum()`` read 28). On the Xeon the two hints were
+level (docs/benchmarks.md, item 12).
+
 Numerics: float32 with FMA, a fixed order (per lane k ascending, then a fixed tree over
 the 8 lanes, then + bias), no -ffast-math. The order does not depend on M, on which tile a
 row lands in or on the thread count, so a row's result is bit-identical whatever batch it
@@ -138,8 +146,8 @@ static inline __attribute__((always_inline)) void tile(
     int64_t k = k0;
     if (pf0 >= 0) /* fetch rows pf0, pf0 + pfs, ... of the next block meanwhile (cold weights) */
         for (; k + 16 <= k1; k += 16) {
-            for (int j = pf0; j < nr; j += pfs)
-                _mm_prefetch((const char*)(w + (NR + j) * ldw + k), _MM_HINT_T0);
+            for (int j = pf0; j < nr; j += pfs) /* into L2: see the module docstring */
+                _mm_prefetch((const char*)(w + (NR + j) * ldw + k), _MM_HINT_T1);
             for (int h = 0; h < 16; h += LANES) {
                 vec xv[MR];
                 for (int i = 0; i < mr; ++i) xv[i] = VLOAD(x + i * ldx + k + h);

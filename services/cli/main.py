@@ -4,7 +4,6 @@ server, or benchmark any OpenAI-compatible server."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -69,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _service_main(name: str) -> Callable[[Any], None]:
-    """The service's entry point, imported only when asked for (the worker's pulls torch)."""
+def _service_main(name: str, cfg: Any) -> Callable[[Any], None]:
+    """The service's entry point, imported only when asked for (the worker's pulls torch:
+    its OpenMP wait setting goes into the environment first, libgomp reads it once)."""
     if name == "frontend":
         from services.frontend.main import main as frontend_main
 
@@ -79,23 +79,15 @@ def _service_main(name: str) -> Callable[[Any], None]:
         from services.scheduler.main import main as scheduler_main
 
         return scheduler_main
-    _passive_openmp()
+    from services.worker import cpu_threads
+
+    cpu_threads.set_openmp_wait(cfg.cpu_wait)
     from services.worker import host_memory  # before torch: see its docstring
 
     host_memory.tune()
     from services.worker.main import main as worker_main
 
     return worker_main
-
-
-def _passive_openmp() -> None:
-    """Before torch loads libgomp (it reads these once): the worker's OpenMP threads sleep at
-    a barrier instead of spinning (libgomp spins ~300k rounds by default). On 2 cores shared
-    with the frontend, the scheduler and the clients, a spinning thread holds the core its
-    partner (or the frontend) needs: decode-size linears ran 4-15x slower under load
-    (issue 18, docs/benchmarks.md). An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = from_args(SERVICES[ns.command], ns)
     except ValueError as e:  # a flag out of its range (the configs check their own)
         raise SystemExit(f"radixserve {ns.command}: {e}") from None
-    _service_main(ns.command)(cfg)
+    _service_main(ns.command, cfg)(cfg)
     return 0
 
 

@@ -77,6 +77,13 @@ class WorkerConfig:
     cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
     random_seed: int = _opt(0, "seed for requests that give none")
     cpu_threads: int = _opt(0, "torch threads on CPU (0: one per core this process may use)")
+    cpu_wait: str = _opt(
+        "adaptive",
+        "how CPU worker threads wait between parallel ops: spin ~0.5 ms then sleep (spin), "
+        "sleep at once (passive), or spin and run one thread fewer while other processes "
+        "wait for the cores (adaptive); OMP_WAIT_POLICY / GOMP_SPINCOUNT win when set",
+        choices=["adaptive", "spin", "passive"],
+    )
     cpu_linear: str = _opt(
         "auto",
         "float32 linears on CPU: packed (oneDNN, weights prepacked once at load), hybrid "

@@ -62,6 +62,12 @@ the kernel builds its 16-lane variant), the same command, 3 rounds, ``--gemm-ms 
 0.79x at 64 (the AVX2 kernel there: 1.29x at 1, 0.83x at 16, 0.61x at 64). So
 ``KERNEL_ROWS_AVX512 = 20``.
 
+On the 2-core AMD EPYC Zen 4 (AVX-512 executed in two halves, a 32 KiB L1d), with the
+kernel's prefetches into L2 and ``GOMP_SPINCOUNT=100000`` (the worker's spin), Qwen2-0.5B's
+linears of 8 layers cycling, ms per pass, kernel / oneDNN packed: M=1 20.7 / 49.0, 8 25.9 /
+28.6, 10 30.5 / 30.2, 12 38.1 / 33.5, 16 48.7 / 37.6 (docs/benchmarks.md, item 17). So
+``KERNEL_ROWS_AVX512_AMD = 10`` there, chosen by ``/proc/cpuinfo``'s vendor.
+
 Exactness: the float32 oneDNN path computes in float32 with another summation order,
 nothing else. Against float64, over both models' shapes at M = 1 / 64 / 2048: oneDNN
 max|err| / max|ref| <= 1.4e-6 (MKL: 8.4e-7); it differs from ``F.linear`` by <= 1.4e-6
@@ -82,9 +88,9 @@ torch has a working oneDNN (``torch.backends.mkldnn.enabled``), otherwise plain
 ``F.linear`` over the original tensors (CUDA, float16/float64, builds without oneDNN), so
 callers never branch. The only per-call choice is by size, and only while the original
 (plain) weight is kept: fewer than ``min_rows`` rows go to ``F.linear`` on it, then fewer
-than ``kernel_rows`` (default ``default_kernel_rows()``, by the kernel's vector width;
-float32 and oneDNN, where the C kernel
-builds) to kernels/cpu_gemm.py on it, the rest to oneDNN. ``min_rows`` defaults to 0 when
+than ``kernel_rows`` (default ``default_kernel_rows()``, by the kernel's vector width and
+the CPU's vendor; float32 and oneDNN, where the C kernel builds) to kernels/cpu_gemm.py on
+it, the rest to oneDNN. ``min_rows`` defaults to 0 when
 the kernel serves (it beats ``F.linear`` at one row too), else to 2.
 
 ``bf16=True`` stores the weight in bfloat16 and runs in bfloat16 (activations cast in,
@@ -116,22 +122,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import cpu_gemm
+from kernels import _cc, cpu_gemm
 
 __all__ = ["PackedLinear", "pack_linear", "onednn_fp32_available", "onednn_bf16_available"]
 
 # Fewer rows than this run kernels/cpu_gemm.py on the plain weight (float32, plain weight
 # kept): faster than oneDNN below it, slower from it on (module docstring's tables). Where
-# they cross depends on the vector width both use: 28 rows with AVX2 (the 2-core AMD EPYC),
-# 20 with AVX-512 (the 2-core Xeon, Sapphire Rapids, where oneDNN's kernels are AVX-512 too).
+# they cross depends on the vector width both use: 28 rows with AVX2 (a 2-core Zen 3 EPYC),
+# 20 with AVX-512 on the 2-core Xeon (Sapphire Rapids, where oneDNN's kernels are AVX-512
+# too), 10 with AVX-512 on the 2-core Zen 4 EPYC (a 32 KiB L1d, AVX-512 in two halves: the
+# kernel's reuse of each weight chunk over the rows pays less there).
 KERNEL_ROWS = 28
 KERNEL_ROWS_AVX512 = 20
+KERNEL_ROWS_AVX512_AMD = 10
 
 
 def default_kernel_rows() -> int:
-    """The crossing for the width of the kernel this CPU builds (PackedLinear uses no kernel
-    at all where none builds)."""
-    return KERNEL_ROWS_AVX512 if cpu_gemm.lanes() == 16 else KERNEL_ROWS
+    """The crossing for the width of the kernel this CPU builds and its vendor (PackedLinear
+    uses no kernel at all where none builds)."""
+    if cpu_gemm.lanes() != 16:
+        return KERNEL_ROWS
+    return KERNEL_ROWS_AVX512_AMD if _cc.cpu_vendor() == "AuthenticAMD" else KERNEL_ROWS_AVX512
 
 
 def _probe(dtype: torch.dtype) -> bool:

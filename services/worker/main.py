@@ -28,6 +28,7 @@ from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection,
 from services.common.logs import setup_logging
 from services.worker import wire
 from services.worker.batch import RunnerInfo
+from services.worker.cpu_threads import ThreadGovernor
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner
 
@@ -39,13 +40,22 @@ DRAIN_IDLE_S = 1.0
 _tracer = tracing.tracer("radixserve.worker")
 
 
-def set_cpu_threads(requested: int) -> None:
+def set_cpu_threads(requested: int) -> int:
     """Default: one torch thread per core this process may use. Measured with the whole
     server on 2 busy cores (issue 18, docs/benchmarks.md): 2 threads beat 1 by 1.24x in
     decode tok/s (16 streams) and 1.8x in cold-prefill wall time; the scheduler and the
-    frontend idle at ~1% each and did not starve."""
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(requested or cores)
+    frontend idle at ~1% each and did not starve. Returns the count."""
+    threads = requested or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def thread_governor(cfg: WorkerConfig, runner: ModelRunner, threads: int) -> ThreadGovernor | None:
+    """With --cpu-wait adaptive on a CPU worker: fewer threads while others want the cores."""
+    if cfg.cpu_wait != "adaptive" or runner.device.type != "cpu":
+        return None
+    governor = ThreadGovernor(threads, torch.set_num_threads)
+    return governor if governor.enabled else None
 
 
 def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
@@ -108,8 +118,9 @@ def main(cfg: WorkerConfig) -> None:
         check_link(cfg.worker_addr, keys, cfg.insecure_internal, "--worker-addr")
     except InsecureLink as e:
         raise SystemExit(f"worker: {e}") from None
-    set_cpu_threads(cfg.cpu_threads)
+    threads = set_cpu_threads(cfg.cpu_threads)
     runner = ModelRunner(cfg)  # SIGTERM meanwhile ends the process at once (nothing to drain)
+    governor = thread_governor(cfg, runner, threads)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ctx = zmq.Context()
@@ -118,12 +129,14 @@ def main(cfg: WorkerConfig) -> None:
     sock = transport.router(ctx, cfg.worker_addr, setup=admit_scheduler)
     server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
     metrics = WorkerMetrics(runner.info().model_id) if cfg.enable_metrics else None
+    if metrics and runner.device.type == "cpu":
+        metrics.cpu_threads.labels(metrics.model_name).set(threads)
     where = f"gRPC health on {cfg.host}:{port}"
     if metrics:
         where += f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}"
     _log_ready(cfg, runner.info(), where)
     try:
-        serve(sock, runner, metrics, stop, cfg.shutdown_grace_period)
+        serve(sock, runner, metrics, stop, cfg.shutdown_grace_period, governor)
     except KeyboardInterrupt:
         pass
     finally:
@@ -161,6 +174,7 @@ def serve(
     metrics: WorkerMetrics | None,
     stop: threading.Event,
     grace_s: float = 30.0,
+    governor: ThreadGovernor | None = None,
 ) -> None:
     """Answers the scheduler's messages until SIGTERM, then while its scheduler drains: until
     no batch came for DRAIN_IDLE_S, or ``grace_s`` after the signal."""
@@ -189,6 +203,10 @@ def serve(
             continue
         last_msg = time.monotonic()
         reply = handle(runner, msg, instance)
+        if governor and reply.HasField("result"):
+            governor.after_step()
+            if metrics:
+                metrics.cpu_threads.labels(metrics.model_name).set(governor.threads)
         if metrics and reply.HasField("result"):
             metrics.observe(msg.forward, reply.result)
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from radixserve.internal.v1 import engine_pb2
 
@@ -42,6 +42,14 @@ class WorkerMetrics:
         )
         self.failures = Counter(
             P + "forward_failures", "Forward batches that failed", ["model_name"], registry=r
+        )
+
+        self.cpu_threads = Gauge(
+            P + "worker_cpu_threads",
+            "Torch threads a CPU worker runs now (--cpu-wait adaptive lowers it while other "
+            "processes wait for the cores)",
+            ["model_name"],
+            registry=r,
         )
 
     def serve(self, host: str, port: int) -> int:

@@ -211,3 +211,24 @@ def test_one_dimensional_and_empty_inputs_on_every_path() -> None:
         assert y.shape == (N,)
         assert _rel(y, ref) < 1e-5
         assert lin(torch.randn(2, 0, K)).shape == (2, 0, N)
+
+
+@pytest.mark.parametrize(
+    "lanes,vendor,rows",
+    [
+        (16, "GenuineIntel", cpu_linear.KERNEL_ROWS_AVX512),
+        (16, "AuthenticAMD", cpu_linear.KERNEL_ROWS_AVX512_AMD),
+        (16, "", cpu_linear.KERNEL_ROWS_AVX512),
+        (8, "AuthenticAMD", cpu_linear.KERNEL_ROWS),
+        (8, "GenuineIntel", cpu_linear.KERNEL_ROWS),
+    ],
+)
+def test_the_kernel_crossing_follows_vector_width_and_vendor(monkeypatch, lanes, vendor, rows):
+    monkeypatch.setattr(cpu_linear.cpu_gemm, "lanes", lambda: lanes)
+    monkeypatch.setattr(cpu_linear._cc, "cpu_vendor", lambda: vendor)
+    assert cpu_linear.default_kernel_rows() == rows
+
+
+def test_cpu_vendor_reads_proc_cpuinfo():
+    vendor = cpu_linear._cc.cpu_vendor()
+    assert isinstance(vendor, str) and " " not in vendor.strip()

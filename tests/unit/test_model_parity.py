@@ -237,6 +237,27 @@ def test_linears_are_packed(arch, request):
     assert (model.tied_head is not None) == model.tie_word_embeddings
 
 
+@pytest.mark.skipif(not onednn_fp32_available(), reason="this torch build has no oneDNN linear")
+def test_a_large_tied_head_runs_on_the_dense_table(model_case, monkeypatch):
+    """Past TIED_HEAD_COPY_MAX_BYTES (Qwen2's 544 MB table) the tied head has no copy: the C
+    kernel on the dense table for few rows, oneDNN over it for more; greedy is unchanged."""
+    from services.worker.models import llama
+
+    folder, hf, prompts, expected = model_case
+    if not hf.config.tie_word_embeddings:
+        pytest.skip("untied lm_head")
+    monkeypatch.setattr(llama, "TIED_HEAD_COPY_MAX_BYTES", 0)
+    runner = make_runner(folder)
+    model = runner.model
+    assert model.tied_head is not None and not hasattr(model.tied_head, "path")
+    table = model.model.embed_tokens.weight
+    for rows in (1, 3, llama.TIED_HEAD_KERNEL_ROWS + 5):
+        x = torch.randn(rows, table.shape[1])
+        ref = torch.nn.functional.linear(x.double(), table.double())
+        assert (model.compute_logits(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert generate(runner, prompts, MAX_NEW) == expected
+
+
 def test_greedy_with_cached_prefix_matches(model_case):
     folder, _, prompts, expected = model_case
     runner = make_runner(folder)

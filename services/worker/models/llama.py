@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemm
 from services.worker.attention.base import AttentionBackend, AttentionMeta
-from services.worker.cpu_linear import PackedLinear
+from services.worker.cpu_linear import PackedLinear, default_kernel_rows
 from services.worker.forward_context import ForwardContext
 from services.worker.kv_pool import KVPool
 from services.worker.layers import (
@@ -48,10 +49,15 @@ _STACKED = (
 # Checkpoint tensors that carry nothing we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A tied lm_head gets its own packed copy of the embedding table up to this size (small
-# vocabularies); a larger one (Qwen2's 151,936 x 896 is 544 MB) runs oneDNN over the dense
-# table itself: measured 1.6-2x over F.linear at 16-64 rows (the packed copy 1.9-2.1x),
-# for no extra memory. Single rows stay on F.linear either way.
+# vocabularies); a larger one (Qwen2's 151,936 x 896 is 544 MB) runs on the dense table
+# itself, for no extra memory: oneDNN, measured 1.6-2x over F.linear at 16-64 rows (the
+# packed copy 1.9-2.1x), and the C kernel (kernels/cpu_gemm.py) for fewer rows than
+# TIED_HEAD_KERNEL_ROWS (or the linears' crossing, if higher). On the 2-core Zen 4 EPYC,
+# that table, 2 threads, ms per call with the table cold, F.linear / oneDNN dense / kernel:
+# M = 1 57 / 52 / 22, 8 147 / 45 / 25, 16 158 / 59 / 46, 24 - / 72 / 67, 32 - / 84 / 88
+# (docs/benchmarks.md, item 17).
 TIED_HEAD_COPY_MAX_BYTES = 64 << 20
+TIED_HEAD_KERNEL_ROWS = 24
 
 
 # Rows of one forward of a CPU prefill (extend) batch; a larger batch runs as consecutive
@@ -223,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             if table.nbytes <= TIED_HEAD_COPY_MAX_BYTES:
                 self.tied_head = PackedLinear(table, keep_plain=True)
             else:
-                self.tied_head = _dense_onednn_head(table)
+                self.tied_head = _dense_head(table)
         return packed
 
     @property
@@ -352,11 +358,16 @@ def _shards_of(module_name: str) -> list[tuple[str, int]]:
     return out
 
 
-def _dense_onednn_head(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x @ table^T through oneDNN on the plain (unpacked) float32 table: no copy."""
+def _dense_head(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x @ table^T on the plain (unpacked) float32 table, no copy: the C kernel for few rows
+    (TIED_HEAD_COPY_MAX_BYTES' comment), oneDNN for more."""
     op = torch.ops.mkldnn._linear_pointwise.default
+    kernel = cpu_gemm.load() if cpu_gemm.supports(table) else None
+    kernel_rows = max(default_kernel_rows(), TIED_HEAD_KERNEL_ROWS) if kernel else 0
 
     def head(x: torch.Tensor) -> torch.Tensor:
+        if kernel is not None and x.shape[0] < kernel_rows and x.dtype == torch.float32:
+            return kernel(x, table)
         if x.shape[0] < 2:
             return F.linear(x, table)
         return op(x, table, None, "none", [], "")

@@ -1,0 +1,152 @@
+"""How a CPU worker's OpenMP threads wait, and how many run (issue 18).
+
+Why: libgomp either spins at a barrier for a while or sleeps at once (``OMP_WAIT_POLICY=
+PASSIVE``). On the project's 2-core KVM guests sleeping costs a wake-up through the host at
+each of the ~400 parallel regions of a decode step, and the woken threads stream memory
+slower: the Qwen2-0.5B shape at batch 8, in process, took 123-246 ms a step passive and
+107-115 ms with a ~2 ms spin (``GOMP_SPINCOUNT=100000``); served, passive lost 4-13% of
+decode throughput to vLLM's CPU engine (which spins) where spinning tied it. But a spinning
+thread holds a core that another process wants: with one busy loop beside it, the same step
+took 864 ms spinning against 207 ms passive, because the barrier partner waits on the OS
+scheduler at every op. One thread, spinning or not, took 208 ms there (docs/benchmarks.md,
+item 17).
+
+So the default, ``adaptive``, spins (``SPIN_COUNT``) and counts: every ``period_s`` it
+reads how long the worker's threads sat runnable without a core (``run_delay`` in
+``/proc/<pid>/task/*/schedstat``). When that is more than ``high`` of the wall time per
+running thread for ``sustain`` windows in a row, others want the cores, and the worker runs
+one thread fewer; every ``probe_s`` at fewer threads it tries one more and keeps it unless
+the delay comes back. ``spin`` spins with a fixed thread count; ``passive`` sleeps at once
+with a fixed thread count (the default before). An explicit ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` in the environment always wins over the libgomp half of the setting.
+
+Token exactness: the C kernels sum in an order that does not depend on the thread count;
+torch's and oneDNN's may change with it by float32 rounding, well inside the parity tests'
+tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("radixserve.worker")
+
+WAIT_MODES = ("adaptive", "spin", "passive")
+# ~0.4-0.8 ms of spinning on the 2-core EPYC guest: longer than the gaps between a decode
+# step's parallel regions (10,000, ~0.3 ms, was not: the Qwen step took 158 ms against 89 ms),
+# short enough to leave the cores to the frontend and scheduler between steps (100,000, ~2 ms,
+# was as fast for the Qwen shape and slower served with 64 streams of the small model).
+SPIN_COUNT = 30_000
+
+
+def set_openmp_wait(mode: str) -> None:
+    """Before torch loads libgomp (it reads these once). An explicit setting wins."""
+    if mode not in WAIT_MODES:
+        raise ValueError(f"cpu_wait must be one of {', '.join(WAIT_MODES)}, got {mode!r}")
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if mode == "passive":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+
+
+def read_run_delay_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
+    """Nanoseconds this process's threads have waited runnable for a CPU, summed; None where
+    the kernel does not say (no /proc, schedstats off)."""
+    total = 0
+    try:
+        tasks = list(task_dir.iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if len(fields) < 2 or not fields[1].isdigit():
+            return None
+        total += int(fields[1])
+    return total if tasks else None
+
+
+@dataclass
+class GovernorConfig:
+    period_s: float = 0.5  # the window over which the delay is measured
+    # Run delay per running thread above this share of the window counts as contention. Served
+    # on 2 cores, the worker's own frontend, scheduler and clients make 1-19% (single windows
+    # up to 25% when 50 prompts arrive at once); one busy loop beside it makes 43-45%.
+    high: float = 0.3
+    sustain: int = 3  # windows in a row above `high` before a thread goes
+    probe_s: float = 30.0  # at fewer threads, try one more after this long
+
+
+def decide(threads: int, max_threads: int, hot_windows: int, since_change_s: float,
+           cfg: GovernorConfig) -> int:  # fmt: skip
+    """The thread count for the next window, from how many windows in a row (up to the last)
+    were above ``cfg.high``."""
+    if hot_windows >= cfg.sustain and threads > 1:
+        return threads - 1
+    if hot_windows == 0 and threads < max_threads and since_change_s >= cfg.probe_s:
+        return threads + 1
+    return threads
+
+
+class ThreadGovernor:
+    """Call ``after_step()`` after each forward batch; it changes the torch thread count."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        set_threads: Callable[[int], None],
+        read_delay: Callable[[], int | None] = read_run_delay_ns,
+        clock: Callable[[], float] = time.monotonic,
+        cfg: GovernorConfig | None = None,
+    ):
+        self.max_threads, self.threads = max_threads, max_threads
+        self.set_threads, self.read_delay, self.clock = set_threads, read_delay, clock
+        self.cfg = cfg or GovernorConfig()
+        self.window_start = self.changed_at = clock()
+        start = read_delay()
+        self.enabled = max_threads > 1 and start is not None
+        self.delay_start = start or 0
+        self.warned = False
+        self.hot_windows = 0  # windows in a row above cfg.high
+
+    def after_step(self) -> None:
+        if not self.enabled:
+            return
+        now = self.clock()
+        elapsed = now - self.window_start
+        if elapsed < self.cfg.period_s:
+            return
+        delay = self.read_delay()
+        if delay is None:
+            self.enabled = False
+            return
+        share = (delay - self.delay_start) / 1e9 / elapsed / self.threads
+        self.window_start, self.delay_start = now, delay
+        log.debug(
+            "worker: %d CPU threads waited %.1f%% of %.2f s", self.threads, 100 * share, elapsed
+        )
+        self.hot_windows = self.hot_windows + 1 if share > self.cfg.high else 0
+        new = decide(
+            self.threads, self.max_threads, self.hot_windows, now - self.changed_at, self.cfg
+        )
+        if new != self.threads:
+            # The first drop says why at WARNING; the probes after it would repeat it.
+            level = logging.WARNING if new < self.threads and not self.warned else logging.INFO
+            self.warned |= level == logging.WARNING
+            log.log(
+                level,
+                "worker: %d -> %d CPU threads (its threads waited %.0f%% of the last %.1f s for "
+                "a core: other processes want them; --cpu-wait passive or spin fixes the count)",
+                self.threads, new, 100 * share, elapsed,
+            )  # fmt: skip
+            self.set_threads(new)
+            self.threads, self.changed_at, self.hot_windows = new, now, 0
