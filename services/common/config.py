@@ -197,6 +197,12 @@ class SchedulerConfig:
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
+        for flag, value in (
+            ("--max-prefill-tokens", self.max_prefill_tokens),
+            ("--mixed-prefill-tokens", self.mixed_prefill_tokens),
+        ):
+            if value < 0:  # 0 already means "the default" / "off": a negative is a typo
+                raise ValueError(f"{flag} must be >= 0, got {value}")
         # A number of decode steps: NaN, infinity or a negative one is a typo, not a setting.
         if not math.isfinite(self.mixed_step_slowdown) or self.mixed_step_slowdown < 0:
             raise ValueError(

@@ -330,6 +330,14 @@ def test_a_bad_mixed_step_slowdown_is_refused_naming_the_flag(value):
         SchedulerConfig(mixed_step_slowdown=value)
 
 
+@pytest.mark.parametrize("field", ["max_prefill_tokens", "mixed_prefill_tokens"])
+def test_a_negative_prefill_budget_is_refused_naming_the_flag(field):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag} must be >= 0, got -5"):
+        SchedulerConfig(**{field: -5})
+    SchedulerConfig(**{field: 0})  # 0 stays the documented default / off
+
+
 def test_the_cli_refuses_a_bad_mixed_step_slowdown_without_a_traceback():
     from services.cli.main import main
 
