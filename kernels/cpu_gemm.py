@@ -26,7 +26,7 @@ its order, so the results are bit-identical to the previous build's.
 
 The prefetches go to L2 (``_MM_HINT_T1``), not L1: on the 2-core AMD EPYC (Zen 4, 32 KiB
 L1d) the 4 x 512-float chunk in use, the rows of x and the next block's lines fetched into
-L1 evicted each other. The Qwen2-0.5B shape's linears, 8 layers cycling, 2 threads,
+L1 most likely evicted each other (not confirmed with counters). The Qwen2-0.5B shape's linears, 8 layers cycling, 2 threads,
 ``GOMP_SPINCOUNT=100000``, medians of 5 interleaved rounds, ms per step, L1 -> L2: M = 1
 22.6 -> 15.2, 4 37.6 -> 21.0, 6 27.6 -> 17.9, 8 33.4 -> 27.3, 16 49.5 -> 47.4 (the weights at
 31 GB/s for one row, where a 2-thread ``x.sum()`` read 28). On the Xeon the two hints were
