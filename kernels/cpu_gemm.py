@@ -26,11 +26,11 @@ its order, so the results are bit-identical to the previous build's.
 
 The prefetches go to L2 (``_MM_HINT_T1``), not L1: on the 2-core AMD EPYC (Zen 4, 32 KiB
 L1d) the 4 x 512-float chunk in use, the rows of x and the next block's lines fetched into
-L1 most likely evicted each other (not confirmed with counters). The Qwen2-0.5B shape's linears, 8 layers cycling, 2 threads,
-``GOMP_SPINCOUNT=100000``, medians of 5 interleaved rounds, ms per step, L1 -> L2: M = 1
-22.6 -> 15.2, 4 37.6 -> 21.0, 6 27.6 -> 17.9, 8 33.4 -> 27.3, 16 49.5 -> 47.4 (the weights at
-31 GB/s for one row, where a 2-thread ``x.sum()`` read 28). On the Xeon the two hints were
-level (docs/benchmarks.md, item 12).
+L1 most likely evicted each other (not confirmed with counters). The Qwen2-0.5B shape's
+linears, 8 layers cycling, 2 threads, ``GOMP_SPINCOUNT=100000``, medians of 5 interleaved
+rounds, ms per step, L1 -> L2: M = 1 22.6 -> 15.2, 4 37.6 -> 21.0, 6 27.6 -> 17.9, 8 33.4
+-> 27.3, 16 49.5 -> 47.4 (the weights at 31 GB/s for one row, where a 2-thread ``x.sum()``
+read 28). On the Xeon the two hints were level (docs/benchmarks.md, item 12).
 
 Numerics: float32 with FMA, a fixed order (per lane k ascending, then a fixed tree over
 the 8 lanes, then + bias), no -ffast-math. The order does not depend on M, on which tile a
