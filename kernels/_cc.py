@@ -14,6 +14,7 @@ and keeps its torch path) must be the same for all of them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -88,6 +89,7 @@ def cpu_flags() -> str:
     return ""
 
 
+@functools.cache
 def cpu_vendor() -> str:
     """``GenuineIntel``, ``AuthenticAMD``, ... ("" where /proc/cpuinfo does not say): where
     oneDNN overtakes a kernel differs between vendors of the same vector width."""

@@ -238,14 +238,15 @@ def test_linears_are_packed(arch, request):
 
 
 @pytest.mark.skipif(not onednn_fp32_available(), reason="this torch build has no oneDNN linear")
-def test_a_large_tied_head_runs_on_the_dense_table(model_case, monkeypatch):
+def test_a_large_tied_head_runs_on_the_dense_table(tiny_qwen2_dir, monkeypatch):
     """Past TIED_HEAD_COPY_MAX_BYTES (Qwen2's 544 MB table) the tied head has no copy: the C
     kernel on the dense table for few rows, oneDNN over it for more; greedy is unchanged."""
     from services.worker.models import llama
 
-    folder, hf, prompts, expected = model_case
-    if not hf.config.tie_word_embeddings:
-        pytest.skip("untied lm_head")
+    folder, hf = tiny_qwen2_dir, load_hf_model(tiny_qwen2_dir)
+    assert hf.config.tie_word_embeddings  # the tiny Qwen2 (tests/conftest.py) ties its head
+    prompts = make_prompts(8, hf.config.vocab_size)
+    expected = [hf_greedy(hf, p) for p in prompts]
     monkeypatch.setattr(llama, "TIED_HEAD_COPY_MAX_BYTES", 0)
     runner = make_runner(folder)
     model = runner.model
