@@ -1,44 +1,31 @@
-"""Decode attention on CPU straight from the paged KV pool: a small C kernel (issue 18).
+"""Decode attention on CPU straight from the paged KV pool: a small C kernel.
 
 Why: the torch backend's decode gathered every request's K and V rows out of the pool into
-a padded [B, Lmax] copy per layer (``index_select``) and then ran SDPA over the copy. On the
-project's 2-core VM that copy of scattered 1 KiB rows cost more than the attention itself:
-at 16 requests x 350 tokens, 2.3 ms of a 4.6 ms layer (64 x 350: 7.7 of 15 ms), and the
-whole decode attention was about half a decode step of the 24M-parameter peers model.
-This kernel reads each K/V row where it lies, once: per (request, kv head) it scores the
-g = Hq/Hkv query heads against the context's slots (read through the request-to-slot
-table, as the Triton kernel does), takes an exact two-pass softmax, and sums the V rows.
-OpenMP spreads the (request, kv head) items over ``nthreads``; the library links the
-libgomp that torch has already loaded, so both share one thread pool.
+a padded [B, Lmax] copy per layer (``index_select``) and then ran SDPA over the copy; that
+copy of scattered rows cost about as much as the attention itself. This kernel reads each
+K/V row where it lies, once: per (request, kv head) it scores the g = Hq/Hkv query heads
+against the context's slots (read through the request-to-slot table, as the Triton kernel
+does), takes an exact two-pass softmax, and sums the V rows. OpenMP spreads the (request,
+kv head) items over ``nthreads``; the library links the libgomp that torch has already
+loaded, so both share one thread pool.
 
-The softmax runs on vectors (the 16-lane AVX-512 or 8-lane AVX2 exp of kernels/_cc.py,
-the same polynomial as the extend kernel's) and, with AVX-512, each score's dot product on
-16 lanes; before, libm's scalar ``expf`` per (query head, key) was a third of the kernel.
-On the 2-core Xeon (Sapphire Rapids), one layer, contexts of 350 tokens, medians of 40
-interleaved calls, previous / this: 8 / 4 heads 1.43x (16 requests) and 1.46x (64), 14 / 2
-heads 1.43x and 1.54x.
-
-With AVX-512 and head dims 64 or 128, scores are taken 16 slots at a time (16 independent
-dot products per query head, their lane sums in one transposing shuffle tree instead of 16
+The softmax runs on vectors (the 16-lane AVX-512 or 8-lane AVX2 exp of kernels/_cc.py, the
+same polynomial as the extend kernel's; libm's scalar ``expf`` per score had been a third
+of the kernel) and, with AVX-512, each score's dot product on 16 lanes. With AVX-512 and
+head dims 64 or 128, scores are taken 16 slots at a time (16 independent dot products per
+query head, their lane sums in one transposing shuffle tree instead of 16
 ``_mm512_reduce_add_ps``) and the P.V sums run as register tiles of up to 6 query heads x
-the head dim, each V row loaded once for the tile. With the K/V rows hot (every request
-reading the same 352 slots) the per-slot loop took 18.1 ms for 64 requests x 8 layers,
-compute-bound; these tiles 6.0 ms. Side by side with the previous build, 2 threads, 288 +
-64 slots per request in the server's layout, medians of 12 alternating calls
-(``bench/bench_decode_attention.py --against 77df978``): 8 / 4 heads at 16 requests 1.18x,
-at 64 1.06-1.12x (now bound by memory); 14 / 2 heads (24 layers) 1.66x at 16 requests,
-1.88-2.04x at 8. The tree adds in the order that ``_mm512_reduce_add_ps`` does, so the
-results are bit-identical to the per-slot loop's.
+the head dim, each V row loaded once for the tile. The tree adds in the order that
+``_mm512_reduce_add_ps`` does, so the results are bit-identical to a per-slot loop's.
+Figures: docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
 
 Numerics: float32 throughout, another summation order than SDPA (max |diff| ~1e-6
 relative); ``decode_attention_ref`` is the plain-PyTorch reference the tests compare with.
 
-Built on first use with the system C compiler (``cc -O3 -march=native -fopenmp``) into
-``~/.cache/radixserve/kernels`` (``RADIXSERVE_KERNEL_CACHE`` moves it), keyed by the source,
-the flags and the CPU's flags, written atomically so that concurrent workers never load a
-half-written file (kernels/_cc.py, shared with the other C kernels). No compiler, a
-failed build or ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None and the caller keeps
-its torch path.
+Built by kernels/_cc.py (shared with the other C kernels: the system ``cc -O3
+-march=native -fopenmp`` on first use, cached by source + flags + CPU flags, atomic
+write). No compiler, a failed build or ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns
+None and the caller keeps its torch path.
 """
 
 from __future__ import annotations

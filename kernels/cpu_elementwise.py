@@ -1,29 +1,14 @@
 """Fused element-wise ops of a CPU float32 forward: rotary, SiLU-gated product, RMSNorm.
 
-Why: in a cold float32 prefill on CPU about 12% of the time went to element-wise torch ops
-around the linears (torch.profiler, 2 x 1,000-token prefill of the peers' small model:
-aten::mul 6.3%, silu 3.1%, add 1.1%, cat 1.1%). Two sources are a chain of passes over the
-same rows: the rotary embedding (``cat(x1*c - x2*s, x2*c + x1*s)``: four products, a
-subtraction, an addition and a concatenation, six passes each writing a temporary) and the
-gated MLP's ``silu(gate) * up`` (a strided read of ``gate`` out of the fused gate/up output,
-a temporary, a second pass). Each becomes one pass here that reads its inputs once and
-writes the result once. Measured on the 2-core VM (2 threads, in-process, interleaved,
-medians; torch's time / this kernel's), rotary over q and k heads of the qkv view x 64:
-the small model's 12 heads at T = 16 / 128 / 2048 rows 3.0x / 5.0x / 4.9x, Qwen2-0.5B's 16
-heads 3.1x / 5.5x / 5.5x; silu_mul at I = 1408 2.0x / 2.1x / 2.2x, I = 4864 2.2x / 2.2x /
-2.0x. A whole 2 x 1,000-token prefill of the small model: 1.10x tokens/s (1,586 vs 1,441,
-medians of 10 rounds at load ~1.3, 9 of the 10 pairs faster; 1.12x and 1.29x in two
-noisier runs), a 16-request decode step 1.02-1.05x (``bench/bench_decode_step.py --ab
-elementwise``).
-
-``rms_norm`` (optionally after the residual add, ``x + h`` then its norm, as a decoder
-layer's post-attention norm does): torch's CPU ``F.rms_norm`` is a chain of ops (square,
-mean, add, rsqrt, two products), each a pass and a parallel region. On the 2-core Xeon,
-medians of 60 calls, add + norm kernel / torch: 18 / 41 us at 16 x 512, 47 / 105 at 64 x
-512, 502 / 1,270 at 2,048 x 512, 783 / 2,287 at 2,048 x 896; the norm alone 251 / 887 at
-2,048 x 512. The sum is the same float add as torch's (bit-identical residual stream); the
-sum of squares runs in 16 partial sums in a fixed order, so the norm differs from
-``F.rms_norm`` by float32 rounding (<= 2e-6 in the tests).
+Why: in a cold float32 prefill on CPU about an eighth of the time went to element-wise
+torch ops around the linears, chains of passes over the same rows: the rotary embedding
+(``cat(x1*c - x2*s, x2*c + x1*s)``: six passes, each writing a temporary), the gated MLP's
+``silu(gate) * up`` (a strided read of ``gate`` out of the fused gate/up output, a
+temporary, a second pass) and ``F.rms_norm`` (square, mean, add, rsqrt, two products, each
+a pass and a parallel region). Each becomes one pass here that reads its inputs once and
+writes the result once; ``rms_norm`` optionally adds the residual first (``x + h`` then its
+norm, as a decoder layer's post-attention norm does). Figures: docs/benchmarks.md
+("Worker") and docs/benchmarks-history.md.
 
 Numerics:
 - ``rotary``: the same float operations as the torch expression, each rounded (the library
@@ -35,12 +20,15 @@ Numerics:
   1.7e-7).
   exp(-g) overflows to inf for g < -88.03 (the result is -0, as torch's from -88.72), and
   underflows to 2^-126 for g > 87.3 (the result is g * u). Without AVX2/FMA there is no
-  ``silu_mul`` (libm's scalar ``expf`` made it 2-3x slower than torch's vectorized
-  silu + mul: 642 vs 238 us at 128 x 1408); the rotary is plain C either way.
+  ``silu_mul`` (libm's scalar ``expf`` would make it slower than torch's vectorized
+  silu + mul); the rotary is plain C either way.
+- ``rms_norm``: the residual sum is the same float add as torch's (a bit-identical residual
+  stream); the sum of squares runs in 16 partial sums in a fixed order, so the norm differs
+  from ``F.rms_norm`` by float32 rounding (<= 2e-6 in the tests).
 
-Built like kernels/cpu_gemm.py (kernels/_cc.py, system ``cc`` on first use, cached by
-source + flags + CPU flags); OpenMP over rows with ``torch.get_num_threads()`` threads, one
-thread below ``PARALLEL_MIN`` elements (a parallel region costs more than such a pass).
+Built by kernels/_cc.py (system ``cc`` on first use, cached by source + flags + CPU flags);
+OpenMP over rows with ``torch.get_num_threads()`` threads, one thread below
+``PARALLEL_MIN`` elements (a parallel region costs more than such a pass).
 ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()`` returns None and
 the callers (services/worker/layers.py) keep the torch expressions.
 """

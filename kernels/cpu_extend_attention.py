@@ -1,14 +1,13 @@
 """Causal extend (prefill) attention on CPU straight from the paged KV pool: a C kernel.
 
-Why: a cold float32 prefill of the peers' small model spent ~26% of its time in torch's
-``_scaled_dot_product_flash_attention_for_cpu``, which reaches ~60-85 GFLOP/s on the 2-core
-VM while its linears run at the machine's ~140 GFLOP/s; a prefix (radix cache) hit also
-paid an ``index_select`` gather of the whole context and a boolean mask per request and
-layer. This kernel runs every extend request of the batch in one call and reads each K/V
-row where it lies in the pool, through the request-to-slot table, so a cached prefix costs
-no copy and no mask. Work items are (request, kv head, block of query rows), largest
-first, spread over ``nthreads`` by OpenMP (the libgomp torch has loaded: one thread pool);
-a call below ``PARALLEL_MIN`` runs on one thread.
+Why: torch's CPU flash SDPA ran well below the linears' rate in a cold float32 prefill,
+and a prefix (radix cache) hit also paid an ``index_select`` gather of the whole context
+and a boolean mask per request and layer. This kernel runs every extend request of the
+batch in one call and reads each K/V row where it lies in the pool, through the
+request-to-slot table, so a cached prefix costs no copy and no mask. Work items are
+(request, kv head, block of query rows), largest first, spread over ``nthreads`` by OpenMP
+(the libgomp torch has loaded: one thread pool); a call below ``PARALLEL_MIN`` runs on one
+thread.
 
 Per item, flash style: the g = Hq/Hkv query heads of the block share every K/V block they
 read (GQA). Queries are packed transposed and pre-scaled, 16 to a tile, so both products
@@ -16,41 +15,21 @@ are broadcast-FMA register tiles of 6 x 16 (12 accumulators): scores = 6 keys (b
 from their pool rows) x 16 queries, and the output, kept transposed, = 6 head-dim lanes
 (broadcast from the V rows) x 16 queries. The softmax is online, per query lane, in the
 same 8-lane layout; causality skips every key tile past a query tile's last position.
-
-Measured on the 2-core VM, 2 threads, one request, K/V at scattered slots, side by side
-with the SDPA call the torch backend made (medians of 30 interleaved calls, torch's time /
-this kernel's; bench/bench_extend_attention.py, quiet machine): the small model's 8 / 4
-heads at 1,000 new rows 1.38x (114 vs 83 GFLOP/s), Qwen2-0.5B's 14 / 2 at 512 rows 1.91x
-(116 vs 61), 200 rows on a 1,000-token prefix 1.25x (118 vs 95; SDPA's time includes the
-gather). A whole cold prefill of the small model, 8 x 1,000 tokens: 1.08x tokens/s (2,140
-vs 1,978, medians of 6 interleaved rounds, every round faster) and 1.03x (2,350 vs 2,272,
-7 of 8 rounds) in a second run (``bench/bench_decode_step.py --ab extend-kernel``); the
-attention inside a 2 x 1,000-token forward took 140 vs 199 ms of 833 vs 899: SDPA's
-share was ~22%, the linears' most of the rest.
-
-With AVX-512 (the 2-core Xeon, Sapphire Rapids) a tile's 16 query lanes are one zmm vector:
-Q.K tiles of 12 keys x 16 queries and P.V tiles of 16 head-dim rows, the layout and the
-work items unchanged. There (``bench/bench_extend_attention.py --reps 10``) the AVX2 tiles
-reached 77 GFLOP/s, slower than SDPA's 94 at the small model's shape (0.82x); the AVX-512
-ones 125-137 GFLOP/s: 1.16x SDPA at 8 / 4 heads x 1,000 rows, 1.74x at 14 / 2 x 512, 1.25x
-for 200 rows on a 1,000 prefix; a cold 8 x 1,000-token prefill of the small model went from
-~2,700 to ~3,400 tokens/s. Each key block's K and V rows are then copied side by side into
-a per-thread buffer (18 KiB), so that a tile reads them at fixed offsets from one pointer:
-with 12 row pointers gcc ran out of general registers and shuttled them through vector
-registers on the FMA ports. The copy made the kernel 1.26-1.44x faster again (medians of
-20 interleaved calls against the pointer version: 1.34x at 8 / 4 heads x 1,000 rows, 1.33x
-at 14 / 2 x 512, 1.44x for 200 rows on a 1,000 prefix, 1.26x at 14 / 2 x 1,000), and in a
-cold 8 x 1,000-token prefill the attention fell from ~25% to ~19% of the forward.
+With AVX-512 a tile's 16 query lanes are one zmm vector: Q.K tiles of 12 keys x 16 queries
+and P.V tiles of 16 head-dim rows, the layout and the work items unchanged. Each key
+block's K and V rows are copied side by side into a per-thread buffer (18 KiB), so that a
+tile reads them at fixed offsets from one pointer: with 12 row pointers gcc ran out of
+general registers and shuttled them through vector registers on the FMA ports. Figures:
+docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
 
 Numerics: float32, an 8-lane AVX2 (16-lane AVX-512) exp (Cephes' polynomial, ~1 ulp),
 another summation order than SDPA (max diff ~1e-6 relative); ``extend_attention_ref`` is
 the plain-PyTorch reference the tests compare with. Without AVX2/FMA there is no kernel
 (``load()`` is None).
 
-Built like kernels/cpu_decode_attention.py (kernels/_cc.py: system ``cc -O3
--march=native -fopenmp`` on first use, cached by source + flags + CPU flags); no compiler,
-a failed build or ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None and the caller
-keeps its SDPA path.
+Built by kernels/_cc.py (system ``cc -O3 -march=native -fopenmp`` on first use, cached by
+source + flags + CPU flags); no compiler, a failed build or ``RADIXSERVE_CPU_KERNELS=0``:
+``load()`` returns None and the caller keeps its SDPA path.
 """
 
 from __future__ import annotations

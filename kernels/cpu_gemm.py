@@ -1,46 +1,29 @@
 """Small-M float32 GEMM on CPU: ``y = x @ W^T (+ b)`` over the plain [N, K] weight, a C kernel.
 
 Why: a decode step's linears run at M = 1..64 rows, and every step the model's weights
-(~94 MB for the peers' small model) stream from memory, cold. oneDNN's packed path reads
-them far below the memory bandwidth there: with the small model's four linears of 8 layers
-cycling, 2 threads (``bench/bench_linear.py --sections gemm``), M=1 17 ms a step (the
-weights at 5.5 GB/s, where a 2-thread ``x.sum()`` reads 19 GB/s), M=16 23 ms. This kernel
-streams each weight row from memory once and reuses it from L1 for all M rows: blocks of 4
-weight rows (a contiguous run of W per thread, OpenMP over the blocks), K in chunks of 512
-so that the 4 x 512 weight chunk (8 KiB) stays in L1 while tiles of 3 x rows run over it,
-3 x 4 eight-lane AVX2/FMA accumulators in registers, the next block's rows prefetched
-meanwhile, lanes summed once at the end. Measured against oneDNN:
-services/worker/cpu_linear.py's docstring and ``bench/bench_linear.py --sections gemm``.
+stream from memory, cold; oneDNN's packed path reads them far below the memory bandwidth
+there. This kernel streams each weight row from memory once and reuses it from L1 for all
+M rows: blocks of 4 weight rows (a contiguous run of W per thread, OpenMP over the blocks),
+K in chunks of 512 so that the 4 x 512 weight chunk (8 KiB) stays in L1 while tiles of
+3 x rows run over it, 3 x 4 AVX2/FMA (or AVX-512) accumulators in registers, lanes summed
+once at the end. Where it beats oneDNN: services/worker/cpu_linear.py.
 
-The prefetches are spread over the block's tiles (tile t fetches rows t, t + T, ... of the
-next block) and the rows are split evenly over the tiles (M = 16: 3,3,3,3,2,2, not
-3,3,3,3,3,1). All the next block's 128 lines had been fetched during the first tile, more
-than the core's line fill buffers hold, so that tile stalled on them while the others
-issued none; and a trailing 1-row tile has 4 accumulators, too few to hide the FMA latency.
-On the 2-core Xeon, previous build vs this one, 1 thread, one linear called in a C loop
-(best of 5 runs), M = 16: 2816 x 512 72 -> 102 GFLOP/s, 1024 x 512 74 -> 112, 512 x 1408
-74 -> 94; M = 10-13 1.1-1.5x; M = 1-4 unchanged. The small model's four linears of 8
-layers cycling (cold, as in decode), 2 threads, both builds in one process alternating,
-medians of 8 rounds: M = 8 1.09x, 16 1.15x, 20 1.04x, 28 1.07x, 32 1.04x. Every sum keeps
-its order, so the results are bit-identical to the previous build's.
-
-The prefetches go to L2 (``_MM_HINT_T1``), not L1: on the 2-core AMD EPYC (Zen 4, 32 KiB
-L1d) the 4 x 512-float chunk in use, the rows of x and the next block's lines fetched into
-L1 most likely evicted each other (not confirmed with counters). The Qwen2-0.5B shape's
-linears, 8 layers cycling, 2 threads, ``GOMP_SPINCOUNT=100000``, medians of 5 interleaved
-rounds, ms per step, L1 -> L2: M = 1 22.6 -> 15.2, 4 37.6 -> 21.0, 6 27.6 -> 17.9, 8 33.4
--> 27.3, 16 49.5 -> 47.4 (the weights at 31 GB/s for one row, where a 2-thread ``x.sum()``
-read 28). On the Xeon the two hints were level (docs/benchmarks.md, item 12).
+The next block's rows are prefetched meanwhile, spread over the block's tiles (tile t
+fetches rows t, t + T, ...: fetching all 128 lines in the first tile overflowed the line
+fill buffers), into L2 (``_MM_HINT_T1``: into L1 they evicted the chunk in use on a core
+with a 32 KiB L1d). The rows are split evenly over the tiles (M = 16: 3,3,3,3,2,2), since a
+trailing 1-row tile has too few accumulators to hide the FMA latency. A prefetch changes no
+arithmetic. Figures: docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
 
 Numerics: float32 with FMA, a fixed order (per lane k ascending, then a fixed tree over
-the 8 lanes, then + bias), no -ffast-math. The order does not depend on M, on which tile a
+the lanes, then + bias), no -ffast-math. The order does not depend on M, on which tile a
 row lands in or on the thread count, so a row's result is bit-identical whatever batch it
 is in. Against float64: max|err| / max|ref| ~1e-6, as oneDNN's. Other CPUs: the AVX2
 intrinsics sit behind ``__AVX2__`` / ``__FMA__``; elsewhere a portable C path with the same
 blocking builds instead.
 
-Built like kernels/cpu_decode_attention.py (kernels/_cc.py: system ``cc -O3 -march=native
--fopenmp`` on first use, cached by source + flags + CPU flags, atomic write);
+Built by kernels/_cc.py (system ``cc -O3
+-march=native -fopenmp`` on first use, cached by source + flags + CPU flags, atomic write);
 ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()`` returns None.
 """
 

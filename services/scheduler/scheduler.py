@@ -144,15 +144,14 @@ class Scheduler:
         more than --mixed-step-slowdown decode steps long (step_costs.py: the streams'
         inter-token latency is what matters); a burst, as many requests waiting for a
         first token as decoding, gets --mixed-burst-tokens, since then the burst's time
-        to first token is what matters: 16 prompts of 288 tokens sent at once, the first
-        admitted alone, took 36 mixed steps of 128 tokens (5 s on the 2-core CPU) to admit
-        the other 15."""
+        to first token is what matters: at --mixed-prefill-tokens a step, a burst admitted
+        beside its own first request would trickle in over dozens of steps."""
         cfg = self.cfg
         running = self.queues.running
         decoding = sum(not r.in_prefill for r in running)
         first = len(running) - decoding + len(self.queues.waiting) - self.grammars.num_waiting()
-        # A burst lasts until all of it is admitted: its tail (6 left beside 10 decoding)
-        # is part of it, not a few late arrivals.
+        # A burst lasts until all of it is admitted: its tail (fewer left waiting than
+        # already decoding) is part of it, not a few late arrivals.
         if first <= 0:
             self.in_burst = False
         elif first >= decoding:

@@ -4,10 +4,8 @@ prefill budget of a mixed batch.
 A mixed batch is every decoding request's next token plus a slice of prefill. It takes
 about one decode step (bound by reading the weights and the KV) plus the slice's compute,
 so a fixed slice (``--mixed-prefill-tokens`` 128) that is cheap on one model is a stall
-on another. On the 2-core CPU, the peers' small model decodes 16 streams in ~20 ms a step
-and 128 prefill tokens add ~33 ms; the Qwen2-0.5B-shaped one decodes 8 streams in ~108 ms
-and 128 tokens add ~440 ms, so every mixed step was 5x a decode step and the streams' p99
-inter-token latency 4x their median (issue 18's prefill-stall workload, docs/benchmarks.md).
+on another: on a CPU, 128 prefill tokens cost a small model less than two decode steps and
+a 0.5B model about four, and the streams' inter-token latency swings with them.
 
 So, as Sarathi-Serve sizes its token budget from the inter-token latency the decoding
 requests may suffer, the slice is also capped by time: at most ``(slowdown - 1)`` decode
@@ -15,14 +13,7 @@ steps' worth of prefill, from two running estimates (exponential averages of the
 ``forward_time``): a decode step, and a prefill token (a prefill batch's time per token; a
 mixed batch's time less a decode step, per token). Until both are known the fixed budget
 holds; it is always the ceiling. Plain numbers, no tensors: the scheduler's own business.
-
-Measured on the 2-core Xeon, the prefill-stall workload through ``radixserve bench`` (8
-streams of 288 + 64 tokens, then 4 prompts of 1,000 tokens), Qwen2-0.5B shape: with 128
-tokens a mixed step took 480-650 ms beside 101-118 ms decode steps, p99 / p50 of the
-streams' inter-token latency 2.7-4.0; with ``--mixed-step-slowdown 3`` the steps carry ~45-70
-tokens, take 150-430 ms, and p99 / p50 is 1.36-1.46 (the prompts' own time to first token
-and the workload's wall time grow: 31.6 -> 32.9-36.9 s, smaller GEMMs per step). The
-small model (16 streams, 8 prompts) keeps 128: a 128-token mixed step is ~2.6 decode steps.
+Measured (the prefill-stall workload): docs/benchmarks-history.md, item 13.
 """
 
 from __future__ import annotations

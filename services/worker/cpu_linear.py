@@ -1,82 +1,23 @@
-"""Prepacked CPU linears: ``y = x @ W^T + b`` through oneDNN instead of MKL (issue 18).
+"""Prepacked CPU linears: ``y = x @ W^T + b`` through oneDNN instead of MKL.
 
 Why: ``F.linear`` on a float32 CPU tensor runs MKL's sgemm, which copies the weight into
-its internal panel layout on every call (issue 18 also blames MKL's path on AMD). oneDNN
-(``torch.ops.mkldnn._linear_pointwise``, the op inductor's CPU freezing emits for dynamic
-shapes) runs its brgemm kernels (avx2 / avx512 / amx, picked at runtime) over a weight
-reordered *once*, at load, into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``;
-``AB16b64a`` on AVX2). bench/bench_linear.py, Qwen2-0.5B's four decoder-layer linears
-together (qkv 1152x896 + bias, o 896x896, gate_up 9728x896, down 896x4864), ratio of
-``F.linear``'s time to the packed path's, medians of interleaved rounds, on the project's
-2-core AMD EPYC (AVX2, no AVX-512; torch 2.13.0+cpu, oneDNN 3.12, MKL 2024.2):
+its internal panel layout on every call. oneDNN (``torch.ops.mkldnn._linear_pointwise``,
+the op inductor's CPU freezing emits for dynamic shapes) runs its brgemm kernels (avx2 /
+avx512 / amx, picked at runtime) over a weight reordered *once*, at load, into its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight``). That wins from two rows up and is
+level with MKL at large M (long prefills). A single row is a matrix-vector product, a poor
+fit for the blocked layout: it stays on ``F.linear`` unless the small-M kernel serves.
 
-    M (rows)                  1      2      4      8     16     64    256   1024   2048   8192
-    1 thread, CPU time     0.73x  1.48x  1.89x  1.67x  1.77x  1.62x  1.15x  1.05x  0.99x  0.95x
-    1 thread, wall         0.74x      -      -  1.59x  1.73x  1.59x  1.21x  1.07x  1.02x  1.07x
-    2 threads, wall        0.43x      -      -  2.89x  2.62x  2.56x  1.73x  1.26x  1.02x  0.85x
+Small M with the weights cold (a decode step streams the whole model's weights from memory
+every step): kernels/cpu_gemm.py streams each row of the plain [N, K] weight once for all
+rows and beats oneDNN below a crossing that depends on the CPU's vector width and vendor
+(``default_kernel_rows()``). Figures and commands: docs/benchmarks.md ("Worker") and
+docs/benchmarks-history.md.
 
-(The machine was shared with other jobs throughout, load 4-13 on 2 cores: absolute GFLOP/s
-were low, 50-60 per CPU-second at large M; the ratios are what to read. The 2-thread
-column suffers most from the sharing.) So two rows and more take the packed path; a
-single row (decode of one request, a matrix-vector product) stays on ``F.linear``: the
-blocked layout is a poor fit there (for M=1 oneDNN itself would choose the plain layout)
-and MKL's gemv is at least as fast as oneDNN's there. From M ~ 2048 (long prefills,
-compute-bound) the two are level.
-
-Small M with the weights cold (decode): the C kernel kernels/cpu_gemm.py. The table above
-times each linear alone, its weight hot in the caches. In a decode step the whole model's
-weights (94 MB for the peers' small model) stream from memory every step, and there
-oneDNN's packed path reads them well below the memory bandwidth (M=1: 5.5 GB/s where a
-2-thread ``x.sum()`` read 19 GB/s on a calm machine). kernels/cpu_gemm.py streams each row
-of the plain [N, K] weight once, reusing it from L1 for all M rows (M=1: 8 GB/s in a run
-where ``x.sum()`` read ~10 GB/s, the machine busy; 5.8 GB/s in the busier run below).
-``OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_linear.py --sections gemm --threads 2
---models small qwen2 --rounds 7``: the four decoder linears of 8 layers called in turn, ms
-per whole step, medians of 7 interleaved rounds, 2 threads, ratio = oneDNN packed's
-(F.linear's) time over the kernel's, round by round (the machine shared, load ~2):
-
-    M (rows)                        1      4     16     32     64    128
-    peers' small, 94 MB: kernel  16.3   18.3   32.0   50.5   65.3   91.3 ms
-      oneDNN packed / kernel    1.41x  1.34x  1.14x  0.95x  0.92x  0.70x
-      F.linear / kernel         1.13x  1.91x  2.20x  1.75x  0.92x  0.93x
-    Qwen2-0.5B, 477 MB: kernel   36.2   54.7  134.1  167.5  261.3  461.2 ms
-      oneDNN packed / kernel    1.41x  1.33x  1.06x  0.97x  0.82x  0.64x
-      F.linear / kernel         1.45x  3.38x  2.71x  2.21x  1.50x  1.16x
-
-and between 16 and 32 (small model, 9 rounds): 1.20x at 16, 1.15x at 20, 1.07x at 24,
-1.00x at 28, 0.95x at 32. From M ~ 28 the work is compute-bound enough that oneDNN's
-brgemm (N in the vector lanes, no horizontal sums, a prepacked layout) wins; below it
-streaming the weight once is what counts. So ``KERNEL_ROWS = 28``: fewer rows (single rows
-too: 1.13-1.45x faster than ``F.linear``) run the kernel, more run oneDNN. A whole decode
-step of the small model, both sides keeping the plain weights, kernel vs oneDNN (F.linear
-for one row), interleaved steps, medians (``OMP_WAIT_POLICY=PASSIVE .venv/bin/python
-bench/bench_decode_step.py --ab cpu-gemm --model-path $M --batches 1 4 16 64 --steps 32``,
-two runs): batch 1 1.11x / 1.04x, 4 1.24x, 16 1.17x / 1.17x, 64 0.95x / 1.02x (linears on
-oneDNN in both: noise). Against the worker's default packed-only (oneDNN for every M,
-the same A/B with B unpatched): 1 1.23x, 4 1.15x, 16 1.17x, 64 1.04x.
-
-On the 2-core Xeon (Sapphire Rapids: AVX-512, where oneDNN's brgemm runs AVX-512 too and
-the kernel builds its 16-lane variant), the same command, 3 rounds, ``--gemm-ms 1 4 8 16 24
-32 48 64``, oneDNN packed / kernel: small 1.61x at M=1, 1.55x at 4, 1.40x at 8, 1.14x at 16,
-0.95x at 24, 0.97x at 32, 0.76x at 64; Qwen2-0.5B 1.06x, 1.22x, 1.23x, 0.98x, 1.03x, 0.97x,
-0.79x at 64 (the AVX2 kernel there: 1.29x at 1, 0.83x at 16, 0.61x at 64). So
-``KERNEL_ROWS_AVX512 = 20``.
-
-On the 2-core AMD EPYC Zen 4 (AVX-512 executed in two halves, a 32 KiB L1d), with the
-kernel's prefetches into L2 and ``GOMP_SPINCOUNT=100000`` (the worker's spin), Qwen2-0.5B's
-linears of 8 layers cycling, ms per pass, kernel / oneDNN packed: M=1 20.7 / 49.0, 8 25.9 /
-28.6, 10 30.5 / 30.2, 12 38.1 / 33.5, 16 48.7 / 37.6 (docs/benchmarks.md, item 17). So
-``KERNEL_ROWS_AVX512_AMD = 10`` there, chosen by ``/proc/cpuinfo``'s vendor.
-
-Exactness: the float32 oneDNN path computes in float32 with another summation order,
-nothing else. Against float64, over both models' shapes at M = 1 / 64 / 2048: oneDNN
-max|err| / max|ref| <= 1.4e-6 (MKL: 8.4e-7); it differs from ``F.linear`` by <= 1.4e-6
-relative, inside the 1e-5 that greedy parity with transformers needs. The C kernel
-(float32, FMA, a fixed order): <= 5.7e-7 against float64 over the same shapes at M = 1 /
-16 / 27 (oneDNN 1.3e-6, MKL 9.0e-7 there); greedy parity holds with it
-(tests/unit/test_model_parity.py with every PackedLinear keeping its plain weight).
-(``torch.backends.mkldnn.matmul.fp32_precision = "bf16"/"tf32"`` would lower the precision
-of both paths alike; radixserve never sets it.)
+Exactness: oneDNN computes in float32 with another summation order (<= 1.4e-6 relative to
+``F.linear``), the C kernel in a fixed order (<= 5.7e-7 against float64): both well inside
+the 1e-5 that greedy parity with transformers needs (tests/unit/test_model_parity.py).
+radixserve never lowers ``torch.backends.mkldnn.matmul.fp32_precision``.
 
 Use: pack once, after the weights are loaded, call in forward::
 
@@ -88,29 +29,23 @@ torch has a working oneDNN (``torch.backends.mkldnn.enabled``), otherwise plain
 ``F.linear`` over the original tensors (CUDA, float16/float64, builds without oneDNN), so
 callers never branch. The only per-call choice is by size, and only while the original
 (plain) weight is kept: fewer than ``min_rows`` rows go to ``F.linear`` on it, then fewer
-than ``kernel_rows`` (default ``default_kernel_rows()``, by the kernel's vector width and
-the CPU's vendor; float32 and oneDNN, where the C kernel builds) to kernels/cpu_gemm.py on
-it, the rest to oneDNN. ``min_rows`` defaults to 0 when
-the kernel serves (it beats ``F.linear`` at one row too), else to 2.
+than ``kernel_rows`` (default ``default_kernel_rows()``; float32 and oneDNN, where the C
+kernel builds) to kernels/cpu_gemm.py on it, the rest to oneDNN. ``min_rows`` defaults to
+0 when the kernel serves (it beats ``F.linear`` at one row too), else to 2.
 
-``bf16=True`` stores the weight in bfloat16 and runs in bfloat16 (activations cast in,
-the result cast back to the input's dtype): oneDNN's bf16 kernels where the CPU has them
-(avx512_bf16 / amx / avx_ne_convert: ``onednn_bf16_available()``), else ``F.linear`` in
-bf16, which on an AVX2-only CPU runs at ~8 GFLOP/s whatever M, 3-7x *slower* than
-float32 from M = 16 up: leave it off there.
+``bf16=True`` stores the weight in bfloat16 and runs in bfloat16 (activations cast in, the
+result cast back): oneDNN's bf16 kernels where the CPU has them (avx512_bf16 / amx /
+avx_ne_convert: ``onednn_bf16_available()``), else ``F.linear`` in bf16, which on an
+AVX2-only CPU is several times *slower* than float32: leave it off there.
 
-Memory: the packed weight is a second copy (the same bytes as the float32 weight; the
-blocked layout pads N to 64 and K to 16). By default (``keep_plain=True``) the original
-tensor stays referenced (not copied) for the small-M paths, so float32 linear weights take
-twice their size. ``keep_plain=False`` keeps only the packed copy (the caller may then drop
-the original; ``to_dense()`` rebuilds it) at the price of every M on oneDNN (single rows
-0.4-0.8x of ``F.linear``; M < 28 0.7-0.95x of the C kernel, table above). The worker's
-``--cpu-linear packed`` is that; ``hybrid`` keeps both and so gets the kernel; the
-default ``auto`` is ``hybrid`` while the linears' weights take at most 2 GiB.
-Pack after ``load_weights``: the packed copy does not follow later in-place changes of the
-original.
-
-Inference only: the oneDNN op has no backward.
+Memory: the packed weight is a second copy (the blocked layout pads N to 64 and K to 16).
+By default (``keep_plain=True``) the original tensor stays referenced (not copied) for the
+small-M paths, so float32 linear weights take twice their size. ``keep_plain=False``
+keeps only the packed copy (``to_dense()`` rebuilds the original) at the price of every M
+on oneDNN. The worker's ``--cpu-linear packed`` is that; ``hybrid`` keeps both and so gets
+the kernel; the default ``auto`` is ``hybrid`` while the linears' weights take at most
+2 GiB. Pack after ``load_weights``: the packed copy does not follow later in-place changes
+of the original. Inference only: the oneDNN op has no backward.
 """
 
 from __future__ import annotations
@@ -127,11 +62,9 @@ from kernels import _cc, cpu_gemm
 __all__ = ["PackedLinear", "pack_linear", "onednn_fp32_available", "onednn_bf16_available"]
 
 # Fewer rows than this run kernels/cpu_gemm.py on the plain weight (float32, plain weight
-# kept): faster than oneDNN below it, slower from it on (module docstring's tables). Where
-# they cross depends on the vector width both use: 28 rows with AVX2 (a 2-core Zen 3 EPYC),
-# 20 with AVX-512 on the 2-core Xeon (Sapphire Rapids, where oneDNN's kernels are AVX-512
-# too), 10 with AVX-512 on the 2-core Zen 4 EPYC (a 32 KiB L1d, AVX-512 in two halves: the
-# kernel's reuse of each weight chunk over the rows pays less there).
+# kept); from it on oneDNN is faster. Where the two cross depends on the vector width both
+# use and on the core: with AVX-512 on AMD (two halves per op, a 32 KiB L1d) the kernel's
+# reuse of each weight chunk over the rows pays less. Measured: docs/benchmarks.md, "Worker".
 KERNEL_ROWS = 28
 KERNEL_ROWS_AVX512 = 20
 KERNEL_ROWS_AVX512_AMD = 10

@@ -1,15 +1,12 @@
-"""How a CPU worker's OpenMP threads wait, and how many run (issue 18).
+"""How a CPU worker's OpenMP threads wait, and how many run.
 
 Why: libgomp either spins at a barrier for a while or sleeps at once (``OMP_WAIT_POLICY=
-PASSIVE``). On the project's 2-core KVM guests sleeping costs a wake-up through the host at
-each of the ~400 parallel regions of a decode step, and the woken threads stream memory
-slower: the Qwen2-0.5B shape at batch 8, in process, took 123-246 ms a step passive and
-107-115 ms with a ~2 ms spin (``GOMP_SPINCOUNT=100000``); served, passive lost 4-13% of
-decode throughput to vLLM's CPU engine (which spins) where spinning tied it. But a spinning
-thread holds a core that another process wants: with one busy loop beside it, the same step
-took 864 ms spinning against 207 ms passive, because the barrier partner waits on the OS
-scheduler at every op. One thread, spinning or not, took 208 ms there (docs/benchmarks.md,
-item 17).
+PASSIVE``). On a small KVM guest sleeping costs a wake-up through the host at each of the
+~400 parallel regions of a decode step, and the woken threads stream memory slower, so
+spinning is faster while the cores are free. But a spinning thread holds a core that
+another process wants: with a busy process beside it the barrier partner waits on the OS
+scheduler at every op, and a step takes several times longer than passive (or than one
+thread). Figures: docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
 
 So the default, ``adaptive``, spins (``SPIN_COUNT``) and counts: every ``period_s`` it
 reads how long the worker's threads sat runnable without a core (``run_delay`` in
@@ -37,10 +34,9 @@ from pathlib import Path
 log = logging.getLogger("radixserve.worker")
 
 WAIT_MODES = ("adaptive", "spin", "passive")
-# ~0.4-0.8 ms of spinning on the 2-core EPYC guest: longer than the gaps between a decode
-# step's parallel regions (10,000, ~0.3 ms, was not: the Qwen step took 158 ms against 89 ms),
-# short enough to leave the cores to the frontend and scheduler between steps (100,000, ~2 ms,
-# was as fast for the Qwen shape and slower served with 64 streams of the small model).
+# Well under a millisecond of spinning: longer than the gaps between a decode step's
+# parallel regions, short enough to leave the cores to the frontend and scheduler between
+# steps (a spin 3x longer was slower served; one 3x shorter slower in process).
 SPIN_COUNT = 30_000
 
 

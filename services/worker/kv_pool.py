@@ -51,9 +51,8 @@ class KVPool:
         dims = (shape.num_layers, num_slots + 1, shape.num_kv_heads, shape.head_dim)
         # Zeroed whole, which on CPU commits every page now: left to the first write of each
         # slot, the kernel zeroed each (huge) page inside the KV store of a forward, one
-        # thread working while the other waited; 13% of a served cold prefill went there
-        # until the pool had filled once (issue 18, docs/benchmarks.md). vLLM also commits its
-        # pool at start-up. Slot 0 must be zeros anyway (above).
+        # thread working while the other waited, until the pool had filled once. vLLM also
+        # commits its pool at start-up. Slot 0 must be zeros anyway (above).
         self.k_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.v_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
         # Per-layer views, what the attention layers index.

@@ -10,8 +10,8 @@ decode fast on CPU. ``FusedLinear.shard_sizes`` tells the loader where each chec
 tensor goes.
 
 On CPU every projection is packed once after loading (``Linear.pack``): its weight goes
-into oneDNN's blocked layout (services/worker/cpu_linear.py), 1.2-1.9x faster than MKL's
-``F.linear`` here from two rows up, and the dense weight is dropped (left as a meta tensor
+into oneDNN's blocked layout (services/worker/cpu_linear.py), faster than MKL's
+``F.linear`` from two rows up, and the dense weight is dropped (left as a meta tensor
 of its shape) so memory does not double.
 
 AWQ int4 checkpoints (services/worker/quant/awq.py) load into ``AwqLinear``: the packed

@@ -41,10 +41,9 @@ _tracer = tracing.tracer("radixserve.worker")
 
 
 def set_cpu_threads(requested: int) -> int:
-    """Default: one torch thread per core this process may use. Measured with the whole
-    server on 2 busy cores (issue 18, docs/benchmarks.md): 2 threads beat 1 by 1.24x in
-    decode tok/s (16 streams) and 1.8x in cold-prefill wall time; the scheduler and the
-    frontend idle at ~1% each and did not starve. Returns the count."""
+    """Default: one torch thread per core this process may use: with the whole server on
+    2 busy cores, 2 threads beat 1 in decode and cold prefill, and the scheduler and the
+    frontend did not starve (docs/benchmarks-history.md, "Threads"). Returns the count."""
     threads = requested or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     return threads

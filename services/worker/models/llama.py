@@ -50,22 +50,17 @@ _STACKED = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A tied lm_head gets its own packed copy of the embedding table up to this size (small
 # vocabularies); a larger one (Qwen2's 151,936 x 896 is 544 MB) runs on the dense table
-# itself, for no extra memory: oneDNN, measured 1.6-2x over F.linear at 16-64 rows (the
-# packed copy 1.9-2.1x), and the C kernel (kernels/cpu_gemm.py) for fewer rows than
-# TIED_HEAD_KERNEL_ROWS (or the linears' crossing, if higher). On the 2-core Zen 4 EPYC,
-# that table, 2 threads, ms per call with the table cold, F.linear / oneDNN dense / kernel:
-# M = 1 57 / 52 / 22, 8 147 / 45 / 25, 16 158 / 59 / 46, 24 - / 72 / 67, 32 - / 84 / 88
-# (docs/benchmarks.md, item 17).
+# itself, for no extra memory: oneDNN over the dense table (nearly as fast as a packed
+# copy), and the C kernel (kernels/cpu_gemm.py) for fewer rows than TIED_HEAD_KERNEL_ROWS
+# (or the linears' crossing, if higher), where it beats both (docs/benchmarks.md, "Worker").
 TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 TIED_HEAD_KERNEL_ROWS = 24
 
 
 # Rows of one forward of a CPU prefill (extend) batch; a larger batch runs as consecutive
 # groups of whole requests of about this many rows. The activations of 8,000 rows (the
-# small peers model's gate_up output alone is 90 MB) spill the caches that 2,000 rows fit:
-# 8 x 1,000-token prompts prefilled at 1,618 tokens/s in batches of 2 prompts against 946
-# as one batch of 8 (1,363 one at a time), interleaved, 2 threads (issue 18,
-# docs/benchmarks.md). The scheduler hands a CPU worker batches of 2,048 new tokens by
+# small peers model's gate_up output alone is 90 MB) spill the caches that 2,000 rows fit
+# (docs/benchmarks-history.md). The scheduler hands a CPU worker batches of 2,048 new tokens by
 # default (--max-prefill-tokens 0, services/scheduler/prefill.py), so groups matter for
 # an explicit larger setting.
 CPU_EXTEND_ROWS = 2048
