@@ -9,7 +9,7 @@ folder (--model-path, e.g. bench/peers/make_model.py's qwen-0.5b):
 
 Two runners side by side: linears packed for oneDNN (the CPU default, --cpu-linear
 packed) and plain F.linear (--cpu-linear plain). All sides run interleaved; medians of
---repeats runs. Prints a markdown table for docs/benchmarks.md ("## Worker").
+--repeats runs. Prints a markdown table for docs/benchmarks.md ("## Worker and CPU kernels").
 
     .venv/bin/python bench/bench_worker.py [--quick] [--model-path M] [--no-hf]
 """
