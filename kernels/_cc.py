@@ -1,11 +1,12 @@
 """Build and load the small C kernels of kernels/cpu_*.py (shared by every one of them).
 
-Why one module: each CPU kernel is a C source string compiled on first use with the system
-compiler and called through ctypes; the cache directory, the cache key (the source, the
-flags and the CPU's flags: ``-march=native`` code runs only on a CPU with the same
-features), the atomic write (concurrent workers never load a half-written file) and the
-opt-outs (``RADIXSERVE_CPU_KERNELS=0``, no compiler, a failed build: the caller gets None
-and keeps its torch path) must be the same for all of them.
+Why one module: each CPU kernel is a C file in kernels/cpu/ (``read_source``), compiled on
+first use with the system compiler and called through ctypes; the cache directory, the
+cache key (the source with its headers pasted in, the flags and the CPU's flags:
+``-march=native`` code runs only on a CPU with the same features), the atomic write
+(concurrent workers never load a half-written file) and the opt-outs
+(``RADIXSERVE_CPU_KERNELS=0``, no compiler, a failed build: the caller gets None and keeps
+its torch path) must be the same for all of them.
 
 ``~/.cache/radixserve/kernels`` holds the libraries; ``RADIXSERVE_KERNEL_CACHE`` moves it;
 ``CC`` picks the compiler (else ``cc``, else ``gcc``).
@@ -18,59 +19,35 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# exp of 8 float lanes already clamped to [-87.34, 88.38], for AVX2/FMA C kernels (each adds
-# its own handling of the range ends): n = round(x log2 e), r = x - n ln2 (ln2 in two
-# parts), Cephes' expf polynomial, times 2^n built in the exponent bits; ~1 ulp. One copy so
-# that the softmax (cpu_extend_attention) and silu (cpu_elementwise) round alike.
-AVX2_EXP8_CORE = r"""
-static inline __m256 exp8_core(__m256 x) {
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-"""
-
-# The same exp on 16 lanes for the AVX-512 variants (the same constants and steps, so both
-# widths round alike).
-AVX512_EXP16_CORE = r"""
-static inline __m512 exp16_core(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-"""
-
 # -fno-math-errno only drops errno writes; nothing here reorders float arithmetic.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+# A line ``#include "name.h"``: a header of kernels/cpu/, pasted in by read_source.
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
+
+
+def read_source(name: str, **defines: int) -> str:
+    """kernels/cpu/<name> with its local headers pasted in and ``defines`` prepended as
+    ``#define``s: one self-contained text, so that the build (and its cache key) sees every
+    line it compiles. Read as package data, so an installed wheel has it too."""
+    folder = resources.files("kernels") / "cpu"
+
+    def paste(match: re.Match[str]) -> str:
+        return (folder / match.group(1)).read_text().rstrip("\n")
+
+    text = _LOCAL_INCLUDE.sub(paste, (folder / name).read_text())
+    head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
+    return head + text
 
 
 def cache_dir() -> Path:
