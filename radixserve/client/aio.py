@@ -10,21 +10,17 @@ import grpc
 import grpc.aio
 
 from radixserve.client.connection import CallSettings, channel_options
-from radixserve.client.errors import from_rpc_error
-from radixserve.client.requests import GenerateOptions, Prompt, generate_request, tokenize_request
-from radixserve.client.structured import OutputSpec, output_spec, parse_completion
-from radixserve.client.types import (
-    Chunk,
-    Completion,
-    FlushResult,
-    ModelInfo,
-    Tokens,
+from radixserve.client.convert import (
     chunk_from_pb,
     completion_from_chunks,
     flush_from_pb,
     model_info_from_pb,
     tokens_from_pb,
 )
+from radixserve.client.errors import from_rpc_error
+from radixserve.client.requests import GenerateOptions, Prompt, generate_request, tokenize_request
+from radixserve.client.structured import OutputSpec, output_spec, parse_completion
+from radixserve.client.types import Chunk, Completion, FlushResult, ModelInfo, Tokens
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
 

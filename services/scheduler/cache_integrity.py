@@ -6,11 +6,25 @@ step; they walk everything, so they are not for the hot path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from services.scheduler.allocator import KVSlotAllocator
-    from services.scheduler.radix_cache import BasePrefixCache
+
+
+class _TokenCounts(Protocol):
+    @property
+    def evictable(self) -> int: ...
+    @property
+    def protected(self) -> int: ...
+
+
+class _CountingCache(Protocol):
+    """What the slot check reads of a prefix cache (radix_cache's caches have it). A
+    protocol, not radix_cache.BasePrefixCache, so that this module imports nothing of the
+    cache that re-exports it."""
+
+    def size_info(self) -> _TokenCounts: ...
 
 
 class SlotLeakError(RuntimeError):
@@ -23,7 +37,7 @@ class CacheIntegrityError(RuntimeError):
 
 
 def check_slot_integrity(
-    allocator: KVSlotAllocator, cache: BasePrefixCache, held_by_requests: int
+    allocator: KVSlotAllocator, cache: _CountingCache, held_by_requests: int
 ) -> None:
     """Every slot is in exactly one place: the free list, the tree, or an in-flight request."""
     info = cache.size_info()
