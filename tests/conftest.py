@@ -4,16 +4,20 @@ Built with transformers' own classes, so radixserve's loader and model are teste
 the real thing. Session-scoped: each model is built once per test run.
 
     make_tiny_model(folder, "llama", num_hidden_layers=3) -> folder   (any config override)
+    make_tiny_zen_model(folder, seed=3) -> folder   (a tiny Llama over the default tokenizer)
     fixtures: tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir, tiny_qwen3_dir
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+
+from services.common.config import DEFAULT_MODEL_PATH
 
 # Small, but with every feature the worker must get right: GQA (4 query heads share 2 KV
 # heads), several layers, a vocabulary large enough to make argmax ties unlikely.
@@ -81,6 +85,22 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     _randomise(model, seed)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# The default model's tokenizer (services/common/default_model): its vocabulary, and the
+# files that make a tiny model's folder take text prompts.
+ZEN_VOCAB = 596
+_ZEN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def make_tiny_zen_model(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Llama over the default model's tokenizer (its vocabulary, EOS and pad
+    0, no BOS), the tokenizer files copied beside the weights, so text prompts work."""
+    fields = dict(vocab_size=ZEN_VOCAB, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    make_tiny_model(folder, "llama", seed=seed, **{**fields, **overrides})
+    for name in _ZEN_TOKENIZER_FILES:
+        shutil.copy(Path(DEFAULT_MODEL_PATH) / name, folder / name)
     return folder
 
 

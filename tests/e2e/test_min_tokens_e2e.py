@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,12 +19,12 @@ import pytest
 import torch
 
 from radixserve.v1 import generation_pb2 as pb
-from tests.conftest import load_hf_model, make_tiny_model
-from tests.server_util import DEFAULT_MODEL, Server
+from tests.conftest import ZEN_VOCAB, load_hf_model, make_tiny_zen_model
+from tests.server_util import Server
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 596  # the default model's tokenizer
+VOCAB = ZEN_VOCAB  # the default model's tokenizer
 MAX_NEW = 12
 PROMPT = [random.Random(5).randrange(3, VOCAB) for _ in range(9)]
 
@@ -37,23 +36,13 @@ def _greedy_next(folder) -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = make_tiny_model(
-        tmp_path_factory.mktemp("tiny-min-tokens"),
-        "llama",
-        seed=7,
-        vocab_size=VOCAB,
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
+    folder = make_tiny_zen_model(tmp_path_factory.mktemp("tiny-min-tokens"), seed=7)
     eos = _greedy_next(folder)  # the weights do not depend on which id is EOS
     for name in ("config.json", "generation_config.json"):
         path = folder / name
         cfg = json.loads(path.read_text())
         cfg["eos_token_id"] = eos
         path.write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, folder / name)
     return folder
 
 

@@ -10,7 +10,6 @@ is scored across chunks and a short one in one.
 from __future__ import annotations
 
 import random
-import shutil
 import threading
 import time
 
@@ -20,30 +19,19 @@ import pytest
 import torch
 
 from radixserve.v1 import generation_pb2 as pb
-from tests.conftest import load_hf_model, make_tiny_model
-from tests.server_util import DEFAULT_MODEL, Server, scrape_metrics
+from tests.conftest import ZEN_VOCAB, load_hf_model, make_tiny_zen_model
+from tests.server_util import Server, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
 CHUNK = 16
 TOP = 3
-VOCAB = 596  # the default model's tokenizer
+VOCAB = ZEN_VOCAB  # the default model's tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = make_tiny_model(
-        tmp_path_factory.mktemp("tiny-zen-tok"),
-        "llama",
-        seed=3,
-        vocab_size=VOCAB,
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, folder / name)
-    return folder
+    return make_tiny_zen_model(tmp_path_factory.mktemp("tiny-zen-tok"), seed=3)
 
 
 @pytest.fixture(scope="module")

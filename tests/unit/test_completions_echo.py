@@ -5,49 +5,18 @@ logprob of the prompt token at position q as fake_prompt_logprob(q)."""
 from __future__ import annotations
 
 import grpc
-import openai
 import pytest
 
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
 from services.frontend.tokenizer import Tokenizer
-from tests.fake_scheduler import (
-    SCRIPT_TEXT,
-    FakeScheduler,
-    FrontendThread,
-    build_tokenizer,
-    fake_prompt_logprob,
-    frontend_config,
-)
+from tests.fake_scheduler import SCRIPT_TEXT, fake_prompt_logprob
+from tests.http_frontend import openai_frontend_fixtures
 
 PROMPT = "hello world, hello cache"
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = build_tokenizer(tmp_path_factory.mktemp("model"))
-    return path, Tokenizer(str(path))
-
-
-@pytest.fixture(scope="module")
-def fake(tok):
-    f = FakeScheduler(tok[1].encode(SCRIPT_TEXT), tok[1].vocab_size).start()
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def frontend(tok, fake):
-    fe = FrontendThread(frontend_config(tok[0], [fake], http=True)).start().wait_ready()
-    yield fe
-    fe.stop()
-
-
-@pytest.fixture(scope="module")
-def client(frontend):
-    return openai.OpenAI(
-        base_url=frontend.http_base + "/v1", api_key="none", max_retries=0, timeout=20
-    )
+tok, fake, frontend, client = openai_frontend_fixtures()
 
 
 def _strings(t: Tokenizer, ids: list[int]) -> list[str]:

@@ -10,53 +10,17 @@ import httpx
 import openai
 import pytest
 
-from services.frontend.tokenizer import Tokenizer
-
 try:
-    from tests.fake_scheduler import (
-        SCRIPT_TEXT,
-        FakeScheduler,
-        FrontendThread,
-        build_tokenizer,
-        frontend_config,
-    )
+    from tests.fake_scheduler import SCRIPT_TEXT
+    from tests.http_frontend import openai_frontend_fixtures
 except ImportError:
-    from fake_scheduler import (
-        SCRIPT_TEXT,
-        FakeScheduler,
-        FrontendThread,
-        build_tokenizer,
-        frontend_config,
-    )
+    from fake_scheduler import SCRIPT_TEXT
+    from http_frontend import openai_frontend_fixtures
 
 BEFORE_STOP = SCRIPT_TEXT[: SCRIPT_TEXT.index("STOP")]
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = build_tokenizer(tmp_path_factory.mktemp("model"))
-    return path, Tokenizer(str(path))
-
-
-@pytest.fixture(scope="module")
-def fake(tok):
-    f = FakeScheduler(tok[1].encode(SCRIPT_TEXT), tok[1].vocab_size).start()
-    yield f
-    f.stop()
-
-
-@pytest.fixture(scope="module")
-def frontend(tok, fake):
-    fe = FrontendThread(frontend_config(tok[0], [fake], http=True)).start().wait_ready()
-    yield fe
-    fe.stop()
-
-
-@pytest.fixture(scope="module")
-def client(frontend):
-    return openai.OpenAI(
-        base_url=frontend.http_base + "/v1", api_key="none", max_retries=0, timeout=20
-    )
+tok, fake, frontend, client = openai_frontend_fixtures()
 
 
 def test_models(client):
