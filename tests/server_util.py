@@ -58,6 +58,7 @@ class Server:
         timeout: float = 180.0,
         env: dict[str, str] | None = None,
         metrics: bool = False,
+        ignore_sigint: bool = False,
     ):
         held: list[socket.socket] = []
         if metrics:
@@ -90,6 +91,10 @@ class Server:
             cwd=REPO,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            # What `radixserve serve &` in a non-interactive shell gets: SIGINT ignored.
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+            if ignore_sigint
+            else None,
         )
         self.addr = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.addr)

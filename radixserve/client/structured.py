@@ -89,7 +89,7 @@ def _parse_failure(spec: OutputSpec[Any], c: Completion[None], err: ValueError) 
     why = {
         "length": (
             f"generation stopped at the token limit after {c.usage.completion_tokens} tokens"
-            " (finish_reason 'length'), so the JSON is cut off; raise max_tokens"
+            f" (finish_reason 'length'), so the JSON is cut off; {_length_advice(spec)}"
         ),
         "abort": "the request was aborted (finish_reason 'abort') before the answer was complete",
         "stop": (
@@ -98,6 +98,45 @@ def _parse_failure(spec: OutputSpec[Any], c: Completion[None], err: ValueError) 
         ),
     }.get(c.finish_reason, f"finish_reason {c.finish_reason!r}")
     return f"the output does not parse as {spec.name}: {why}. Parser: {_first_line(err)}"
+
+
+def _length_advice(spec: OutputSpec[Any]) -> str:
+    """What helps a cut-off answer: bounds on what the model may write at length (a small
+    model's strings may never close), then more tokens where the context has room."""
+    loose = _unbounded(spec.json_schema, "")
+    bound = (
+        f"bound {', '.join(loose[:3])} (maxLength / maxItems, an enum; pydantic's"
+        " Field(max_length=...)) so the answer stays short, or "
+        if loose
+        else ""
+    )
+    return f"{bound}raise max_tokens if prompt + max_tokens still fits the model's context"
+
+
+def _unbounded(schema: Any, path: str) -> list[str]:
+    """Paths of the strings without maxLength and arrays without maxItems in a schema."""
+    if isinstance(schema, list):
+        return [p for item in schema for p in _unbounded(item, path)]
+    if not isinstance(schema, dict):
+        return []
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    fixed = any(k in schema for k in ("enum", "const", "pattern", "format"))
+    here = []
+    if "string" in kinds and "maxLength" not in schema and not fixed:
+        here.append(path or "the string")
+    if "array" in kinds and "maxItems" not in schema:
+        here.append(path or "the array")
+    for key, sub in schema.items():
+        if key == "properties" and isinstance(sub, dict):
+            for name, prop in sub.items():
+                here += _unbounded(prop, f"{path}.{name}" if path else name)
+        elif key in ("$defs", "definitions") and isinstance(sub, dict):
+            for name, prop in sub.items():
+                here += _unbounded(prop, name)
+        elif key in ("items", "anyOf", "oneOf", "allOf", "additionalProperties"):
+            here += _unbounded(sub, f"{path}[]" if key == "items" else path)
+    return list(dict.fromkeys(here))
 
 
 def _first_line(err: ValueError) -> str:

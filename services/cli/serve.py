@@ -13,6 +13,7 @@ SIGTERM from the kernel should this process die without cleaning up (no orphans)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -222,9 +223,14 @@ def serve(ns: argparse.Namespace) -> int:
         policy = from_args(ServeConfig, ns)
     except ValueError as e:
         raise SystemExit(f"radixserve serve: {e}") from None
-    # tcp:// links between the children get fresh CURVE keys unless keys were given.
+    # tcp:// links between the children get fresh CURVE keys unless keys were given, and so
+    # does a public API behind a key: the scheduler's control port (FlushCache) would
+    # otherwise answer any local user without one.
     own_keys = ephemeral_keys(
-        [ns.worker_addr, ns.scheduler_addr], ns.internal_keys_dir, ns.insecure_internal
+        [ns.worker_addr, ns.scheduler_addr],
+        ns.internal_keys_dir,
+        ns.insecure_internal,
+        guard_control=_public_key_set(ns),
     )
     if own_keys:
         ns.internal_keys_dir = own_keys
@@ -234,7 +240,9 @@ def serve(ns: argparse.Namespace) -> int:
         raise SystemExit(f"radixserve serve: {e}") from None
     host = ns.host
     children: list[Child] = []
+    # SIGINT too: a shell starting `radixserve serve &` from a script makes SIGINT ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         children.append(
             Child("worker", spawn("worker", worker), f"{host}:{worker.worker_grpc_port}")
@@ -269,3 +277,20 @@ def serve(ns: argparse.Namespace) -> int:
         stop_all(children, ns.shutdown_grace_period + STOP_GRACE_S)
         if own_keys:
             shutil.rmtree(own_keys, ignore_errors=True)
+        _remove_own_sockets(ns, worker.worker_addr, sched.scheduler_addr)
+
+
+def _public_key_set(ns: argparse.Namespace) -> bool:
+    keys = (getattr(ns, "api_key", ""), getattr(ns, "admin_api_key", ""))
+    env = (os.environ.get("RADIXSERVE_API_KEY"), os.environ.get("RADIXSERVE_ADMIN_API_KEY"))
+    return any(keys) or any(env)
+
+
+def _remove_own_sockets(ns: argparse.Namespace, *addrs: str) -> None:
+    """The ipc socket files serve named for its children (libzmq leaves them behind when a
+    child is killed); addresses given on the command line are the caller's."""
+    given = {ns.worker_addr, ns.scheduler_addr}
+    for addr in addrs:
+        if addr.startswith("ipc://") and addr not in given:
+            with contextlib.suppress(OSError):
+                os.unlink(addr.removeprefix("ipc://"))

@@ -195,11 +195,15 @@ def connect_securely(keys: InternalKeys | None, role: str, server: str) -> Socke
     return setup
 
 
-def ephemeral_keys(addrs: Iterable[str], keys_dir: str, insecure: bool) -> str | None:
+def ephemeral_keys(
+    addrs: Iterable[str], keys_dir: str, insecure: bool, guard_control: bool = False
+) -> str | None:
     """For `radixserve serve`: a fresh private folder of keys when one of its own internal
-    links is tcp:// and neither keys nor --insecure-internal were given (None otherwise).
-    The caller removes it when the children are gone."""
-    if keys_dir or insecure or not any(a.startswith("tcp://") for a in addrs):
+    links is tcp:// or ``guard_control`` (the public API takes a key, so the control port
+    must too), and neither keys nor --insecure-internal were given (None otherwise). The
+    caller removes it when the children are gone."""
+    needed = guard_control or any(a.startswith("tcp://") for a in addrs)
+    if keys_dir or insecure or not needed:
         return None
     folder = tempfile.mkdtemp(prefix="radixserve-keys-")  # 0700, owned by this user
     generate_keys(folder)

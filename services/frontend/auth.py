@@ -26,9 +26,9 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Probes (the kubelet cannot send a key from a Secret) answer without one.
-HEALTH_PATHS = frozenset(
-    {"/health", "/healthz", "/ready", "/readyz", "/readiness", "/live", "/livez", "/liveness"}
-)
+READY_PATHS = ("/health", "/healthz", "/ready", "/readyz", "/readiness")
+LIVE_PATHS = ("/livez", "/live", "/liveness")
+HEALTH_PATHS = frozenset(READY_PATHS + LIVE_PATHS)
 ADMIN_PATHS = frozenset({"/flush_cache"})
 ADMIN_RPCS = frozenset({f"/{SERVICE_NAME}/FlushCache"})
 METRICS_PATH = "/metrics"

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.frontend.auth import ApiKeyAuth, ApiKeys
+from services.frontend.auth import LIVE_PATHS, READY_PATHS, ApiKeyAuth, ApiKeys
 from services.frontend.http_completion import complete
 from services.frontend.http_limits import BodyLimit
 from services.frontend.http_native import native_routes
@@ -37,6 +37,7 @@ from services.frontend.openai_protocol import (
     body_error,
     chat_to_request,
     check_model,
+    check_unserved,
     completion_to_request,
 )
 from services.frontend.pipeline import Frontend
@@ -71,21 +72,25 @@ async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 
 def _service_routes(frontend: Frontend) -> APIRouter:
-    """Readiness (/health) and liveness (/livez) for probes, metrics for Prometheus, and a
-    cache flush for benchmarks."""
+    """Readiness (/health, /healthz, /ready, ...) and liveness (/livez, /live, ...) for
+    probes, metrics for Prometheus, and a cache flush for benchmarks."""
     router = APIRouter()
 
-    @router.get("/health")
-    async def health() -> JSONResponse:
+    async def ready() -> JSONResponse:
         ok = frontend.engines.healthy
         status = {"status": "ok" if ok else "engines not ready"}
         return JSONResponse(status, status_code=200 if ok else 503)
 
-    @router.get("/livez")
-    async def livez() -> JSONResponse:
-        # Liveness only: this process answers. Readiness (/health) follows the engines, so a
-        # lost worker never makes Kubernetes restart a frontend that is fine.
+    async def alive() -> JSONResponse:
+        # Liveness only: this process answers. Readiness follows the engines, so a lost
+        # worker never makes Kubernetes restart a frontend that is fine.
         return JSONResponse({"status": "alive"})
+
+    # Every name a probe may use, all open without the API key (auth.HEALTH_PATHS).
+    for path in READY_PATHS:
+        router.add_api_route(path, ready, methods=["GET"])
+    for path in LIVE_PATHS:
+        router.add_api_route(path, alive, methods=["GET"])
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -114,12 +119,14 @@ def _openai_routes(frontend: Frontend) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(body.model, frontend.model_id)
+        check_unserved(body)
         shape = CompletionShape.of(body, frontend.tokenizer, frontend.model_id)
         return await complete(frontend, completion_to_request(body), shape, http, body.stream)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, frontend.model_id)
+        check_unserved(body)
         shape = ChatShape(frontend.tokenizer, frontend.model_id, body.include_usage)
         return await complete(frontend, chat_to_request(body), shape, http, body.stream)
 

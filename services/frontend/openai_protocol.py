@@ -93,11 +93,96 @@ def api_error(e: FrontendError, input_param: str) -> ApiError:
 
 
 def body_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
-    """A body that does not parse: 400 naming the first bad field, not FastAPI's 422."""
-    err: Mapping[str, Any] = errors[0] if errors else {}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid body')}"
-    return ApiError(400, message, loc[0] if loc else None)
+    """A body that does not parse: 400 naming the bad field in the client's terms (not
+    FastAPI's 422, nor pydantic's names for the members of a union)."""
+    if not errors:
+        return ApiError(400, "the request body is invalid")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        why = first.get("ctx", {}).get("error", "JSON decode error")
+        at = next((x for x in first.get("loc", ()) if isinstance(x, int)), 0)
+        return ApiError(400, f"the request body is not valid JSON: {why} (at character {at})")
+    field = _path(first)
+    if not field:  # the body as a whole: not an object, or a check across its fields
+        if first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            return ApiError(400, "the request body must be a JSON object")
+        return ApiError(400, str(first.get("msg", "invalid body")).removeprefix("Value error, "))
+    branches = [e for e in errors if _path(e)[:1] == field[:1]]
+    err = _most_telling(branches)
+    if err is None:  # a value of a type no member of the union takes
+        kinds = sorted({_kind(t) for e in branches for t in _union_tags(e)}, key=len)
+        one_of = ", ".join(kinds[:-1]) + f" or {kinds[-1]}" if len(kinds) > 1 else kinds[0]
+        got = _shown(branches[0].get("input"))
+        return ApiError(400, f"{_where(field[:1])}: must be {one_of} (got {got})", str(field[0]))
+    message = f"{_where(_path(err))}: {err.get('msg', 'invalid')}"
+    if err.get("type") != "missing":
+        message += f" (got {_shown(err.get('input'))})"
+    return ApiError(400, message, str(field[0]))
+
+
+def _is_union_tag(x: object) -> bool:
+    """pydantic names each member of a union in ``loc`` ('str', 'list[constrained-int]',
+    a model's class name); the body's own field names are lower snake case."""
+    if not isinstance(x, str):
+        return False
+    return (
+        "[" in x
+        or x[:1].isupper()
+        or x in _TYPE_WORDS
+        or x.startswith(("constrained-", "function-"))
+    )
+
+
+_TYPE_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean"}
+
+
+def _union_tags(err: Mapping[str, Any]) -> list[str]:
+    return [x for x in err.get("loc", ()) if _is_union_tag(x)][:1]
+
+
+def _kind(tag: str) -> str:
+    """'list[list[constrained-int]]' -> 'a list of lists of integers'."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _kind(tag[5:-1]).removeprefix("a ").removeprefix("an ")
+        return "a list of " + (
+            inner.replace("list", "lists", 1) if inner.startswith("list") else inner + "s"
+        )
+    word = tag.removeprefix("constrained-")
+    return _TYPE_WORDS.get(word, f"a {word}")
+
+
+def _path(err: Mapping[str, Any]) -> list[str | int]:
+    return [x for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
+
+
+def _most_telling(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """Of the errors of one field (one per member of a union), the one that says most: a
+    broken limit before a wrong type, a deeper position before a shallower one. None when
+    every member refused the value's type at the same depth."""
+    limits = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    if limits:
+        return max(limits, key=lambda e: len(_path(e)))
+    if len(errors) == 1:
+        return errors[0]
+    depths = sorted((len(_path(e)) for e in errors), reverse=True)
+    if depths[0] > depths[1]:
+        return max(errors, key=lambda e: len(_path(e)))
+    return None
+
+
+def _where(path: Sequence[str | int]) -> str:
+    """['messages', 0, 'role'] -> 'messages[0].role'."""
+    out = ""
+    for x in path:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out or "body"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "a list"
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -111,7 +196,40 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-# ---- request bodies (unknown OpenAI fields are accepted and ignored) -----------------
+# ---- request bodies -----------------------------------------------------------------
+# Fields outside OpenAI's API are accepted and ignored (clients add their own); the OpenAI
+# fields below are not served yet, so anything but their "not asked for" values is a 400
+# naming the field: dropping them would answer another question than the one asked.
+# ``user`` and ``metadata`` are accepted and not used (they change no output).
+_UNSERVED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "service_tier": (None,),
+    "store": (None, False),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+
+
+def check_unserved(body: BaseModel) -> None:
+    """400 for an OpenAI field radixserve would otherwise have to drop."""
+    for name, value in (body.model_extra or {}).items():
+        if name in _UNSERVED and not any(
+            value == ok and type(value) is type(ok) for ok in _UNSERVED[name]
+        ):
+            raise ApiError(
+                400,
+                f"{name} is not supported by radixserve (got {_shown(value)}); leave it out",
+                name,
+            )
 
 
 class StreamOptions(BaseModel):

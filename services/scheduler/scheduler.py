@@ -289,8 +289,12 @@ class Scheduler:
             self._finish(req)
 
     def _append_token(self, req: Req, tok: engine_pb2.SampledToken, now: float) -> None:
-        if tok.grammar_error:  # never expected: the mask allows only what the grammar does
-            self._end_running(req, "INTERNAL", f"constrained decoding failed: {tok.grammar_error}")
+        if tok.grammar_error:
+            # A dead end is the constraint's (a grammar that stops accepting anything mid-way);
+            # anything else is never expected: the mask allows only what the grammar does.
+            code = "INVALID_ARGUMENT" if tok.grammar_dead_end else "INTERNAL"
+            message = f"constrained decoding failed after {len(req.output_ids)} tokens"
+            self._end_running(req, code, f"{message}: {tok.grammar_error}")
             return
         req.output_ids.append(tok.token_id)
         if tok.HasField("logprob"):

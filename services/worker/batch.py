@@ -96,6 +96,7 @@ class ForwardOutput:
     # Constrained requests (grammar/): the grammar completed with this token, or refused it.
     grammar_terminated: list[bool] = field(default_factory=list)  # empty: none constrained
     grammar_errors: list[str] = field(default_factory=list)  # "" per row, or empty
+    grammar_dead_ends: list[bool] = field(default_factory=list)  # the error is the grammar's
     # Prompt logprobs per request (None where none asked); empty: none in the batch.
     prompt_logprobs: list[list[Scored] | None] = field(default_factory=list)
     cuda_graph: bool = False  # decode replayed a captured CUDA graph

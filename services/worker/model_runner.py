@@ -377,5 +377,7 @@ class ModelRunner:
         terminated, errors = self.grammars.slots.advance(slots, tokens)
         n = len(out.token_ids)
         out.grammar_terminated, out.grammar_errors = [False] * n, [""] * n
+        out.grammar_dead_ends = [False] * n
         for j, i in enumerate(sampled):
             out.grammar_terminated[i], out.grammar_errors[i] = terminated[j], errors[j]
+            out.grammar_dead_ends[i] = self.grammars.slots.dead_end[slots[j]]

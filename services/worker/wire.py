@@ -277,6 +277,8 @@ def encode_result(batch_id: int, out: ForwardOutput) -> engine_pb2.ForwardResult
     ]
     for i, (done, error) in enumerate(zip(out.grammar_terminated, out.grammar_errors, strict=True)):
         tokens[i].grammar_terminated, tokens[i].grammar_error = done, error
+    for i, dead in enumerate(out.grammar_dead_ends):
+        tokens[i].grammar_dead_end = dead
     for i, scored in enumerate(out.prompt_logprobs):
         if scored:
             tokens[i].prompt_logprobs.extend(token_logprob(*s) for s in scored)

@@ -136,6 +136,10 @@ BAD_GRPC = [
     ("ebnf", 'root ::= "a', "string literal"),
     ("ebnf", 'start ::= "a"', "root"),
     ("ebnf", "root ::= undefined_rule", "undefined_rule"),
+    # Compile, but no output can complete them (issue 43: these were INTERNAL / HTTP 500).
+    ("ebnf", "root ::= root", "accepts no finite string"),
+    ("ebnf", "root ::= a\na ::= root", "rules 'root', 'a' never end"),
+    ("ebnf", 'root ::= "a" root', "accepts no finite string"),
 ]
 
 
@@ -173,6 +177,7 @@ def test_json_object_false_is_refused(server):
             "json_schema.schema",
         ),
         ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+        ({"ebnf": "root ::= root"}, "ebnf", "accepts no finite string"),
         (
             {
                 "response_format": {
@@ -202,6 +207,14 @@ def test_http_bad_constraint_is_400_naming_the_param(server, client, extra, para
         .choices[0]
         .text
     )
+
+
+def test_native_generate_refuses_a_grammar_that_never_ends(server):
+    import httpx
+
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 8, "ebnf": "root ::= root"}}
+    r = httpx.post(f"http://127.0.0.1:{server.http_port}/generate", json=body, timeout=60)
+    assert r.status_code == 400 and "accepts no finite string" in r.text, r.text
 
 
 def test_mixed_batch_unconstrained_tokens_unchanged(server):

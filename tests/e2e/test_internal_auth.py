@@ -10,6 +10,9 @@ to start."""
 
 from __future__ import annotations
 
+import glob
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +24,7 @@ import zmq
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
 from radixserve.v1 import generation_pb2
 from services.common.curve import InternalKeys, generate_keys
-from services.common.transport import pack_i32
+from services.common.transport import pack_i32, private_ipc_dir
 from tests.server_util import REPO, Server, free_port, greedy, scrape_metrics
 
 pytestmark = pytest.mark.slow
@@ -153,8 +156,13 @@ def test_tcp_without_keys_refuses_to_start():
 
 
 def test_serve_hands_the_api_key_to_its_frontend_by_environment_only():
+    """Also: with an API key the control port needs a token too (serve makes one), and
+    SIGINT stops serve even when its shell started it with SIGINT ignored, leaving no
+    socket files behind."""
     key = "sk-serve-e2e-key"
-    with Server("--api-key", key, "--max-total-tokens=2048") as s:
+    control = free_port()
+    flags = ("--api-key", key, "--max-total-tokens=2048", f"--control-port={control}")
+    with Server(*flags, ignore_sigint=True) as s:
         with pytest.raises(grpc.RpcError) as err:
             s.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -170,3 +178,15 @@ def test_serve_hands_the_api_key_to_its_frontend_by_environment_only():
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 assert key.encode() not in f.read()
         assert key not in s.output()
+        with grpc.insecure_channel(f"127.0.0.1:{control}") as ch:
+            stub = engine_pb2_grpc.SchedulerControlStub(ch)
+            for call, msg in ((stub.FlushCache, engine_pb2.FlushRequest()),
+                              (stub.GetStats, engine_pb2.StatsRequest())):  # fmt: skip
+                with pytest.raises(grpc.RpcError) as err:
+                    call(msg, timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        sockets = glob.glob(os.path.join(private_ipc_dir(), f"*-{s.proc.pid}-*.sock"))
+        assert len(sockets) == 2, sockets  # the worker's and the scheduler's
+        os.kill(s.proc.pid, signal.SIGINT)
+        assert s.proc.wait(60) == 0, s.output()
+        assert not [p for p in sockets if os.path.exists(p)]

@@ -21,6 +21,7 @@ class GrammarFakeWorker(FakeWorker):
         self.errors: dict[str, tuple[str, str]] = {}
         self.terminate_after: dict[str, int] = {}
         self.reject_at: dict[str, int] = {}
+        self.dead_end_at: dict[str, int] = {}
         self.pending: dict[str, int] = {}
         self.generated: dict[str, int] = {}
         self.asked: list[str] = []
@@ -39,6 +40,9 @@ class GrammarFakeWorker(FakeWorker):
                     tok.grammar_error = (
                         f"the grammar rejected the sampled token (id {tok.token_id})"
                     )
+                if n == self.dead_end_at.get(r.rid):
+                    tok.grammar_error = "the constraint allows no token here"
+                    tok.grammar_dead_end = True
         for rid in list(self.pending):
             self.pending[rid] -= 1
             if self.pending[rid] <= 0:
@@ -136,6 +140,20 @@ def test_grammar_end_finishes_with_stop_and_rejection_aborts_alone():
     broken = final["broken"]
     assert broken.finish_reason == "abort" and broken.error_code == "INTERNAL"
     assert "rejected" in broken.finish_message and len(broken.token_ids) == 1
+    assert final["free"].token_ids == expected([7, 8, 9], 10)
+    sched.check_idle()
+
+
+def test_a_grammar_dead_end_is_the_clients_error_and_frees_its_kv():
+    worker = GrammarFakeWorker(delay=1)
+    worker.dead_end_at["dead"] = 3
+    sched = _make(worker)
+    _submit(sched, "dead", [1, 2, 3], 20, regex="a")
+    _submit(sched, "free", [7, 8, 9], 10)
+    final = run(sched)
+    dead = final["dead"]
+    assert dead.finish_reason == "abort" and dead.error_code == "INVALID_ARGUMENT"
+    assert "after 2 tokens" in dead.finish_message and "allows no token" in dead.finish_message
     assert final["free"].token_ids == expected([7, 8, 9], 10)
     sched.check_idle()
 

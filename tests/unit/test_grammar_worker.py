@@ -282,3 +282,73 @@ def test_length_bounded_json_strings_refuse_control_characters(runner, tokenizer
     assert control
     allowed = [t for t in control if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
     assert allowed == []
+
+
+@pytest.mark.parametrize(
+    ("constraint", "rules"),
+    [
+        (engine_pb2.Constraint(ebnf="root ::= root"), "rule 'root' never ends"),
+        (engine_pb2.Constraint(ebnf="root ::= a\na ::= root"), "rules 'root', 'a' never end"),
+        (engine_pb2.Constraint(ebnf='root ::= "a" root'), "rule 'root' never ends"),
+        (engine_pb2.Constraint(ebnf='root ::= x{2,3}\nx ::= "q" x'), "never end"),
+        (
+            engine_pb2.Constraint(
+                json_schema='{"type": "object", "properties": {"a": {"$ref": "#"}}, '
+                '"required": ["a"]}'
+            ),
+            "never end",
+        ),
+    ],
+)
+def test_a_grammar_no_finite_output_completes_is_refused(runner, constraint, rules):
+    st = Driver(runner).compile("never", constraint)
+    assert st.error_code == "INVALID_ARGUMENT"
+    assert "accepts no finite string" in st.error and rules in st.error
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        engine_pb2.Constraint(ebnf='root ::= "a" | root'),  # one way out is enough
+        engine_pb2.Constraint(ebnf='root ::= x{0,3}\nx ::= "q" x'),  # zero repeats: ""
+        engine_pb2.Constraint(ebnf='root ::= "a" (b | c)* [a-z]? (= "q")\nb ::= "b"+\nc ::= "c"'),
+    ],
+)
+def test_recursive_grammars_with_a_way_out_compile(runner, constraint):
+    assert Driver(runner).compile("ok", constraint).error == ""
+
+
+def test_a_dead_end_mid_way_ends_that_request_as_the_constraints_fault(runner, tokenizer):
+    """A matcher that allows no token (compiled around the compile-time check) ends its row
+    with grammar_dead_end, unmasked (all -inf could not be sampled), batch mate untouched."""
+    import xgrammar as xgr
+
+    compiled = runner.grammars.build().compiler._compiler().compile_grammar("root ::= root")
+    runner.grammars.compiler._cache[Constraint("ebnf", "dead")] = _done(compiled)
+    d = Driver(runner)
+    c = engine_pb2.Constraint(ebnf="dead")
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    reqs = [
+        engine_pb2.ForwardRequest(
+            req_slot=slot,
+            input_ids=pack_i32(prompt),
+            out_slots=pack_i32(d.alloc(len(prompt))),
+            is_new=True,
+            sample=True,
+            sampling=engine_pb2.SamplingParams(temperature=1.0, seed=1, constraint=constraint),
+        )
+        for slot, constraint in ((0, c), (1, None))
+    ]
+    res = d.send(reqs)
+    assert res.tokens[0].grammar_dead_end and "allows no token" in res.tokens[0].grammar_error
+    assert res.tokens[1].grammar_error == "" and not res.tokens[1].grammar_dead_end
+    assert res.tokens[1].token_id >= 0
+    assert isinstance(compiled, xgr.CompiledGrammar)
+
+
+def _done(value):
+    from concurrent.futures import Future
+
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut

@@ -233,18 +233,20 @@ class GrammarStatus(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "grammar_terminated", "grammar_error", "prompt_logprobs")
+    __slots__ = ("token_id", "logprob", "grammar_terminated", "grammar_error", "prompt_logprobs", "grammar_dead_end")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_TERMINATED_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_DEAD_END_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: TokenLogprob
     grammar_terminated: bool
     grammar_error: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., grammar_terminated: _Optional[bool] = ..., grammar_error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    grammar_dead_end: bool
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., grammar_terminated: _Optional[bool] = ..., grammar_error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., grammar_dead_end: _Optional[bool] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
     __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error", "worker_instance", "grammars")

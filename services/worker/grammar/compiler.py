@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xgrammar as xgr
 
 from services.worker.batch import Constraint
+from services.worker.grammar.emptiness import unproductive_rules
 from services.worker.grammar.schema_support import unsupported_keyword
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,32 @@ class GrammarCompiler:
             log.error("grammar compiler unavailable: %s", e)
             raise RuntimeError(f"constrained decoding is unavailable on this worker: {e}") from e
         try:
-            return _compile_with(compiler, c)
+            compiled = _compile_with(compiler, c)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar's RuntimeError: the user's constraint is at fault
             raise GrammarError(compiler_message(e)) from None
+        check_satisfiable(compiled)
+        return compiled
+
+
+def check_satisfiable(compiled: xgr.CompiledGrammar) -> None:
+    """Refuses a constraint no output can complete: rules that never end, or no token of
+    the vocabulary that can start it (the matcher would then reject whatever is sampled)."""
+    if never := unproductive_rules(str(compiled.grammar)):
+        rules = ", ".join(repr(n) for n in never[:5])
+        verb = "rule {} never ends" if len(never) == 1 else "rules {} never end"
+        raise GrammarError(
+            f"the grammar accepts no finite string: {verb.format(rules)} (every alternative"
+            " recurses without a way out)"
+        )
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise GrammarError(
+            "the grammar accepts no string: no token of this model's vocabulary can start it"
+        )
 
 
 # Niceness of the compile threads: on a CPU worker they share the cores with the forward's

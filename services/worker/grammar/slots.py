@@ -29,11 +29,14 @@ class SlotGrammars:
         self.matchers: list[xgr.GrammarMatcher | None] = [None] * max_slots
         self.done = [False] * max_slots  # terminated: nothing more to mask or accept
         self.errors = [""] * max_slots  # the grammar broke: the request must end
+        # The grammar allows no token at all here: the constraint's fault, not the engine's.
+        self.dead_end = [False] * max_slots
         self._bitmask = xgr.allocate_token_bitmask(max_slots, vocab_size)  # host int32
 
     def start(self, slot: int, c: Constraint | None, replay: Sequence[int]) -> None:
         """A request takes ``slot``: its matcher (None: unconstrained), fed ``replay``."""
         self.matchers[slot], self.done[slot], self.errors[slot] = None, False, ""
+        self.dead_end[slot] = False
         if c is None:
             return
         try:
@@ -61,12 +64,18 @@ class SlotGrammars:
         return None if m is None or self.done[slot] or self.errors[slot] else m
 
     def mask(self, logits: torch.Tensor, slots: Sequence[int]) -> None:
-        """logits [n, V] (row j belongs to slots[j]): tokens the grammar forbids -> -inf."""
+        """logits [n, V] (row j belongs to slots[j]): tokens the grammar forbids -> -inf.
+        A row whose grammar allows no token ends its request instead: masked, it would be
+        all -inf, which sampling cannot draw from."""
         rows = []
         for j, s in enumerate(slots):
             if (m := self._live(s)) is not None:
                 m.fill_next_token_bitmask(self._bitmask, j)
-                rows.append(j)
+                if bool(self._bitmask[j].any()):
+                    rows.append(j)
+                    continue
+                self.errors[s] = "the constraint allows no token of this model's vocabulary here"
+                self.dead_end[s] = True
         if not rows:
             return
         bitmask = self._bitmask[: len(slots)].to(logits.device, non_blocking=True)
