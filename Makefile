@@ -15,8 +15,12 @@ PYTEST_ARGS ?=
 # dev extras. 0.4.10.post2 because its client imports with just those, and its
 # RuntimeEndpoint speaks the same /generate wire as the newest client.
 SGLANG_CLIENT := 'sglang==0.4.10.post2'
+# The GPU machine's Triton, installed beside .venv for the compile rehearsal (git-ignored).
+DEVICE_TRITON   := 'triton==3.6.*'
+REHEARSAL       := .gpu-rehearsal
+REHEARSAL_STAMP := $(REHEARSAL)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean
+.PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean gpu-rehearsal gpu-wheels
 
 setup: $(STAMP)
 
@@ -31,8 +35,23 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/radixserve serve --port 30000
 
-test: $(STAMP)
+test: $(STAMP) $(REHEARSAL_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The GPU machine's Triton (3.6) beside .venv's, for compiling every kernel the GPU check
+# launches for sm_90 here (bench/gpu_compile.py; tests/unit/test_kernels_compile.py runs it).
+# An unreachable registry leaves no stamp: that test then skips and says why.
+$(REHEARSAL_STAMP): | $(STAMP)
+	rm -rf $(REHEARSAL)
+	$(PIP) --no-deps --target $(REHEARSAL)/site $(DEVICE_TRITON) \
+		&& touch $@ || echo "gpu-rehearsal: could not install $(DEVICE_TRITON); its test will skip"
+
+gpu-rehearsal: $(REHEARSAL_STAMP)
+	PYTHONPATH=$(REHEARSAL)/site:. $(PY) bench/gpu_compile.py
+
+# The cp312 wheels the GPU machine lacks, into .whl/ (carried with the device call: docs/gpu.md).
+gpu-wheels: $(STAMP)
+	bash bench/gpu_wheels.sh
 
 # Unit and property tests only: no server processes, no Helm (a couple of minutes).
 test-fast: $(STAMP)

@@ -97,7 +97,7 @@ def _sweep(m: int, weights, deadline: float) -> dict:
     from kernels.awq_gemm import GemmConfig, awq_gemm, choose_config
 
     x = torch.randn(m, K, device=weights[0].device, dtype=torch.float16)
-    default = choose_config(m, N, K, GROUP, x.device)
+    default = choose_config(m, N, K, GROUP, x.device, x.dtype)
     timings: dict[GemmConfig, float] = {}
     for bn in (64, 128):
         for bk in (64, 128):

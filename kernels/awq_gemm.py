@@ -131,12 +131,17 @@ def block_k_for(group: int, preferred: int = 128) -> int:
     raise ValueError(f"AWQ group size {group} has no power-of-two divisor >= 16 for the K tile")
 
 
-def choose_config(m: int, n: int, k: int, group: int, device: torch.device) -> GemmConfig:
+def choose_config(
+    m: int, n: int, k: int, group: int, device: torch.device, dtype: torch.dtype = torch.float16
+) -> GemmConfig:
     """Decode sizes (small M) are bound by reading the packed weights: narrow M tiles, long K
     tiles and a split of K so that every SM streams; prefill sizes are bound by the dot
-    products: square tiles, no split."""
+    products: square tiles, no split. float32 x (tests only: exact "ieee" dots on FMA units)
+    spills KBs at the 16-bit tiles on sm_90; 16 x 64 x 32 does not (bench/gpu_compile.py)."""
     if device.type != "cuda":  # the interpreter: few, large programs
         return GemmConfig(16, 32, block_k_for(group, 64), 1, 4, 1)
+    if dtype.itemsize >= 4:
+        return GemmConfig(16, 64, block_k_for(group, 32), 1, 4, 2)
     if m <= 64:
         # Register budget (ptxas, sm_90): 16 x 128 x 128 on 4 warps takes 140 registers;
         # wider M tiles fit without spilling only with BLOCK_K 64 on 8 warps (165 at M 64).
@@ -182,7 +187,7 @@ def awq_gemm(
     group = check_shapes(x, qweight, qzeros, scales)
     m, k = x.shape
     n = scales.shape[1]
-    cfg = config or choose_config(m, n, k, group, x.device)
+    cfg = config or choose_config(m, n, k, group, x.device, x.dtype)
     if group % cfg.block_k:
         raise ValueError(f"BLOCK_K {cfg.block_k} does not divide the group size {group}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

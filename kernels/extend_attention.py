@@ -234,12 +234,14 @@ def tile_config(head_dim: int, dtype: torch.dtype, major: int) -> tuple[int, int
     """Tiles and pipeline depth that fit shared memory (Hopper ~227 KiB, Ampere ~164 KiB)
     and registers. float32 ("ieee" dots run on FMA units, not tensor cores) needs far smaller
     tiles: ptxas for sm_90 spills KBs at 128x64 (D=64) or 32x32 (D=128); these compile with
-    no spills (tests/unit/test_kernels_compile.py). 16-bit D=128 at 128x64 spills 184 bytes,
+    no spills (bench/gpu_compile.py, Triton 3.6). 16-bit D=128 at 128x64 spills 184 bytes,
     kept for the larger tile's reuse of K/V."""
     if major < 8:
         return 64, 32, 4, 1
     if dtype.itemsize >= 4:
-        return (16, 16, 4, 1) if head_dim > 64 else (64, 32, 8, 1)
+        if head_dim > 64:
+            return 16, 16, 4, 2
+        return (64, 32, 4, 1) if head_dim <= 16 else (64, 32, 8, 1)
     if head_dim > 128:  # 16-bit D=256: half the tile
         return 64, 32, 4, 2
     return 128, 64, 8, (3 if major >= 9 else 2)
@@ -270,7 +272,9 @@ def extend_attention(
     bm, bn, warps, stages = _launch_config(head_dim, q.dtype, q.device)
     if block_m or block_n:
         bm, bn = block_m or bm, block_n or bn
-        warps = 4 if bm < 64 else warps  # 8 warps over a 16-row tile only idle
+        # 8 warps over a small tile only idle; 16-bit 16-row tiles spill on 4 (Triton 3.6).
+        if bm < 64:
+            warps = 2 if bm <= 16 and q.dtype.itemsize < 4 else 4
     if bm % bn:
         raise ValueError(f"BLOCK_M={bm} must be a multiple of BLOCK_N={bn}")
     grid = (triton.cdiv(max_extend_len, bm), batch, num_heads)
