@@ -144,6 +144,8 @@ class FakeScheduler:
                 finish_reason="abort",
                 error_code=req.cache_salt[6:],
                 finish_message="fake refusal: no room",
+                # As the real scheduler's overload refusal: when to retry.
+                retry_after=2.0 if req.cache_salt == "error:RESOURCE_EXHAUSTED" else 0.0,
             )
             self._send(identity, delta)
             return

@@ -167,6 +167,22 @@ class SchedulerConfig:
     disable_overlap_schedule: bool = _opt(
         False, "wait for each decode step's tokens before sending the next step"
     )
+    max_queued_requests: int = _opt(
+        0,
+        "requests waiting for admission beyond which a new one is refused at once (HTTP 429 "
+        "with Retry-After / gRPC RESOURCE_EXHAUSTED) (0: 8 x --max-running-requests; -1: no "
+        "limit)",
+    )
+    max_total_queued_tokens: int = _opt(
+        0,
+        "prompt tokens waiting for admission beyond which a new request is refused as "
+        "overloaded (0: 4 x the KV pool; -1: no limit)",
+    )
+    max_queue_time: float = _opt(
+        0.0,
+        "seconds a request may wait for admission before it fails DEADLINE_EXCEEDED (HTTP "
+        "504) (0: no limit)",
+    )
     scheduler_addr: str = _opt(
         "", "ZeroMQ address the scheduler binds for frontends (default: a per-instance ipc path)"
     )
@@ -203,6 +219,14 @@ class SchedulerConfig:
         ):
             if value < 0:  # 0 already means "the default" / "off": a negative is a typo
                 raise ValueError(f"{flag} must be >= 0, got {value}")
+        for flag, value in (
+            ("--max-queued-requests", self.max_queued_requests),
+            ("--max-total-queued-tokens", self.max_total_queued_tokens),
+        ):
+            if value < -1:
+                raise ValueError(f"{flag} must be -1 (no limit), 0 (the default) or > 0")
+        if not math.isfinite(self.max_queue_time) or self.max_queue_time < 0:
+            raise ValueError(f"--max-queue-time must be >= 0 (0: off), got {self.max_queue_time}")
         # A number of decode steps: NaN, infinity or a negative one is a typo, not a setting.
         if not math.isfinite(self.mixed_step_slowdown) or self.mixed_step_slowdown < 0:
             raise ValueError(

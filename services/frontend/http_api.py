@@ -56,7 +56,7 @@ def create_app(frontend: Frontend) -> FastAPI:
 
 
 async def _on_api_error(request: Request, e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
 async def _on_bad_body(request: Request, e: RequestValidationError) -> JSONResponse:

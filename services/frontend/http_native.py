@@ -375,7 +375,7 @@ def native_error(e: ApiError, index: int | None = None) -> ApiError:
             break
     if index is not None:
         message = f"prompt {index}: {message}"
-    return ApiError(e.status, message, param, e.kind)
+    return ApiError(e.status, message, param, e.kind, e.headers)
 
 
 # ---- GenerateResponse -> SGLang's answer -----------------------------------------------

@@ -11,6 +11,7 @@ OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -59,9 +60,11 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         detail = ErrorDetail(message=self.message, type=self.kind, param=self.param, code=None)
@@ -89,7 +92,13 @@ def api_error(e: FrontendError, input_param: str) -> ApiError:
     """A pipeline failure as OpenAI's error; ``input_param`` takes the blame for the prompt."""
     status = _HTTP_STATUS.get(e.code, 500)
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return ApiError(status, e.message, _param_of(e.field, input_param), kind)
+    headers = retry_after_header(e)
+    return ApiError(status, e.message, _param_of(e.field, input_param), kind, headers)
+
+
+def retry_after_header(e: FrontendError) -> dict[str, str]:
+    """Retry-After (whole seconds) for an engine that refused a request as overloaded."""
+    return {"Retry-After": str(math.ceil(e.retry_after))} if e.retry_after > 0 else {}
 
 
 def body_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:

@@ -50,11 +50,18 @@ FINAL_DELTA_WAIT_S = 0.5
 class FrontendError(Exception):
     """A request failure with its gRPC status; ``field`` is set for INVALID_ARGUMENT."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        field: str | None = None,
+        retry_after: float = 0.0,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.field = field
+        self.retry_after = retry_after  # overloaded: seconds until a retry may be admitted
 
 
 def _invalid(e: ValidationError) -> FrontendError:
@@ -73,7 +80,7 @@ def _engine_error(delta: engine_pb2.TokenDelta, sp: engine_pb2.SamplingParams) -
     kind = sp.constraint.WhichOneof("kind") if sp.HasField("constraint") else None
     if code == grpc.StatusCode.INVALID_ARGUMENT and kind is not None:
         return FrontendError(code, f"sampling.{kind}: {message}", f"sampling.{kind}")
-    return FrontendError(code, message)
+    return FrontendError(code, message, retry_after=delta.retry_after)
 
 
 @dataclass

@@ -30,7 +30,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for resp in self._fe.generate(request, caller):
                 yield resp
         except FrontendError as e:
-            await context.abort(e.code, e.message)
+            # An overloaded engine says when to retry (HTTP's Retry-After, in seconds).
+            trailer = (("retry-after", f"{e.retry_after:g}"),) if e.retry_after > 0 else ()
+            await context.abort(e.code, e.message, trailing_metadata=trailer)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -80,6 +80,12 @@ class SchedulerMetrics:
             "uncached_prompt_tokens_histogram", "Prompt tokens computed", TOKEN_BUCKETS
         )
         self.queue_time = d.hist("queue_time_seconds", "Arrival to first scheduled", TIME_BUCKETS)
+        # Declared with both reasons, so a dashboard reads 0 before the first refusal.
+        self.refused = d.counter(
+            "refused_requests", "Requests refused by admission control", ("reason",)
+        )
+        for reason in ("overloaded", "queue_time"):
+            self.refused.labels(**self.labels, reason=reason)
 
     def _declare_gauges(self, d: _Declare) -> None:
         self.running = d.gauge("num_running_reqs", "Requests in the running batch")
@@ -123,6 +129,11 @@ class SchedulerMetrics:
             self.cached_tokens.inc(req.cached_tokens)
             self.uncached_hist.observe(len(req.input_ids) - req.cached_tokens)
             self.queue_time.observe(max(0.0, req.first_scheduled - req.arrival_time))
+
+    def on_refused(self, reason: str) -> None:
+        """``reason``: "overloaded" (queue full, 429) or "queue_time" (waited too long)."""
+        if self.enabled:
+            self.refused.labels(**self.labels, reason=reason).inc()
 
     def on_retract(self) -> None:
         if self.enabled:

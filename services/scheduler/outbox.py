@@ -24,6 +24,7 @@ def delta_of(req: Req) -> engine_pb2.TokenDelta:
         finish_message=req.finish_message,
         error_code=req.error_code,
         matched_stop_token=req.matched_stop_token,
+        retry_after=req.retry_after,
     )
     if req.logprobs:
         d.logprobs.extend(req.logprobs[req.sent_tokens :])

@@ -15,12 +15,15 @@ from services.scheduler.request import Req
 
 
 class ReqQueue:
-    """Requests in order, with O(1) membership and removal (a Req hashes by identity)."""
+    """Requests in order, with O(1) membership and removal (a Req hashes by identity), and
+    the prompt tokens they hold (admission control reads it on every arrival)."""
 
-    __slots__ = ("_reqs",)
+    __slots__ = ("_reqs", "tokens")
 
     def __init__(self) -> None:
-        self._reqs: dict[Req, None] = {}  # an insertion-ordered set
+        # An insertion-ordered set; the value is the prompt length counted into ``tokens``.
+        self._reqs: dict[Req, int] = {}
+        self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -32,13 +35,18 @@ class ReqQueue:
         return req in self._reqs
 
     def append(self, req: Req) -> None:
-        self._reqs[req] = None
+        if req not in self._reqs:
+            self._reqs[req] = n = len(req.input_ids)
+            self.tokens += n
 
     def push_front(self, req: Req) -> None:
-        self._reqs = {req: None, **self._reqs}  # O(n), but only on a retraction
+        self.discard(req)
+        n = len(req.input_ids)
+        self._reqs = {req: n, **self._reqs}  # O(n), but only on a retraction
+        self.tokens += n
 
     def discard(self, req: Req) -> None:
-        self._reqs.pop(req, None)
+        self.tokens -= self._reqs.pop(req, 0)
 
 
 class ReqQueues:

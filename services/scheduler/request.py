@@ -31,6 +31,7 @@ class Req:
     namespace: str = ""
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.time)
+    enqueued_at: float = field(default_factory=time.monotonic)  # this scheduler's clock
     trace_context: dict[str, str] = field(default_factory=dict)
 
     output_ids: Tokens = field(default_factory=new_tokens)
@@ -50,6 +51,7 @@ class Req:
     finish_reason: str = ""
     finish_message: str = ""
     error_code: str = ""
+    retry_after: float = 0.0  # refused as overloaded: seconds after which to retry
     matched_stop_token: int = -1
     num_retractions: int = 0
     grammar_wait: bool = False  # constrained: not admitted until the worker compiled its grammar

@@ -30,6 +30,7 @@ from radixserve.internal.v1 import engine_pb2
 from services.common.config import SchedulerConfig
 from services.common.transport import unpack_i32
 from services.scheduler import prompt_logprobs, request_spans
+from services.scheduler.admission import QueueLimits
 from services.scheduler.batch import Item
 from services.scheduler.batch_log import BatchLog
 from services.scheduler.decode import DecodeBuilder
@@ -87,6 +88,7 @@ class Scheduler:
         timeout = cfg.worker_result_timeout
         self.link = WorkerLink(worker_sock, info, self.metrics, self.worker_lost, timeout)
         self.grammars = GrammarGate()
+        self.limits = QueueLimits.of(cfg, max_running, self.kv.total)
         self.in_burst = False  # admitting a burst of arrivals (_mixed_budget)
         self.costs = StepCosts()  # the worker's decode-step and prefill-token times
         self.dirty_since_check = False  # work done since the idle slot check
@@ -102,6 +104,8 @@ class Scheduler:
         the scheduler's own work hides behind the forward. Stop conditions are then seen one
         step late; the extra step's token of a request that finished is dropped.
         """
+        if self.limits.max_wait_s:
+            self._expire_waiting()
         if self.in_burst and not self.queues.waiting:  # lookahead steps skip _mixed_budget
             self.in_burst = any(r.in_prefill for r in self.queues.running)
         if not self.link.in_flight:
@@ -187,10 +191,29 @@ class Scheduler:
             req.finish_message = invalid or problem or f"request_id {req.rid!r} is already running"
             self._emit(req)
             return
+        overload = self.limits.overload(self.queues.waiting, len(req.input_ids), self.costs.token_s)
+        if overload is not None:
+            req.error_code, req.finish_reason = "RESOURCE_EXHAUSTED", "abort"
+            req.finish_message, req.retry_after = overload.message, overload.retry_after
+            self.metrics.on_refused("overloaded")
+            self._emit(req)
+            return
         self.queues.add(req)
         self.grammars.add(req)
         self.metrics.on_arrival(req)
         request_spans.on_arrival(req)
+
+    def _expire_waiting(self) -> None:
+        """Waiting requests past --max-queue-time end DEADLINE_EXCEEDED (they hold no KV)."""
+        for req in self.limits.expired(self.queues.waiting, time.monotonic()):
+            self.queues.waiting.discard(req)  # a grammar it waits on is dropped when it settles
+            req.finish_reason, req.error_code = "abort", "DEADLINE_EXCEEDED"
+            req.finish_message = (
+                f"waited {self.limits.max_wait_s:g} s for admission (--max-queue-time); "
+                "the engine is overloaded"
+            )
+            self.metrics.on_refused("queue_time")
+            self._finish(req)
 
     def _new_req(self, identity: bytes, msg: engine_pb2.TokenizedRequest) -> Req:
         return Req(

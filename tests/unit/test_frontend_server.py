@@ -240,6 +240,7 @@ def test_scheduler_error_code_becomes_grpc_status(stub):
         _generate(stub, text="hi", cache_salt="error:RESOURCE_EXHAUSTED")
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert e.value.details() == "fake refusal: no room"
+    assert ("retry-after", "2") in tuple(e.value.trailing_metadata() or ())  # overloaded
 
 
 def test_cancel_aborts_at_scheduler_promptly(stub, fake):

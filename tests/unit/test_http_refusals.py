@@ -125,3 +125,10 @@ def test_values_that_ask_for_nothing_are_accepted(base, field, value):
 
 def _user() -> list[dict[str, str]]:
     return [{"role": "user", "content": "hi"}]
+
+
+def test_an_overloaded_engine_is_429_with_retry_after(base):
+    body = {"prompt": "hi", "max_tokens": 2, "cache_salt": "error:RESOURCE_EXHAUSTED"}
+    r = httpx.post(base + "/v1/completions", json=body)
+    assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["message"] == "fake refusal: no room"

@@ -118,7 +118,7 @@ class FrontendToScheduler(_message.Message):
     def __init__(self, generate: _Optional[_Union[TokenizedRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("rid", "token_ids", "logprobs", "finish_reason", "finish_message", "matched_stop_token", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_time", "prefill_time", "decode_time", "error_code", "prompt_logprobs", "prompt_logprobs_start")
+    __slots__ = ("rid", "token_ids", "logprobs", "finish_reason", "finish_message", "matched_stop_token", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_time", "prefill_time", "decode_time", "error_code", "prompt_logprobs", "prompt_logprobs_start", "retry_after")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class TokenDelta(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -149,7 +150,8 @@ class TokenDelta(_message.Message):
     error_code: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs_start: int
-    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., finish_message: _Optional[str] = ..., matched_stop_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time: _Optional[float] = ..., prefill_time: _Optional[float] = ..., decode_time: _Optional[float] = ..., error_code: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ...) -> None: ...
+    retry_after: float
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., finish_message: _Optional[str] = ..., matched_stop_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time: _Optional[float] = ..., prefill_time: _Optional[float] = ..., decode_time: _Optional[float] = ..., error_code: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., retry_after: _Optional[float] = ...) -> None: ...
 
 class SchedulerToFrontend(_message.Message):
     __slots__ = ("outputs",)
