@@ -19,7 +19,9 @@ too); medians of the per-call times over all layers of a step. Layouts of each r
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,25 +37,29 @@ sys.path.insert(0, str(REPO))
 
 from kernels import cpu_decode_attention  # noqa: E402
 
-KERNEL = "kernels/cpu_decode_attention.py"
 POOL_SLOTS = 200_000
 
 
 def module_at(rev: str) -> ModuleType:
-    """kernels/cpu_decode_attention.py as it was at ``rev``, imported under another name
-    (its C source differs, so kernels/_cc.py builds and caches it separately)."""
-    text = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:{KERNEL}"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "decode_attention_at_rev.py"
-        path.write_text(text)
-        spec = importlib.util.spec_from_file_location("decode_attention_at_rev", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return mod
+    """kernels/cpu_decode_attention.py as it was at ``rev``, with that revision's kernels/
+    (its _cc.py, and its C files where they were files) imported as another package, so
+    that its C source, not this tree's, is built (and cached separately by its key)."""
+    name = "kernels_at_" + re.sub(r"\W", "_", rev)
+    tmp = Path(tempfile.mkdtemp(prefix="kernels-at-rev-"))
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "kernels"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    (tmp / "kernels").rename(tmp / name)
+    for py in (tmp / name).glob("*.py"):
+        text = py.read_text().replace("from kernels import", f"from {name} import")
+        py.write_text(text.replace('resources.files("kernels")', f'resources.files("{name}")'))
+    sys.path.insert(0, str(tmp))
+    try:
+        return importlib.import_module(f"{name}.cpu_decode_attention")
+    finally:  # everything it needs is read at import (the C source, as a string)
+        sys.path.remove(str(tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def table(layout: str, b: int, prompt: int, decode: int) -> torch.Tensor:
