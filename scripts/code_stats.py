@@ -6,7 +6,9 @@ Counts over the ``.py`` files below each folder (generated ``*_pb2*`` stubs left
 non-blank lines, comment lines (a line holding only a ``#`` comment), docstring lines
 (the lines of a module, class or function docstring) and their share of the non-blank
 lines; then the five largest modules by line count. A line that holds code and a trailing
-comment counts as code. Standard library only, so it runs outside the virtualenv too.
+comment counts as code. C files (``.c``, ``.h``: the CPU kernels) get a line of their own,
+comment lines being those wholly inside ``/* */`` or ``//``. Standard library only, so it
+runs outside the virtualenv too.
 """
 
 from __future__ import annotations
@@ -59,6 +61,34 @@ def file_stats(path: Path) -> tuple[int, int, int, int]:
     return len(all_lines), len(nonblank), len(comments), len(docs)
 
 
+def c_stats(path: Path) -> tuple[int, int]:
+    """(non-blank lines, comment-only lines) of a C file."""
+    nonblank = comments = 0
+    in_block = False
+    for line in path.read_text().splitlines():
+        rest, code = line.strip(), False
+        if not rest:
+            continue
+        nonblank += 1
+        while rest:
+            if in_block:
+                end = rest.find("*/")
+                if end < 0:
+                    rest = ""
+                else:
+                    in_block, rest = False, rest[end + 2 :].strip()
+            elif rest.startswith("//"):
+                rest = ""
+            elif rest.startswith("/*"):
+                in_block, rest = True, rest[2:]
+            else:
+                code = True
+                start = rest.find("/*")
+                rest = rest[start:] if start >= 0 else ""
+        comments += not code
+    return nonblank, comments
+
+
 def main(argv: list[str]) -> None:
     roots = [Path(a) for a in argv] or [Path("services"), Path("kernels")]
     sizes: list[tuple[int, str]] = []
@@ -75,6 +105,13 @@ def main(argv: list[str]) -> None:
                 acc[1] += comments
                 acc[2] += docs
         report(str(root), *sub)
+        c_files = sorted([*root.rglob("*.c"), *root.rglob("*.h")])
+        if c_files:
+            counts = [c_stats(path) for path in c_files]
+            nonblank, comments = sum(c[0] for c in counts), sum(c[1] for c in counts)
+            share = 100 * comments / nonblank
+            print(f"{root} (C): {nonblank} non-blank lines, {comments} comment", end="")
+            print(f" -> {share:.1f} % prose")
     if len(roots) > 1:
         report("all", *totals)
     print("five largest modules:")
