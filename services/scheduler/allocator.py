@@ -21,11 +21,11 @@ slots to an array costs more than the set operations.
 Why a set of the *freed* pages, not of the used ones (the earlier design): a serving cache
 keeps the pool nearly full, so the freed set stays small (what eviction just freed) while
 a used set holds ~the whole pool. Under churn a set fills with deleted-entry markers and
-rehashes itself every few hundred requests; at 200k used pages each rehash took 5-13 ms on
-the 2-core VM, ~50 us of a 63 us *mean* alloc (median 14 us) on bench_radix_vs_sglang's
-trace. A small set rehashes in microseconds and stays in cache. Why the watermark: a set
-holding every page of a new pool is the big set again while the pool first fills (its
-rebuilds cost 2-4 ms each there), and building it and the list took ~40 ms at 200k pages.
+rehashes itself every few hundred requests, milliseconds each at a large pool (most of
+the mean allocation time); a small set rehashes in microseconds and stays in cache. Why
+the watermark: a set holding every page of a new pool is the big set again while the pool
+first fills, and building it (and the list) would cost tens of ms at start-up. Figures:
+docs/benchmarks-history.md, "Radix cache vs SGLang's RadixCache", second pass.
 Memory: about 80 bytes per freed page (a Python int in the stack and the set), i.e.
 ~160 MB after freeing a whole pool of 2M slots at page_size 1; 16x less at page size 16.
 """

@@ -74,9 +74,9 @@ def read_run_delay_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
 @dataclass
 class GovernorConfig:
     period_s: float = 0.5  # the window over which the delay is measured
-    # Run delay per running thread above this share of the window counts as contention. Served
-    # on 2 cores, the worker's own frontend, scheduler and clients make 1-19% (single windows
-    # up to 25% when 50 prompts arrive at once); one busy loop beside it makes 43-45%.
+    # Run delay per running thread above this share of the window counts as contention: above
+    # what the worker's own frontend, scheduler and clients cause when served on the same
+    # cores, below what one busy process beside it does (docs/benchmarks-history.md, item 17).
     high: float = 0.3
     sustain: int = 3  # windows in a row above `high` before a thread goes
     probe_s: float = 30.0  # at fewer threads, try one more after this long
