@@ -1,9 +1,8 @@
-"""GPU check of the Triton kernels and CUDA-graph decode; prints ONE markdown table.
+"""GPU check of the Triton kernels, the model path and CUDA-graph decode: the bench steps of
+bench/gpu_check.sh (model, kernels, awq, profile, tokens: bench/gpu_plan.py), each row printed
+as it is measured (bench/gpu_rows.py). On a CUDA machine with torch, triton and transformers:
 
-Run through bench/gpu_check.sh (which first runs tests/unit/test_kernels.py compiled and passes
-its outcome in), on a CUDA machine with torch, triton and transformers:
-
-    .venv/bin/python bench/gpu_bench.py [--peak-tbps 4.8] [--budget-s 240]
+    python3 bench/gpu_bench.py [--only model,kernels] [--peak-tbps 4.8] [--budget-s 220]
 
 Rows:
   * decode attention, 64 requests x 4,096 tokens of context, 32 q / 8 kv heads, D=128, bf16:
@@ -14,7 +13,7 @@ Rows:
   * a random-weight Llama end to end through ModelRunner: decode tokens/s with CUDA graphs
     on and off, at batch 1 and batch 32.
 Every section is guarded: a failure or an exhausted time budget becomes a row saying so.
-Progress goes to stderr; the table alone goes to stdout at the end.
+Progress goes to stderr, rows to stdout (and to $GPU_CHECK_ROWS); exit 1 if a row FAILs.
 """
 
 from __future__ import annotations
@@ -34,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.gpu_plan import BENCH_STEPS, BY_NAME  # noqa: E402
+from bench.gpu_rows import emit  # noqa: E402
 
 # Peak HBM bandwidth in TB/s by device name; the first matching fragment wins (so the more
 # specific names come first: "GH200" before "H200", "H100 PCIe" before "H100").
@@ -112,12 +114,7 @@ class Table:
 
     def add(self, check: str, measured: str, target: str = "", verdict: str = "") -> None:
         self.rows.append((check, measured, target, verdict))
-        log(f"{check}: {measured} {verdict}")
-
-    def markdown(self) -> str:
-        lines = ["| check | measured | target | result |", "|---|---|---|---|"]
-        lines += [f"| {c} | {m} | {t} | {v} |" for c, m, t, v in self.rows]
-        return "\n".join(lines)
+        emit(check, measured, target, verdict)  # printed now: a kill later keeps it
 
 
 class Budget:
@@ -221,7 +218,7 @@ def bench_decode(table: Table, sizes: Sizes, peak: float | None, budget: Budget)
         ]
     )
     for splits, block_n in sweep:
-        if budget.left() < 90:  # leave the later sections their time
+        if budget.left() < 10:  # the step's own budget: leave the later steps their time
             table.add("decode sweep", "stopped early: time budget", "", "")
             break
         ms = time_ms(run(contiguous, splits, block_n))
@@ -322,7 +319,7 @@ def bench_awq(table: Table, budget: Budget) -> None:
     """bench/gpu_awq.py's rows: accuracy, M = 1/16/64/2,048 vs fp16 matmul (decode >= 2x)."""
     from bench.gpu_awq import awq_rows
 
-    for r in awq_rows(min(60.0, budget.left() - 60)):
+    for r in awq_rows(max(budget.left() - 10, 5.0)):
         ok = r["pass"]
         table.add(r["name"], r["measured"], r["target"], verdict(ok) if ok is not None else "")
 
@@ -434,7 +431,8 @@ def guarded(table: Table, name: str, budget: Budget, need_s: float, fn, *args) -
     if budget.left() < need_s:
         table.add(
             name,
-            f"skipped: {budget.left():.0f} s of budget left, needs ~{need_s:.0f} s",
+            f"skipped: {budget.left():.0f} s of budget left, needs ~{need_s:.0f} s "
+            f"(rerun: --only {os.environ.get('GPU_CHECK_STEP', name)})",
             "",
             "SKIP",
         )
@@ -455,6 +453,42 @@ def guarded(table: Table, name: str, budget: Budget, need_s: float, fn, *args) -
         log(f"{name} took {time.monotonic() - start:.0f} s")
 
 
+def step_sections(step: str, sizes: Sizes, peak: float | None, budget: Budget) -> list:
+    """(name, fn, need_s, args) of one bench step, in order."""
+    from bench.gpu_model_check import GPU_SIZES, SECTIONS, SMOKE_SIZES
+
+    model_sizes = SMOKE_SIZES if sizes.device == "cpu" else GPU_SIZES
+    model = {name: (fn, need) for name, fn, need in SECTIONS}
+    if step == "model":
+        return [
+            (name, fn, need, (model_sizes, verdict))
+            for name, (fn, need) in model.items()
+            if name != "default-config profile"
+        ]
+    if step == "kernels":
+        return [
+            ("decode attention", bench_decode, 15, (sizes, peak, budget)),
+            ("extend attention", bench_extend, 10, (sizes,)),
+        ]
+    if step == "awq":
+        return [("AWQ int4 GEMM", bench_awq, 15, (budget,))]
+    if step == "profile":
+        fn, need = model["default-config profile"]
+        return [("default-config profile", fn, need, (model_sizes, verdict))]
+    return [("model end to end", bench_model, 20, (sizes, budget))]
+
+
+def run_step(table: Table, step: str, sizes: Sizes, peak: float | None, left_s: float) -> None:
+    """One step under its own budget (its cap, within what the whole run has left)."""
+    os.environ["GPU_CHECK_STEP"] = step  # names the step of any FAIL row (gpu_rows.py)
+    budget = Budget(min(BY_NAME[step].cap_s, left_s))
+    if step == "awq" and sizes.device != "cuda":
+        table.add("AWQ int4 GEMM (bench/gpu_awq.py)", "skipped: needs CUDA", "", "")
+        return
+    for name, fn, need_s, args in step_sections(step, sizes, peak, budget):
+        guarded(table, name, budget, need_s, fn, *args)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -466,22 +500,24 @@ def main() -> int:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=240,
-        help="stop starting new sections after this many seconds",
+        default=sum(BY_NAME[s].estimate_s for s in BENCH_STEPS),
+        help="the whole run's seconds: no section starts that cannot finish in what is left",
     )
     parser.add_argument(
-        "--tests-summary",
-        default="",
-        help="pytest's last line for tests/unit/test_kernels.py (from gpu_check.sh)",
+        "--only",
+        default=",".join(BENCH_STEPS),
+        help=f"comma-separated steps, of {','.join(BENCH_STEPS)}",
     )
-    parser.add_argument("--tests-rc", type=int, default=None, help="pytest's exit status")
-    parser.add_argument("--skip-model", action="store_true", help="kernels only")
     parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny shapes on the CPU (Triton interpreter): checks this script runs",
     )
     args = parser.parse_args()
+    steps = [s for s in args.only.split(",") if s]
+    unknown = [s for s in steps if s not in BENCH_STEPS]
+    if unknown:
+        parser.error(f"unknown step {', '.join(unknown)}; steps: {', '.join(BENCH_STEPS)}")
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     table = Table()
@@ -494,7 +530,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    budget = Budget(args.budget_s)
+    whole = Budget(args.budget_s)
     name = (
         torch.cuda.get_device_name()
         if sizes.device == "cuda"
@@ -509,40 +545,10 @@ def main() -> int:
         f"peak {peak} TB/s ({source})" if peak else source,
         "",
     )
-    if args.tests_rc is not None:
-        table.add(
-            "tests/unit/test_kernels.py compiled (TRITON_INTERPRET unset)",
-            args.tests_summary or "(no output)",
-            "all pass",
-            verdict(args.tests_rc == 0),
-        )
     # Correctness of the model path first: a short budget must cut speed rows, not these.
-    model_sections = []
-    if not args.skip_model:
-        from bench.gpu_model_check import GPU_SIZES, SECTIONS, SMOKE_SIZES
-
-        model_sizes = SMOKE_SIZES if args.smoke else GPU_SIZES
-        model_sections = [(n, f, s) for n, f, s in SECTIONS if n != "default-config profile"]
-        for name, section, need_s in model_sections:
-            guarded(table, name, budget, need_s, section, model_sizes, verdict)
-    guarded(table, "decode attention", budget, 30, bench_decode, sizes, peak, budget)
-    guarded(table, "extend attention", budget, 20, bench_extend, sizes)
-    if sizes.device == "cuda":
-        guarded(table, "AWQ int4 GEMM", budget, 40, bench_awq, budget)
-    if not args.skip_model:
-        for name, section, need_s in SECTIONS:
-            if name == "default-config profile":
-                guarded(table, name, budget, need_s, section, model_sizes, verdict)
-        guarded(table, "model end to end", budget, 60, bench_model, sizes, budget)
-    print(table.markdown(), flush=True)
-    failed = [r[0] for r in table.rows if r[3] == "FAIL"]
-    skipped = [r[0] for r in table.rows if r[3] == "SKIP" and "budget" in r[1]]
-    label = "GPU CHECK (--smoke, CPU)" if args.smoke else "GPU CHECK"
-    verdict_line = f"{label}: FAIL ({'; '.join(failed)})" if failed else f"{label}: PASS"
-    if skipped:
-        verdict_line += f" (not reached in the time budget: {'; '.join(skipped)})"
-    print(verdict_line, flush=True)
-    return 1 if failed else 0
+    for step in [s for s in BENCH_STEPS if s in steps]:
+        run_step(table, step, sizes, peak, whole.left())
+    return 1 if any(r[3] == "FAIL" for r in table.rows) else 0
 
 
 if __name__ == "__main__":

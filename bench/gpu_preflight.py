@@ -1,11 +1,12 @@
-"""Can this Python run the GPU check? Imports everything bench/gpu_check.sh reaches and
-names what is missing, with the way to bring it (bench/gpu_wheels.sh).
+"""Can this Python run the GPU check? Imports everything bench/gpu_check.sh reaches, with
+the packages the GPU image lacks blocked (bench/gpu_imports.py), and names what is missing.
 
     python3 bench/gpu_preflight.py [--smoke]     # exit 0 ready, 2 something missing
 
 The GPU machine runs its image's own python3 (PyTorch with CUDA, Triton, transformers; no
-pyzmq, pydantic or xgrammar): the check drives ModelRunner directly (no protobuf, no ZeroMQ),
-but the worker imports xgrammar for constrained decoding, so its wheels travel in .whl/.
+pyzmq, pydantic or xgrammar, an older protobuf): every row but the whole-server one drives
+ModelRunner directly, so none of those may be needed; the server row installs the wheels
+carried in .whl/ (bench/gpu_wheels.sh) for its own processes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# (module, why the check needs it)
+from bench import gpu_imports  # noqa: E402
+
+# (module, why the check needs it): what the image must have itself.
 NEEDED = [
     ("torch", "everything"),
     ("triton", "the attention kernels"),
@@ -25,16 +28,8 @@ NEEDED = [
     ("transformers", "model configs and the reference logits"),
     ("safetensors", "the model loader"),
     ("tqdm", "the model loader's progress"),
-    ("xgrammar", "services/worker/grammar (constrained decoding, imported by ModelRunner)"),
-    ("pytest", "tests/unit/test_kernels.py"),
-    ("kernels.decode_attention", "this repository's kernels"),
-    ("services.worker.model_runner", "the worker's compute path"),
-    ("bench.gpu_model_check", "the model rows"),
+    ("pytest", "the GPU tests"),
 ]
-WHEELS_HINT = (
-    "bring the missing wheels: here (where PyPI answers) run `bash bench/gpu_wheels.sh`, then "
-    "carry .whl with the device call; gpu_check.sh installs them with --no-index"
-)
 
 
 def missing_modules() -> list[tuple[str, str, str]]:
@@ -51,11 +46,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="no GPU needed (CPU smoke run)")
     args = parser.parse_args()
+    gpu_imports.block()
     problems = missing_modules()
     for module, why, error in problems:
-        print(f"gpu_check: cannot import {module} ({why}): {error}", file=sys.stderr)
+        print(f"gpu_check: the image lacks {module} ({why}): {error}", file=sys.stderr)
     if problems:
-        print(f"gpu_check: {WHEELS_HINT}", file=sys.stderr)
+        return 2
+    broken = gpu_imports.failures()
+    for what, error in broken:
+        print(f"gpu_check: {what} does not import on the GPU image: {error}", file=sys.stderr)
+    if broken:
         return 2
     import torch
 

@@ -139,11 +139,11 @@ def test_kernel_replays_in_a_cuda_graph():
 def test_awq_model_through_the_kernel(tiny_llama_dir, tmp_path):
     """The worker on CUDA keeps AWQ packed and runs the kernel: logits near the same model
     dequantized (float16 both), and greedy decode with CUDA graphs equals eager."""
+    from bench.gpu_model_check import generate  # protobuf-free, as the GPU image needs
     from services.common.config import WorkerConfig
     from services.worker.layers import AwqLinear
     from services.worker.model_loader import load_model
     from services.worker.model_runner import ModelRunner
-    from services.worker.offline import generate
 
     folder = write_awq_model(tiny_llama_dir, tmp_path / "awq", 32)[0]
     dev = torch.device("cuda")
