@@ -48,8 +48,53 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-if _interpreting() and isinstance(tl.zeros, JITFunction):
-    _interpret_language_library()
+def _interpret_bf16() -> None:
+    """Makes the interpreter's bfloat16 arithmetic match the GPU's: tl.dot and the rounding.
+
+    numpy has no bfloat16, so the interpreter keeps those tensors as their raw 16-bit
+    patterns (uint16) and its dot multiplies the patterns as integers: every bfloat16 dot
+    (so every bf16 attention or AWQ kernel run on CPU) came out as garbage. Widening both
+    operands to float32 first is exact (a bfloat16 is the top half of a float32) and gives
+    the float32-accumulated product the GPU computes."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "widens_bf16", False):
+        return
+
+    def widen(h: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if h.dtype != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle(
+            (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
+        )
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot.widens_bf16 = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        """float32 -> bfloat16 rounded to nearest even, as the GPU (and torch) round it; the
+        interpreter truncates, so the bf16 paths drifted from their references."""
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = np.where(np.isnan(src.data), 0x7FC0, rounded).astype(np.uint16)
+        return interpreter.TensorHandle(out, tl.bfloat16)
+
+    builder.cast_impl = cast_impl
+
+
+if _interpreting():
+    if isinstance(tl.zeros, JITFunction):
+        _interpret_language_library()
+    _interpret_bf16()
 
 
 @functools.cache

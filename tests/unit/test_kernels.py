@@ -26,7 +26,11 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 # float32: kernel vs reference within 2e-3 absolute (both accumulate in float32; the
 # difference is summation order). bfloat16 (GPU only): inputs rounded, P rounded before P@V.
-TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=2e-3, rtol=2e-3),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32]
 HEAD_DIMS = [24, 64, 128] if ON_GPU else [16, 24]  # 24: padded to 32 inside the kernels
 
@@ -277,6 +281,32 @@ def test_store_kv_writes_exactly_the_given_slots(dtype):
     assert torch.equal(want_k[untouched], k_pool[untouched]) and torch.equal(
         want_v[untouched], v_pool[untouched]
     )
+    store_kv(k_pool, v_pool, slots, k, v)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_paths_match_the_references(dtype):
+    """The GPU's serving dtypes through every attention kernel at small shapes: on CPU under
+    the interpreter (whose bfloat16 dots kernels/_triton.py makes right), on a GPU compiled.
+    The references compute in float32 from the same rounded inputs."""
+    batch = make_batch([0, 9], [7, 12], 2, 32, dtype, seed=12)
+    q = torch.randn(19, 4, 32, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    common = (batch.k_pool, batch.v_pool)
+    ext = (q, *common, batch.qo_indptr, batch.req_to_token, batch.req_slots, batch.prefix_lens)
+    ext_args = (*ext, 32**-0.5, 12)
+    got = extend_attention(*ext_args, block_m=16, block_n=16)
+    torch.testing.assert_close(got.float(), extend_attention_ref(*ext_args).float(), **TOL[dtype])
+    dec = make_batch([0, 40], [1, 1], 2, 32, dtype, seed=13)
+    qd = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    dec_args = (qd, dec.k_pool, dec.v_pool, dec.req_to_token, dec.req_slots, dec.seq_lens, 0.2)
+    got = decode_attention(*dec_args, num_kv_splits=2, block_n=16)
+    torch.testing.assert_close(got.float(), decode_attention_ref(*dec_args).float(), **TOL[dtype])
+    k_pool, v_pool = batch.k_pool.clone(), batch.v_pool.clone()
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    slots = torch.tensor([5, 1, 30], device=DEVICE)
+    k, v = (torch.randn(3, 2, 32).to(DEVICE) for _ in range(2))  # float32: cast on the way
+    store_kv_ref(want_k, want_v, slots, k, v)
     store_kv(k_pool, v_pool, slots, k, v)
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
 
