@@ -28,7 +28,7 @@ usage() {
     cat <<'EOF'
 The GPU check (docs/gpu.md). Here first, where PyPI answers:
     make setup && make test                  # the CPU smoke of this script, the compile rehearsal
-    bash bench/gpu_wheels.sh                 # .whl/: the wheels the GPU image lacks (~25 MiB)
+    bash bench/gpu_wheels.sh                 # .whl/: the wheels the GPU image lacks (~17 MiB)
     bash bench/gpu_check.sh --dry-run        # the steps' estimates: the total must be <= 360 s
 Then ONE device call (the device tool's `run`):
     command:   bash bench/gpu_check.sh
@@ -37,7 +37,7 @@ Then ONE device call (the device tool's `run`):
 A FAIL or a step not reached: rerun only those steps, in the same warm machine if it is:
     command:   bash bench/gpu_check.sh --only tests,server     (the verdict line names them)
 After: paste the table of gpu_check.md (under the call's files) and its verdict line into
-docs/benchmarks.md, with the date and the commit; each FAIL row becomes an issue or a fix.
+docs/gpu.md's "Results", with the date and the commit; each FAIL row becomes a fix at once.
 Options: --only STEPS (comma-separated: wheels,preflight,tests,server,model,kernels,awq,
 profile,tokens), --dry-run, --smoke, --peak-tbps X, --deadline-s N, --help.
 EOF
@@ -161,7 +161,7 @@ run_step() { # step(s), log file, command...: under its cap and the deadline; a 
     return "$rc"
 }
 
-SITE=$LOGS/site
+SITE=$(mktemp -d)/site # not under $OUT: only the rows and logs come back
 wheels_step() {
     if [ "$SMOKE" -eq 1 ]; then
         row "carried wheels" "--smoke: .venv has every package" "" ""
@@ -198,7 +198,7 @@ tests_step() {
 smoke_args=()
 [ "$SMOKE" -eq 1 ] && smoke_args=(--smoke) && export TRITON_INTERPRET=1
 
-selected wheels && selected server && wheels_step
+if selected wheels || selected server; then wheels_step; fi # the server needs them
 if selected preflight; then
     if run_step preflight "$LOGS/gpu_check.log" "$PY" bench/gpu_preflight.py "${smoke_args[@]}"; then
         row "preflight: every step imports without pyzmq, protobuf, grpc, xgrammar, pydantic" "all import" "all import" PASS
