@@ -45,8 +45,13 @@ def expected(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class FakeWorker:
-    def __init__(self, num_slots: int, max_running: int = 16, max_model_len: int = 4096):
+    def __init__(
+        self, num_slots: int, max_running: int = 16, max_model_len: int = 4096, host_slots: int = 0
+    ):
         self.pool: dict[int, tuple[int, int]] = {}
+        self.host: dict[int, tuple[int, int]] = {}  # the host tier's slots, alike
+        self.host_slots = host_slots
+        self.copied = {"d2h": 0, "h2d": 0}
         self.rows: dict[int, list[int]] = {}
         self.last: dict[int, int] = {}  # req_slot -> token sampled last (overlap schedule input)
         self.num_slots = num_slots
@@ -70,10 +75,13 @@ class FakeWorker:
             head_dim=4,
             intermediate_size=16,
             eos_token_ids=[EOS],
+            host_total_num_tokens=host_slots,
         )
 
     def forward(self, batch: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
         self.batches.append(batch)
+        for c in batch.copies:  # before the forward, in order, as the real worker
+            self._copy(c)
         result = engine_pb2.ForwardResult(batch_id=batch.batch_id)
         if self.step_time is not None:
             result.forward_time = self.step_time(batch)
@@ -108,6 +116,19 @@ class FakeWorker:
                 scored.prompt_logprobs.add(token_id=target, logprob=fake_logprob(context[:end]))
         return result
 
+    def _copy(self, c: engine_pb2.KVCopy) -> None:
+        src, dst = unpack_i32(c.src_slots).tolist(), unpack_i32(c.dst_slots).tolist()
+        assert len(src) == len(dst) > 0, "a KV copy of mismatched or no slots"
+        to_host = c.direction == engine_pb2.KVCopy.DIRECTION_DEVICE_TO_HOST
+        frm, to = (self.pool, self.host) if to_host else (self.host, self.pool)
+        top_src, top_dst = (
+            (self.num_slots, self.host_slots) if to_host else (self.host_slots, self.num_slots)
+        )
+        assert all(0 < s <= top_src for s in src) and all(0 < d <= top_dst for d in dst)
+        for s_, d in zip(src, dst, strict=True):
+            to[d] = frm.get(s_, (-1, -1))  # an unwritten slot copies as garbage
+        self.copied["d2h" if to_host else "h2d"] += len(src)
+
 
 class FakeWorkerSocket:
     """Stands in for the scheduler's DEALER socket: each send is run at once, replies queue up."""
@@ -136,8 +157,10 @@ class FakeWorkerSocket:
 FRONTEND = b"frontend-1"
 
 
-def make(num_slots: int = 4096, max_running: int = 16, **cfg) -> tuple[Scheduler, FakeWorker]:
-    worker = FakeWorker(num_slots, max_running)
+def make(
+    num_slots: int = 4096, max_running: int = 16, host_slots: int = 0, **cfg
+) -> tuple[Scheduler, FakeWorker]:
+    worker = FakeWorker(num_slots, max_running, host_slots=host_slots)
     sched = Scheduler(SchedulerConfig(**cfg), FakeWorkerSocket(worker), worker.info)
     return sched, worker
 

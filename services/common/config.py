@@ -67,6 +67,14 @@ class WorkerConfig:
         0.0, "share of device memory for weights + KV pool (0: 0.85 on cuda, 0.3 of RAM on cpu)"
     )
     max_total_tokens: int = _opt(0, "KV pool size in tokens (0: derive from --mem-fraction-static)")
+    hicache_ratio: float = _opt(
+        0.0,
+        "hierarchical cache: a host-memory tier of this many times the device pool's tokens, "
+        "where evicted prefixes wait to be loaded back instead of recomputed (0: off)",
+    )
+    hicache_size: float = _opt(
+        0.0, "hierarchical cache: the host tier's size in GiB (overrides --hicache-ratio; 0: off)"
+    )
     max_running_requests: int = _opt(
         64, "requests decoded at once (rows of the request-slot table)"
     )
@@ -166,6 +174,12 @@ class SchedulerConfig:
     )
     disable_overlap_schedule: bool = _opt(
         False, "wait for each decode step's tokens before sending the next step"
+    )
+    hicache_write_policy: str = _opt(
+        "write_back",
+        "when KV reaches the host tier: on eviction from the device (write_back), as soon as "
+        "it is cached (write_through), or at its second hit (write_through_selective)",
+        choices=["write_back", "write_through", "write_through_selective"],
     )
     max_queued_requests: int = _opt(
         0,

@@ -51,16 +51,26 @@ def check_slot_integrity(
         )
 
 
-def recount_tree(root: Any, page_size: int, allocator: KVSlotAllocator | None) -> tuple[int, int]:
-    """Walks the whole tree, checking each node; returns the recounted (evictable, protected).
+def recount_tree(
+    root: Any,
+    page_size: int,
+    allocator: KVSlotAllocator | None,
+    host_allocator: KVSlotAllocator | None = None,
+) -> tuple[int, int]:
+    """Walks the whole tree, checking each node; returns the recounted (evictable, protected)
+    device tokens.
 
-    Checked per node: keys and values of equal, non-zero, whole-page length; the child key
-    is the first token (page); parent links; a node's lock count covers its children's
-    (each lock also counts on every ancestor); no slot appears twice or is free.
+    Checked per node: keys and values of equal, non-zero, whole-page length (or, with a
+    host tier, no device slots and a host copy of that length); the child key is the first
+    token (page); parent links; a node's lock count covers its children's (each lock also
+    counts on every ancestor); device residency is prefix-closed; no slot appears twice or
+    is free, in either tier, and the host tier's used slots are exactly the tree's.
     """
     evictable = protected = 0
     slots: set[int] = set()
     n_slots = 0
+    host: set[int] = set()
+    n_host = 0
     stack = [(anchor, ns) for ns, anchor in root.children.items()]
     for anchor, ns in stack:
         if not anchor.anchor or anchor.parent is not root or anchor.key:
@@ -70,14 +80,20 @@ def recount_tree(root: Any, page_size: int, allocator: KVSlotAllocator | None) -
         child_locks = 0
         for ckey, child in node.children.items():
             _check_node(child, ckey, node, page_size)
+            if child.value and not node.anchor and not node.value:
+                raise CacheIntegrityError("a node on the device has a parent that is not")
             child_locks += child.lock_ref
-            n = len(child.key)
+            n = len(child.value)
             if child.lock_ref:
                 protected += n
             else:
                 evictable += n
             slots.update(child.value)
             n_slots += n
+            copy = getattr(child, "host", None)
+            if copy is not None:
+                host.update(copy)
+                n_host += len(copy)
             stack.append((child, ckey))
         if not node.anchor and node.lock_ref < child_locks:
             raise CacheIntegrityError(
@@ -85,6 +101,16 @@ def recount_tree(root: Any, page_size: int, allocator: KVSlotAllocator | None) -
             )
     if len(slots) != n_slots:
         raise CacheIntegrityError(f"{n_slots - len(slots)} slots appear twice in the tree")
+    if len(host) != n_host:
+        raise CacheIntegrityError(f"{n_host - len(host)} host slots appear twice in the tree")
+    if host_allocator is not None:
+        used = host_allocator.total - host_allocator.num_free
+        if used != n_host or any(host_allocator.is_free(s) for s in host):
+            raise CacheIntegrityError(
+                f"the host tier has {used} slots in use but the tree holds {n_host}"
+            )
+    elif n_host:
+        raise CacheIntegrityError(f"{n_host} host slots in a tree without a host tier")
     if allocator is not None:
         free_in_tree = [s for s in slots if allocator.is_free(s)]
         if free_in_tree:
@@ -98,14 +124,17 @@ def _check_node(node: Any, ckey: Any, parent: Any, page_size: int) -> None:
     n = len(node.key)
     if node.parent is not parent:
         raise CacheIntegrityError("a child's parent link does not point at its parent")
-    if n == 0 or n != len(node.value):
+    copy = getattr(node, "host", None)
+    if copy is not None and len(copy) != n:
+        raise CacheIntegrityError(f"node has {n} key tokens but {len(copy)} host slots")
+    if n == 0 or n != len(node.value) and not (copy is not None and not node.value):
         raise CacheIntegrityError(f"node has {n} key tokens but {len(node.value)} slots")
     if n % page_size:
         raise CacheIntegrityError(f"node of {n} tokens is not whole pages of {page_size}")
     want = node.key[0] if page_size == 1 else tuple(node.key[:page_size])
     if ckey != want:
         raise CacheIntegrityError(f"child filed under {ckey!r} but its key starts {want!r}")
-    if page_size > 1:
+    if page_size > 1 and node.value:
         for i in range(0, n, page_size):
             first = node.value[i]
             if first % page_size or node.value[i : i + page_size] != list(

@@ -129,8 +129,11 @@ class LeafHeap(Generic[N]):
     which pop() then skips. Orphans are swept when they outnumber live entries.
     """
 
-    def __init__(self, score: Callable[[ScoredNode], int]):
+    def __init__(self, score: Callable[[ScoredNode], int], seq_attr: str = "heap_seq"):
         self._score = score
+        # The node attribute holding its live entry's sequence number: a node may sit in two
+        # heaps (the device pool's and the host tier's), each with its own attribute.
+        self._attr = seq_attr
         self._heap: list[int] = []
         self._nodes: dict[int, N] = {}
         self._seq = 0
@@ -139,12 +142,12 @@ class LeafHeap(Generic[N]):
         return len(self._nodes)
 
     def __contains__(self, node: N) -> bool:
-        return self._nodes.get(node.heap_seq) is node
+        return self._nodes.get(getattr(node, self._attr)) is node
 
     def push(self, node: N) -> None:
-        self._nodes.pop(node.heap_seq, None)
+        self._nodes.pop(getattr(node, self._attr), None)
         self._seq += 1
-        node.heap_seq = self._seq
+        setattr(node, self._attr, self._seq)
         self._nodes[self._seq] = node
         heapq.heappush(self._heap, self._score(node) * _SEQ_SPAN + self._seq)
         if len(self._heap) > 2 * len(self._nodes) + 1024:
@@ -152,8 +155,8 @@ class LeafHeap(Generic[N]):
             heapq.heapify(self._heap)
 
     def discard(self, node: N) -> None:
-        self._nodes.pop(node.heap_seq, None)
-        node.heap_seq = -1
+        self._nodes.pop(getattr(node, self._attr), None)
+        setattr(node, self._attr, -1)
 
     def pop(self, is_candidate: Callable[[N], bool]) -> N | None:
         """The lowest-scored node that is still a candidate, or None when there is none."""
@@ -163,7 +166,7 @@ class LeafHeap(Generic[N]):
             node = nodes.pop(seq, None)
             if node is None:
                 continue
-            node.heap_seq = -1
+            setattr(node, self._attr, -1)
             if not is_candidate(node):
                 continue  # locked or grew children: pushed again when it is a leaf again
             if self._score(node) != score:

@@ -25,8 +25,9 @@ class KVManager:
         self._held: dict[str, int] = {}  # rid -> own slots (whole pages) held outside the tree
 
     @classmethod
-    def for_pool(cls, pool_slots: int, cfg: SchedulerConfig) -> KVManager:
-        """The allocator and cache for a worker whose KV pool has pool_slots slots."""
+    def for_pool(cls, pool_slots: int, cfg: SchedulerConfig, host_slots: int = 0) -> KVManager:
+        """The allocator and cache for a worker whose KV pool has pool_slots slots (and
+        whose host tier host_slots: the hierarchical cache)."""
         allocator = KVSlotAllocator(usable_slots(pool_slots, cfg.page_size), cfg.page_size)
         cache = create_prefix_cache(
             allocator,
@@ -34,8 +35,14 @@ class KVManager:
             cfg.disable_radix_cache,
             cfg.radix_eviction_policy,
             cfg.slru_protected_hits,
+            usable_slots(host_slots, cfg.page_size) if host_slots else 0,
+            cfg.hicache_write_policy,
         )
         return cls(allocator, cache)
+
+    def take_copies(self) -> list:
+        """Copies between the device pool and the host tier for the next batch to carry."""
+        return self.cache.take_copies()
 
     # -- sizes ------------------------------------------------------------------------
     @property

@@ -101,6 +101,15 @@ class SchedulerMetrics:
         self.used = d.gauge("kv_used_tokens", "KV slots held by running requests")
         self.max_total = d.gauge("max_total_num_tokens", "KV pool size in tokens")
         self.page_size = d.gauge("page_size", "Radix cache page size")
+        # The hierarchical cache's host tier (zeros without one).
+        self.host_total = d.gauge("hicache_host_total_tokens", "Host tier size in tokens")
+        self.host_used = d.gauge("hicache_host_used_tokens", "Host tier tokens holding KV")
+        self.host_moved = d.counter(
+            "hicache_tokens", "KV tokens moved between tiers", ("direction",)
+        )
+        self._host_seen = {"device_to_host": 0, "host_to_device": 0, "dropped": 0}
+        for direction in self._host_seen:
+            self.host_moved.labels(**self.labels, direction=direction)
 
     def _declare_mfu(self, d: _Declare) -> None:
         self.flops = d.labelled_counter("estimated_flops", "Estimated FLOPs of forward batches")
@@ -166,3 +175,18 @@ class SchedulerMetrics:
         self.used.set(s.used_tokens)
         self.max_total.set(s.max_total_num_tokens)
         self.page_size.set(s.page_size)
+        self.host_total.set(s.host_total_tokens)
+        self.host_used.set(s.host_used_tokens)
+        moved = {
+            "device_to_host": s.host_demoted_tokens,
+            "host_to_device": s.host_loaded_tokens,
+            "dropped": s.host_dropped_tokens,
+        }
+        for direction, total in moved.items():
+            # The tree keeps totals; a new tree (worker restart) starts them again at 0.
+            new = (
+                total - self._host_seen[direction] if total >= self._host_seen[direction] else total
+            )
+            if new:
+                self.host_moved.labels(**self.labels, direction=direction).inc(new)
+            self._host_seen[direction] = total

@@ -33,6 +33,7 @@ from services.scheduler.cache_integrity import (
     recount_tree,
 )
 from services.scheduler.eviction import LeafHeap, make_policy
+from services.scheduler.host_tier import SELECTIVE_HITS, Direction, HostTier
 from services.scheduler.tokens import Tokens, as_tokens
 
 __all__ = [
@@ -68,6 +69,8 @@ class TreeNode:
         "priority",
         "heap_seq",
         "anchor",
+        "host",
+        "host_seq",
     )
 
     def __init__(
@@ -83,6 +86,10 @@ class TreeNode:
         self.priority = 0  # max priority of requests that used it (policy input)
         self.heap_seq = -1  # sequence number of this node's live heap entry
         self.anchor = anchor  # the root or a namespace root: holds no tokens
+        # Host-tier slots of the same tokens (host_tier.py), or None. With a host copy,
+        # ``value`` may be empty: the node's KV is then in the host tier only.
+        self.host: list[int] | None = None
+        self.host_seq = -1  # this node's live entry in the host tier's heap
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock={self.lock_ref}, children={len(self.children)})"
@@ -200,6 +207,11 @@ class BasePrefixCache(ABC):
     def evict(self, n: int) -> int:
         """Frees at least n tokens' slots to the allocator when possible; returns how many."""
 
+    def take_copies(self) -> list:
+        """KV copies between tiers decided since the last call (host_tier.Copy), for the
+        next batch to carry; none without a host tier."""
+        return []
+
     @abstractmethod
     def reset(self) -> None:
         """Flush: every cached slot back to the allocator; raises if anything is locked."""
@@ -218,6 +230,8 @@ class RadixCache(BasePrefixCache):
         page_size: int = 1,
         policy: str = "lru",
         slru_protected_hits: int = 2,
+        host_slots: int = 0,
+        write_policy: str = "write_back",
     ):
         if page_size != allocator.page_size:
             raise ValueError(
@@ -232,6 +246,12 @@ class RadixCache(BasePrefixCache):
         self._clock = 0
         # Unlocked leaves: the eviction candidates.
         self._leaves: LeafHeap[TreeNode] = LeafHeap(self.policy.score)
+        # The host tier behind the pool (None: evicted KV is dropped, as without HiCache).
+        self.host = (
+            HostTier.create(host_slots, page_size, self.policy, write_policy)
+            if host_slots > 0
+            else None
+        )
 
     # -- match ------------------------------------------------------------------------
     def _match(
@@ -241,6 +261,9 @@ class RadixCache(BasePrefixCache):
         if anchor is None:
             return MatchResult([], self.root)
         node, _, path = self._walk(anchor, tokens, end - end % self.page_size)
+        if self.host is not None:
+            path = self._resident(path, load=not peek)
+            node = path[-1] if path else anchor
         slots: list[int] = []
         for n in path:
             slots += n.value
@@ -252,6 +275,10 @@ class RadixCache(BasePrefixCache):
                 n.hit_count += 1
                 if priority > n.priority:
                     n.priority = priority
+            if self.host is not None and self.host.write_policy == "write_through_selective":
+                for n in path:
+                    if n.host is None and n.hit_count >= SELECTIVE_HITS:
+                        self._copy_to_host(n)
         return MatchResult(slots, node)
 
     def _walk(
@@ -284,6 +311,8 @@ class RadixCache(BasePrefixCache):
         parent = child.parent
         assert parent is not None
         new = TreeNode(child.key[:n], child.value[:n], parent)
+        if child.host is not None:
+            new.host, child.host = child.host[:n], child.host[n:]
         new.lock_ref = child.lock_ref
         new.last_access = child.last_access
         new.hit_count = child.hit_count
@@ -326,11 +355,14 @@ class RadixCache(BasePrefixCache):
             n.last_access = clock
             if priority > n.priority:
                 n.priority = priority
+        known = pos
+        if self.host is not None:
+            known = self._adopt(path, slots, pos)
         if pos < end:
             if self.page_size > 1:
                 _check_pages(slots, pos, end, self.page_size)
             node = self._add_leaf(node, tokens[pos:end], slots[pos:end], priority)
-        return InsertResult(pos, node)
+        return InsertResult(known, node)
 
     def _path_len(self, node: TreeNode, anchor: TreeNode) -> int:
         """Tokens on the path from anchor down to node. Raises if node left the tree or
@@ -368,6 +400,8 @@ class RadixCache(BasePrefixCache):
         parent.children[self._child_key(key)] = leaf
         self._evictable += len(key)
         self._leaves.push(leaf)
+        if self.host is not None and self.host.write_policy == "write_through":
+            self._copy_to_host(leaf)
         return leaf
 
     # -- locking ----------------------------------------------------------------------
@@ -375,7 +409,7 @@ class RadixCache(BasePrefixCache):
         n = self._lockable(node)
         while n is not None and not n.anchor:
             if n.lock_ref == 0:
-                k = len(n.key)
+                k = len(n.value)  # device slots: a host-only node holds none
                 self._evictable -= k
                 self._protected += k
             n.lock_ref += 1
@@ -388,10 +422,12 @@ class RadixCache(BasePrefixCache):
         while n is not None and not n.anchor:
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                k = len(n.key)
+                k = len(n.value)
                 self._protected -= k
                 self._evictable += k
-                if not n.children:
+                if self.host is not None:
+                    self._file_tiered(n)
+                elif not n.children:
                     self._leaves.push(n)
             n = n.parent
 
@@ -416,13 +452,15 @@ class RadixCache(BasePrefixCache):
         # value goes to the allocator as is; several are joined once.
         freed: list[list[int]] = []
         count = 0
+        is_leaf = _is_evictable_leaf if self.host is None else _is_device_leaf
         while count < n:
-            node = self._leaves.pop(_is_evictable_leaf)
+            node = self._leaves.pop(is_leaf)
             if node is None:
                 break  # everything left is locked
             count += len(node.value)
             freed.append(node.value if step == 1 else node.value[::step])
-            self._remove_leaf(node)
+            if self.host is None or not self._demote(node):
+                self._remove_leaf(node)
         if freed:
             self.allocator.free(freed[0] if len(freed) == 1 else list(chain.from_iterable(freed)))
         return count
@@ -433,12 +471,156 @@ class RadixCache(BasePrefixCache):
         del parent.children[self._child_key(node.key)]
         node.parent = None
         self._leaves.discard(node)
-        self._evictable -= len(node.key)
+        self._evictable -= len(node.value)
+        if self.host is not None:
+            self._drop_host_subtree(node)
+            if parent.host is not None:
+                self.host.heap.push(parent)  # may have lost its last child with a copy
         if parent.anchor:
             if not parent.children and parent is not self.root:
                 self._drop_anchor(parent)
+        elif self.host is not None:
+            if parent.lock_ref == 0:
+                self._file_tiered(parent)
         elif not parent.children and parent.lock_ref == 0:
             self._leaves.push(parent)  # the parent is a leaf now: it becomes a candidate
+
+    # -- the host tier (host_tier.py) -------------------------------------------------
+    def take_copies(self) -> list:
+        return self.host.take_copies() if self.host is not None else []
+
+    def _file_tiered(self, n: TreeNode) -> None:
+        """Files an unlocked node in the heaps whose candidate it may have become."""
+        assert self.host is not None
+        if n.value and not any(c.value for c in n.children.values()):
+            self._leaves.push(n)
+        if n.host is not None and not any(c.host is not None for c in n.children.values()):
+            self.host.heap.push(n)
+
+    def _resident(self, path: list[TreeNode], load: bool) -> list[TreeNode]:
+        """The matched path's device part, after loading (``load``) as much of its host-only
+        part as fresh device slots can be found for: their copies ride on the next batch."""
+        k = next((i for i, n in enumerate(path) if not n.value), len(path))
+        if k == len(path) or not load:
+            return path[:k]
+        assert self.host is not None
+        end = path[-1]
+        self.lock(end)  # the whole path stays (either tier) while slots are found below
+        loaded = k
+        try:
+            for n in path[k:]:
+                assert n.host is not None  # a node holds its KV somewhere
+                slots = self._alloc(self.allocator, len(n.key), self.evict)
+                if slots is None:
+                    break
+                self.host.copy(Direction.HOST_TO_DEVICE, n.host, slots)
+                n.value = slots
+                self._protected += len(slots)  # locked above; unlock() moves it
+                loaded += 1
+        finally:
+            self.unlock(end)
+        return path[:loaded]
+
+    def _adopt(self, path: list[TreeNode], slots: list[int], end: int) -> int:
+        """An insert walked through host-only nodes: they take the inserting request's own
+        device slots for those tokens (computed by it) instead of calling them duplicates.
+        Returns where the tree's device KV of this path ended before (its prefix_len)."""
+        pos = end - sum(len(n.key) for n in path)
+        known = end
+        for n in path:
+            k = len(n.key)
+            if not n.value:
+                if known == end:
+                    known = pos
+                if self.page_size > 1:
+                    _check_pages(slots, pos, pos + k, self.page_size)
+                n.value = slots[pos : pos + k]
+                if n.lock_ref:
+                    self._protected += k
+                else:
+                    self._evictable += k
+                    self._file_tiered(n)
+            pos += k
+        return known
+
+    def _demote(self, node: TreeNode) -> bool:
+        """A device leaf leaves the pool for the host tier (copied unless a copy exists);
+        False when the host tier has no room: the caller drops the node."""
+        assert self.host is not None
+        if node.host is None:
+            host = self._alloc(self.host.allocator, len(node.value), self._evict_host)
+            if host is None:
+                return False
+            self.host.copy(Direction.DEVICE_TO_HOST, node.value, host)
+            node.host = host
+        self._evictable -= len(node.value)
+        node.value = []
+        self._leaves.discard(node)
+        parent = node.parent
+        if parent is not None and not parent.anchor and parent.lock_ref == 0:
+            self._file_tiered(parent)
+        self._file_tiered(node)
+        return True
+
+    def _copy_to_host(self, node: TreeNode) -> None:
+        """write_through: a host copy now, while the node stays on the device."""
+        assert self.host is not None
+        if node.host is not None or not node.value:
+            return
+        host = self._alloc(self.host.allocator, len(node.value), self._evict_host)
+        if host is not None:
+            self.host.copy(Direction.DEVICE_TO_HOST, node.value, host)
+            node.host = host
+            if node.lock_ref == 0:
+                self._file_tiered(node)
+
+    def _alloc(self, allocator: KVSlotAllocator, n: int, evict) -> list[int] | None:
+        """n slots of a fresh sequence from ``allocator``, evicting with ``evict`` first."""
+        need = allocator.slots_needed(n)
+        if need > allocator.num_free:
+            evict(need - allocator.num_free)
+        return allocator.alloc(n)
+
+    def _evict_host(self, n: int) -> int:
+        """Drops host copies, leaves of the host part first, until n slots are free."""
+        assert self.host is not None
+        count = 0
+        while count < n:
+            node = self.host.heap.pop(_is_host_leaf)
+            if node is None:
+                break
+            count += len(node.host or ())
+            self._drop_host(node)
+        return count
+
+    def _drop_host(self, node: TreeNode) -> None:
+        """Frees node's host copy; a node that was in the host tier only leaves the tree."""
+        assert self.host is not None and node.host is not None
+        self.host.allocator.free(node.host[:: self.page_size])
+        self.host.counters.dropped += len(node.host)
+        node.host = None
+        self.host.heap.discard(node)
+        parent = node.parent
+        if not node.value:
+            self._remove_leaf(node)  # none of its children had a copy: it has none
+        elif parent is not None and parent.host is not None and parent.lock_ref == 0:
+            self._file_tiered(parent)
+
+    def _drop_host_subtree(self, node: TreeNode) -> None:
+        """A node leaves the tree: its host copy and its (host-only) descendants go too."""
+        assert self.host is not None
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n is not node:
+                n.parent = None
+            if n.host is not None:
+                self.host.allocator.free(n.host[:: self.page_size])
+                self.host.counters.dropped += len(n.host)
+                n.host = None
+                self.host.heap.discard(n)
+        node.children = {}
 
     def _drop_anchor(self, anchor: TreeNode) -> None:
         for ns, a in self.root.children.items():
@@ -453,30 +635,37 @@ class RadixCache(BasePrefixCache):
                 "in-flight requests"
             )
         slots: list[int] = []
+        host: list[int] = []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             slots += node.value[:: self.page_size]  # one slot per page names the page
-            node.parent = None
+            host += (node.host or [])[:: self.page_size]
+            node.parent, node.host = None, None
         self.root.children.clear()
         self._leaves.clear()
         self._evictable = 0
         if slots:
             self.allocator.free(slots)
+        if self.host is not None:
+            self.host.heap.clear()
+            if host:
+                self.host.allocator.free(host)
 
     # -- sizes and checks -------------------------------------------------------------
     def size_info(self) -> SizeInfo:
         return SizeInfo(self._evictable, self._protected)
 
     def check_integrity(self) -> None:
-        evictable, protected = recount_tree(self.root, self.page_size, self.allocator)
+        host_alloc = self.host.allocator if self.host is not None else None
+        evictable, protected = recount_tree(self.root, self.page_size, self.allocator, host_alloc)
         if (evictable, protected) != (self._evictable, self._protected):
             raise CacheIntegrityError(
                 f"counters say evictable {self._evictable}, protected {self._protected}; "
                 f"a recount finds evictable {evictable}, protected {protected}"
             )
-        leaves = _evictable_leaves(self.root)
+        leaves = _evictable_leaves(self.root, self.host is not None)
         missing = sum(1 for leaf in leaves if leaf not in self._leaves)
         if missing:
             raise CacheIntegrityError(
@@ -534,11 +723,17 @@ class DisabledCache(BasePrefixCache):
 
 
 def create_prefix_cache(
-    allocator: KVSlotAllocator, page_size: int, disable: bool, policy: str, slru_protected_hits: int
+    allocator: KVSlotAllocator,
+    page_size: int,
+    disable: bool,
+    policy: str,
+    slru_protected_hits: int,
+    host_slots: int = 0,
+    write_policy: str = "write_back",
 ) -> BasePrefixCache:
     if disable:
         return DisabledCache(allocator, page_size)
-    return RadixCache(allocator, page_size, policy, slru_protected_hits)
+    return RadixCache(allocator, page_size, policy, slru_protected_hits, host_slots, write_policy)
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -592,11 +787,32 @@ def _is_evictable_leaf(node: TreeNode) -> bool:
     return node.parent is not None and node.lock_ref == 0 and not node.children
 
 
-def _evictable_leaves(root: TreeNode) -> list[TreeNode]:
+def _is_device_leaf(node: TreeNode) -> bool:
+    """With a host tier: an unlocked node on the device none of whose children is."""
+    return (
+        node.parent is not None
+        and node.lock_ref == 0
+        and bool(node.value)
+        and not any(c.value for c in node.children.values())
+    )
+
+
+def _is_host_leaf(node: TreeNode) -> bool:
+    """An unlocked node with a host copy none of whose children has one."""
+    return (
+        node.parent is not None
+        and node.lock_ref == 0
+        and node.host is not None
+        and not any(c.host is not None for c in node.children.values())
+    )
+
+
+def _evictable_leaves(root: TreeNode, tiered: bool = False) -> list[TreeNode]:
+    is_leaf = _is_device_leaf if tiered else _is_evictable_leaf
     out, stack = [], list(root.children.values())
     while stack:
         node = stack.pop()
         stack.extend(node.children.values())
-        if not node.anchor and _is_evictable_leaf(node):
+        if not node.anchor and is_leaf(node):
             out.append(node)
     return out

@@ -75,7 +75,9 @@ class Scheduler:
         cfg = self.cfg
         self.info = info
         self.max_model_len = info.max_model_len
-        self.kv = KVManager.for_pool(int(info.max_total_num_tokens), cfg)
+        self.kv = KVManager.for_pool(
+            int(info.max_total_num_tokens), cfg, int(info.host_total_num_tokens)
+        )
         max_running = min(cfg.max_running_requests, info.max_running_requests)
         table = ReqSlotTable(max_running)
         self.queues = ReqQueues(self.kv, table, cache_finished=not cfg.disable_radix_cache)
@@ -114,12 +116,12 @@ class Scheduler:
                 return False
             self.dirty_since_check = True
             # No items: a batch that only waits on grammars being compiled.
-            self.link.send(items, self.grammars.take_requests())
+            self.link.send(items, self.grammars.take_requests(), self.kv.take_copies())
         current = self.link.in_flight[0]
         if not self.cfg.disable_overlap_schedule and not self._admissible_waiting():
             ahead = self.decode.lookahead(current.items, self.link.next_batch_id)
             if ahead:
-                self.link.send(ahead, self.grammars.take_requests())
+                self.link.send(ahead, self.grammars.take_requests(), self.kv.take_copies())
         self._apply(current.items, self.link.recv())
         # Before this step's outputs go out, so a client that just got its last token
         # reads gauges that already count the KV its request left behind.
@@ -416,7 +418,21 @@ class Scheduler:
             num_queue_reqs=len(self.queues.waiting),
             page_size=self.cfg.page_size,
             worker=self.info,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, int]:
+        host = getattr(self.kv.cache, "host", None)
+        if host is None:
+            return {}
+        c = host.counters
+        return {
+            "host_total_tokens": host.allocator.total,
+            "host_used_tokens": host.used,
+            "host_demoted_tokens": c.demoted,
+            "host_loaded_tokens": c.loaded,
+            "host_dropped_tokens": c.dropped,
+        }
 
     def run_commands(self) -> None:
         """Runs control calls (from the gRPC thread) between batches, on the loop's thread."""

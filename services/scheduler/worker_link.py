@@ -19,10 +19,16 @@ from services.common import transport
 from services.common.transport import pack_i32
 from services.scheduler import prompt_logprobs, request_spans
 from services.scheduler.batch import Item, is_decode
+from services.scheduler.host_tier import Copy, Direction
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Req
 
 POLL_SLICE_MS = 100  # how soon a lost worker (or an expired shutdown) is noticed in recv
+
+_DIRECTIONS = {
+    Direction.DEVICE_TO_HOST: engine_pb2.KVCopy.DIRECTION_DEVICE_TO_HOST,
+    Direction.HOST_TO_DEVICE: engine_pb2.KVCopy.DIRECTION_HOST_TO_DEVICE,
+}
 
 
 class WorkerError(RuntimeError):
@@ -68,11 +74,25 @@ class WorkerLink:
         """The id the next send() gives its batch."""
         return self._last_id + 1
 
-    def send(self, items: list[Item], grammars: Sequence[engine_pb2.GrammarCompile] = ()) -> None:
-        """Queues a batch; it may carry grammars to compile, or be only that (no items)."""
+    def send(
+        self,
+        items: list[Item],
+        grammars: Sequence[engine_pb2.GrammarCompile] = (),
+        copies: Sequence[Copy] = (),
+    ) -> None:
+        """Queues a batch; it may carry grammars to compile, or be only that (no items), and
+        the KV copies between tiers the tree decided since the last batch (run first)."""
         self._last_id += 1
         batch = engine_pb2.ForwardBatch(batch_id=self._last_id, is_decode=is_decode(items))
         batch.grammars.extend(grammars)
+        batch.copies.extend(
+            engine_pb2.KVCopy(
+                direction=_DIRECTIONS[c.direction],
+                src_slots=pack_i32(c.src),
+                dst_slots=pack_i32(c.dst),
+            )
+            for c in copies
+        )
         batch.reqs.extend(forward_request(it) for it in items)
         parent, links = request_spans.batch_context([it.req for it in items])
         batch.trace_context.update(parent)

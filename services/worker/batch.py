@@ -124,3 +124,4 @@ class RunnerInfo:
     head_dim: int
     intermediate_size: int
     eos_token_ids: list[int]
+    host_total_num_tokens: int = 0  # slots of the host tier (hierarchical cache; 0: none)

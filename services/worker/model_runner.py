@@ -23,6 +23,7 @@ from services.worker.attention.base import AttentionBackend, AttentionMeta, get_
 from services.worker.batch import Batch, ForwardOutput, RunnerInfo, Scored, SlotStart
 from services.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from services.worker.grammar import Grammars
+from services.worker.host_pool import HostPool, host_tier_tokens
 from services.worker.kv_pool import KVPool, KVShape, RuntimeReserve, pool_size_tokens
 from services.worker.layers import Linear
 from services.worker.model_loader import (
@@ -92,6 +93,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(c)
         self.num_parameters = num_parameters(self.model)
         self.kv_pool = self._make_pool()
+        self.host_pool = self._make_host_pool()
         self.packed_linears = self._pack_linears(cfg)
         self.num_slots = self.kv_pool.num_slots
         cls = backend_class(cfg.attention_backend, self.device)
@@ -138,6 +140,22 @@ class ModelRunner:
         seconds = time.perf_counter() - start
         log.info("KV pool of %.2f GiB zeroed in %.1f s", pool.nbytes() / 2**30, seconds)
         return pool
+
+    def _make_host_pool(self) -> HostPool | None:
+        """The hierarchical cache's host tier (host_pool.py), when asked for."""
+        cfg, shape = self.cfg, self.kv_pool.shape
+        slots = host_tier_tokens(shape, self.kv_pool.num_slots, cfg.hicache_ratio, cfg.hicache_size)
+        if slots <= 0:
+            return None
+        pool = HostPool(shape, slots, pin=self.device.type == "cuda")
+        log.info("host tier: %d KV slots (%.2f GiB)", slots, pool.nbytes() / 2**30)
+        return pool
+
+    def copy_kv(self, copies: list) -> None:
+        """The batch's copies between the device pool and the host tier, before its forward."""
+        if self.host_pool is None:
+            raise ValueError("this worker has no host tier (--hicache-ratio / --hicache-size)")
+        self.host_pool.apply(copies, self.kv_pool)
 
     def _runtime_reserve(self) -> RuntimeReserve:
         """What the sampler, graphs and prefill activations take after the pool (kv_pool.py)."""
@@ -211,6 +229,7 @@ class ModelRunner:
             head_dim=self.head_dim,
             intermediate_size=c.intermediate_size,
             eos_token_ids=list(self.eos_token_ids),
+            host_total_num_tokens=self.host_pool.num_slots if self.host_pool else 0,
         )
 
     # ---- forward --------------------------------------------------------------------

@@ -83,6 +83,11 @@ def forward(runner: Runner, msg: engine_pb2.ForwardBatch) -> engine_pb2.ForwardR
     Grammars the batch asks for start compiling first; those settled by the end ride on
     the result (a runner without grammar support refuses them)."""
     grammars: GrammarHost | None = getattr(runner, "grammars", None)
+    if msg.copies:  # the hierarchical cache's copies come before the forward that reads them
+        copy_kv = getattr(runner, "copy_kv", None)
+        if copy_kv is None:
+            raise ValueError("this worker has no host tier")
+        copy_kv(list(msg.copies))
     refused = _prepare_grammars(grammars, msg.grammars)
     if not msg.reqs:
         result = engine_pb2.ForwardResult(batch_id=msg.batch_id)

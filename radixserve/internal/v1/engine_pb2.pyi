@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -194,7 +195,7 @@ class ForwardRequest(_message.Message):
     def __init__(self, req_slot: _Optional[int] = ..., input_ids: _Optional[bytes] = ..., prefix_len: _Optional[int] = ..., out_slots: _Optional[bytes] = ..., is_new: _Optional[bool] = ..., prefix_slots: _Optional[bytes] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_ids: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rid: _Optional[str] = ..., use_last_sampled: _Optional[bool] = ..., prompt_logprob_row: _Optional[int] = ..., prompt_logprob_targets: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("batch_id", "is_decode", "reqs", "trace_context", "trace_links", "grammars")
+    __slots__ = ("batch_id", "is_decode", "reqs", "trace_context", "trace_links", "grammars", "copies")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -208,13 +209,33 @@ class ForwardBatch(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TRACE_LINKS_FIELD_NUMBER: _ClassVar[int]
     GRAMMARS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     is_decode: bool
     reqs: _containers.RepeatedCompositeFieldContainer[ForwardRequest]
     trace_context: _containers.ScalarMap[str, str]
     trace_links: _containers.RepeatedScalarFieldContainer[str]
     grammars: _containers.RepeatedCompositeFieldContainer[GrammarCompile]
-    def __init__(self, batch_id: _Optional[int] = ..., is_decode: _Optional[bool] = ..., reqs: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., grammars: _Optional[_Iterable[_Union[GrammarCompile, _Mapping]]] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
+    def __init__(self, batch_id: _Optional[int] = ..., is_decode: _Optional[bool] = ..., reqs: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., grammars: _Optional[_Iterable[_Union[GrammarCompile, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
+
+class KVCopy(_message.Message):
+    __slots__ = ("direction", "src_slots", "dst_slots")
+    class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DIRECTION_UNSPECIFIED: _ClassVar[KVCopy.Direction]
+        DIRECTION_DEVICE_TO_HOST: _ClassVar[KVCopy.Direction]
+        DIRECTION_HOST_TO_DEVICE: _ClassVar[KVCopy.Direction]
+    DIRECTION_UNSPECIFIED: KVCopy.Direction
+    DIRECTION_DEVICE_TO_HOST: KVCopy.Direction
+    DIRECTION_HOST_TO_DEVICE: KVCopy.Direction
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    SRC_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    direction: KVCopy.Direction
+    src_slots: bytes
+    dst_slots: bytes
+    def __init__(self, direction: _Optional[_Union[KVCopy.Direction, str]] = ..., src_slots: _Optional[bytes] = ..., dst_slots: _Optional[bytes] = ...) -> None: ...
 
 class GrammarCompile(_message.Message):
     __slots__ = ("rid", "constraint")
@@ -273,7 +294,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids", "instance_id")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids", "instance_id", "host_total_num_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +313,7 @@ class WorkerInfo(_message.Message):
     INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -310,7 +332,8 @@ class WorkerInfo(_message.Message):
     intermediate_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     instance_id: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    host_total_num_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., host_total_num_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerToWorker(_message.Message):
     __slots__ = ("forward", "info")
@@ -345,7 +368,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("max_total_num_tokens", "available_tokens", "evictable_tokens", "protected_tokens", "used_tokens", "num_running_reqs", "num_queue_reqs", "page_size", "worker")
+    __slots__ = ("max_total_num_tokens", "available_tokens", "evictable_tokens", "protected_tokens", "used_tokens", "num_running_reqs", "num_queue_reqs", "page_size", "worker", "host_total_tokens", "host_used_tokens", "host_demoted_tokens", "host_loaded_tokens", "host_dropped_tokens")
     MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +378,11 @@ class SchedulerStats(_message.Message):
     NUM_QUEUE_REQS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_DEMOTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_total_num_tokens: int
     available_tokens: int
     evictable_tokens: int
@@ -364,4 +392,9 @@ class SchedulerStats(_message.Message):
     num_queue_reqs: int
     page_size: int
     worker: WorkerInfo
-    def __init__(self, max_total_num_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_queue_reqs: _Optional[int] = ..., page_size: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+    host_total_tokens: int
+    host_used_tokens: int
+    host_demoted_tokens: int
+    host_loaded_tokens: int
+    host_dropped_tokens: int
+    def __init__(self, max_total_num_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_queue_reqs: _Optional[int] = ..., page_size: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., host_total_tokens: _Optional[int] = ..., host_used_tokens: _Optional[int] = ..., host_demoted_tokens: _Optional[int] = ..., host_loaded_tokens: _Optional[int] = ..., host_dropped_tokens: _Optional[int] = ...) -> None: ...

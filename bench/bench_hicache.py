@@ -1,0 +1,99 @@
+"""The hierarchical cache side by side: one multi-turn chat workload whose live prefixes
+outgrow the device pool, against servers with the host tier off, with it on, and with a
+pool large enough to hold everything (the target the host tier should come close to).
+
+Model: a random-weight ~25M-parameter Llama over the default tokenizer with an 8k context
+(the default model's 512 tokens are too short for six turns), built in a temporary folder.
+Prints one markdown table (hit rate, wall time, ratios) for docs/benchmarks.md.
+
+    .venv/bin/python bench/bench_hicache.py [--quick] [--pool 8192] [--ratio 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # for tests.* when run as `python bench/...`
+
+from services.bench import serving  # noqa: E402
+from tests.conftest import make_tiny_zen_model  # noqa: E402
+from tests.server_util import Server, scrape_metrics  # noqa: E402
+
+MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=8192,
+)
+
+
+def workload_args(base_url: str, quick: bool) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serving.add_bench_args(parser)
+    prompts, turns = ("16", "4") if quick else ("48", "6")
+    return parser.parse_args(
+        ["--base-url", base_url, "--workload", "multi-turn", "--num-prompts", prompts,
+         "--num-turns", turns, "--input-len", "200", "--output-len", "48",
+         "--max-concurrency", "8", "--ignore-eos", "--seed", "1"]
+    )  # fmt: skip
+
+
+def run_one(model: Path, flags: list[str], quick: bool) -> dict[str, float]:
+    with Server(*flags, model=model, metrics=True, timeout=600) as s:
+        ns = workload_args(f"http://127.0.0.1:{s.http_port}", quick)
+        start = time.perf_counter()
+        rep = serving.benchmark(ns)
+        wall = time.perf_counter() - start
+        m = scrape_metrics(s.sched_metrics)
+    assert rep["completed"] and not rep["errors"], rep["error_messages"]
+    return {
+        "hit": rep["cache_hit_rate"],
+        "wall": wall,
+        "cached": m.get("radixserve:cached_tokens_total", 0.0),
+        "moved": m.get("radixserve:hicache_tokens_total", 0.0),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="16 conversations of 4 turns")
+    p.add_argument("--pool", type=int, default=8192, help="device pool of the small servers")
+    p.add_argument("--ratio", type=float, default=16.0, help="--hicache-ratio of the tiered one")
+    p.add_argument("--unbounded", type=int, default=131072, help="pool that holds everything")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_zen_model(Path(tmp) / "llama-25m", **MODEL)
+        configs = {
+            "tiers off": ["--max-total-tokens", str(args.pool)],
+            f"host tier ({args.ratio:g}x)": [
+                "--max-total-tokens", str(args.pool), "--hicache-ratio", str(args.ratio)
+            ],
+            "unbounded pool": ["--max-total-tokens", str(args.unbounded)],
+        }  # fmt: skip
+        got = {name: run_one(model, flags, args.quick) for name, flags in configs.items()}
+    off, host, full = (got[n] for n in configs)
+    print(f"\nmulti-turn, pool {args.pool} tokens ({'quick' if args.quick else 'full'})\n")
+    print("| configuration | cache hit rate | cached tokens | wall (s) | vs unbounded |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in got.items():
+        print(
+            f"| {name} | {r['hit']:.3f} | {r['cached']:,.0f} | {r['wall']:.1f} | "
+            f"{r['wall'] / full['wall']:.2f}x |"
+        )
+    print(
+        f"\nhost tier: cached tokens {host['cached'] / max(1.0, full['cached']):.0%} of the "
+        f"unbounded pool's, {off['wall'] / host['wall']:.2f}x faster than tiers off, "
+        f"{host['moved']:,.0f} tokens moved between tiers"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
