@@ -46,12 +46,22 @@ def expected(prompt: list[int], max_tokens: int) -> list[int]:
 
 class FakeWorker:
     def __init__(
-        self, num_slots: int, max_running: int = 16, max_model_len: int = 4096, host_slots: int = 0
+        self,
+        num_slots: int,
+        max_running: int = 16,
+        max_model_len: int = 4096,
+        host_slots: int = 0,
+        storage: dict[bytes, list[tuple[int, int]]] | None = None,
+        storage_page_tokens: int = 0,
     ):
         self.pool: dict[int, tuple[int, int]] = {}
         self.host: dict[int, tuple[int, int]] = {}  # the host tier's slots, alike
         self.host_slots = host_slots
-        self.copied = {"d2h": 0, "h2d": 0}
+        # The storage tier: page key -> the page's (token, position) per slot. Pass one dict
+        # to several workers for a volume they share (or a worker restarted on it).
+        self.storage = storage
+        self.storage_page_tokens = storage_page_tokens if storage is not None else 0
+        self.copied = {"d2h": 0, "h2d": 0, "d2s": 0, "s2h": 0}
         self.rows: dict[int, list[int]] = {}
         self.last: dict[int, int] = {}  # req_slot -> token sampled last (overlap schedule input)
         self.num_slots = num_slots
@@ -76,13 +86,17 @@ class FakeWorker:
             intermediate_size=16,
             eos_token_ids=[EOS],
             host_total_num_tokens=host_slots,
+            storage_page_tokens=self.storage_page_tokens,
         )
 
     def forward(self, batch: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
         self.batches.append(batch)
-        for c in batch.copies:  # before the forward, in order, as the real worker
-            self._copy(c)
         result = engine_pb2.ForwardResult(batch_id=batch.batch_id)
+        for c in batch.copies:  # before the forward, in order, as the real worker
+            if c.direction >= engine_pb2.KVCopy.DIRECTION_DEVICE_TO_STORAGE:
+                self._storage_copy(c, result)
+            else:
+                self._copy(c)
         if self.step_time is not None:
             result.forward_time = self.step_time(batch)
         for r in batch.reqs:
@@ -129,6 +143,32 @@ class FakeWorker:
             to[d] = frm.get(s_, (-1, -1))  # an unwritten slot copies as garbage
         self.copied["d2h" if to_host else "h2d"] += len(src)
 
+    def _storage_copy(self, c: engine_pb2.KVCopy, result: engine_pb2.ForwardResult) -> None:
+        assert self.storage is not None, "a storage copy to a worker without a storage tier"
+        p, raw = self.storage_page_tokens, c.keys
+        keys = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+        assert keys and len(raw) == 16 * len(keys)
+        if c.direction == engine_pb2.KVCopy.DIRECTION_DEVICE_TO_STORAGE:
+            src = unpack_i32(c.src_slots).tolist()
+            assert len(src) == p * len(keys) and all(0 < s <= self.num_slots for s in src)
+            for i, key in enumerate(keys):
+                page = [self.pool.get(s, (-1, -1)) for s in src[i * p : (i + 1) * p]]
+                self.storage.setdefault(key, page)  # the first writer's page stays
+            self.copied["d2s"] += len(src)
+            return
+        dst = unpack_i32(c.dst_slots).tolist()
+        assert len(dst) == p * len(keys) and all(0 < d <= self.host_slots for d in dst)
+        found = 0
+        for key in keys:
+            page = self.storage.get(key)
+            if page is None:
+                break
+            for d, kv in zip(dst[found * p : (found + 1) * p], page, strict=True):
+                self.host[d] = kv
+            found += 1
+        self.copied["s2h"] += found * p
+        result.storage_loads.add(load_id=c.load_id, pages=found)
+
 
 class FakeWorkerSocket:
     """Stands in for the scheduler's DEALER socket: each send is run at once, replies queue up."""
@@ -158,9 +198,17 @@ FRONTEND = b"frontend-1"
 
 
 def make(
-    num_slots: int = 4096, max_running: int = 16, host_slots: int = 0, **cfg
+    num_slots: int = 4096,
+    max_running: int = 16,
+    host_slots: int = 0,
+    storage: dict | None = None,
+    storage_page_tokens: int = 16,
+    **cfg,
 ) -> tuple[Scheduler, FakeWorker]:
-    worker = FakeWorker(num_slots, max_running, host_slots=host_slots)
+    worker = FakeWorker(
+        num_slots, max_running, host_slots=host_slots, storage=storage,
+        storage_page_tokens=storage_page_tokens,
+    )  # fmt: skip
     sched = Scheduler(SchedulerConfig(**cfg), FakeWorkerSocket(worker), worker.info)
     return sched, worker
 

@@ -75,6 +75,15 @@ class WorkerConfig:
     hicache_size: float = _opt(
         0.0, "hierarchical cache: the host tier's size in GiB (overrides --hicache-ratio; 0: off)"
     )
+    hicache_storage_dir: str = _opt(
+        "",
+        "hierarchical cache: a directory (local disk or a shared volume) where KV pages "
+        "outlive the host tier and a restart, shared by every engine of one model on it "
+        "(needs the host tier; empty: no storage tier)",
+    )
+    hicache_storage_page_tokens: int = _opt(
+        64, "tokens per page file of the storage tier (a multiple of --page-size)"
+    )
     max_running_requests: int = _opt(
         64, "requests decoded at once (rows of the request-slot table)"
     )

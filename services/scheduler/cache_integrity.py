@@ -56,6 +56,7 @@ def recount_tree(
     page_size: int,
     allocator: KVSlotAllocator | None,
     host_allocator: KVSlotAllocator | None = None,
+    host_held: list[int] | None = None,
 ) -> tuple[int, int]:
     """Walks the whole tree, checking each node; returns the recounted (evictable, protected)
     device tokens.
@@ -64,7 +65,8 @@ def recount_tree(
     host tier, no device slots and a host copy of that length); the child key is the first
     token (page); parent links; a node's lock count covers its children's (each lock also
     counts on every ancestor); device residency is prefix-closed; no slot appears twice or
-    is free, in either tier, and the host tier's used slots are exactly the tree's.
+    is free, in either tier, and the host tier's used slots are exactly the tree's (plus
+    ``host_held``: those reserved for storage loads not yet answered).
     """
     evictable = protected = 0
     slots: set[int] = set()
@@ -99,6 +101,9 @@ def recount_tree(
             raise CacheIntegrityError(
                 f"node lock count {node.lock_ref} is below its children's total {child_locks}"
             )
+    if host_held:
+        host.update(host_held)
+        n_host += len(host_held)
     if len(slots) != n_slots:
         raise CacheIntegrityError(f"{n_slots - len(slots)} slots appear twice in the tree")
     if len(host) != n_host:

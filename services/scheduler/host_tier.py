@@ -33,6 +33,8 @@ class Direction(IntEnum):
 
     DEVICE_TO_HOST = 1
     HOST_TO_DEVICE = 2
+    DEVICE_TO_STORAGE = 3  # storage_tier.py
+    STORAGE_TO_HOST = 4
 
 
 @dataclass
@@ -40,6 +42,8 @@ class Copy:
     direction: Direction
     src: list[int]
     dst: list[int]
+    keys: list[bytes] = field(default_factory=list)  # storage pages, 16 bytes each
+    load_id: int = 0  # STORAGE_TO_HOST: answered in the batch's result
 
 
 @dataclass
@@ -79,7 +83,7 @@ class HostTier:
         self.copies.append(Copy(direction, list(src), list(dst)))
         if direction is Direction.DEVICE_TO_HOST:
             self.counters.demoted += len(src)
-        else:
+        elif direction is Direction.HOST_TO_DEVICE:
             self.counters.loaded += len(src)
 
     def take_copies(self) -> list[Copy]:

@@ -15,6 +15,7 @@ from services.scheduler.radix_cache import (
     create_prefix_cache,
 )
 from services.scheduler.request import Req
+from services.scheduler.storage_tier import StorageTier
 
 
 class KVManager:
@@ -25,9 +26,15 @@ class KVManager:
         self._held: dict[str, int] = {}  # rid -> own slots (whole pages) held outside the tree
 
     @classmethod
-    def for_pool(cls, pool_slots: int, cfg: SchedulerConfig, host_slots: int = 0) -> KVManager:
+    def for_pool(
+        cls,
+        pool_slots: int,
+        cfg: SchedulerConfig,
+        host_slots: int = 0,
+        storage: StorageTier | None = None,
+    ) -> KVManager:
         """The allocator and cache for a worker whose KV pool has pool_slots slots (and
-        whose host tier host_slots: the hierarchical cache)."""
+        whose host tier host_slots, and storage tier ``storage``: the hierarchical cache)."""
         allocator = KVSlotAllocator(usable_slots(pool_slots, cfg.page_size), cfg.page_size)
         cache = create_prefix_cache(
             allocator,
@@ -37,12 +44,17 @@ class KVManager:
             cfg.slru_protected_hits,
             usable_slots(host_slots, cfg.page_size) if host_slots else 0,
             cfg.hicache_write_policy,
+            storage,
         )
         return cls(allocator, cache)
 
     def take_copies(self) -> list:
         """Copies between the device pool and the host tier for the next batch to carry."""
         return self.cache.take_copies()
+
+    def has_copies(self) -> bool:
+        host = getattr(self.cache, "host", None)
+        return bool(host is not None and host.copies)
 
     # -- sizes ------------------------------------------------------------------------
     @property

@@ -107,7 +107,10 @@ class SchedulerMetrics:
         self.host_moved = d.counter(
             "hicache_tokens", "KV tokens moved between tiers", ("direction",)
         )
-        self._host_seen = {"device_to_host": 0, "host_to_device": 0, "dropped": 0}
+        self._host_seen = dict.fromkeys(
+            ("device_to_host", "host_to_device", "dropped", "device_to_storage",
+             "storage_to_host", "storage_miss"), 0
+        )  # fmt: skip
         for direction in self._host_seen:
             self.host_moved.labels(**self.labels, direction=direction)
 
@@ -181,6 +184,9 @@ class SchedulerMetrics:
             "device_to_host": s.host_demoted_tokens,
             "host_to_device": s.host_loaded_tokens,
             "dropped": s.host_dropped_tokens,
+            "device_to_storage": s.storage_stored_tokens,
+            "storage_to_host": s.storage_loaded_tokens,
+            "storage_miss": s.storage_missed_tokens,
         }
         for direction, total in moved.items():
             # The tree keeps totals; a new tree (worker restart) starts them again at 0.

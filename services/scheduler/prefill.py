@@ -150,7 +150,7 @@ class PrefillBuilder:
 
     def _ordered_waiting(self) -> list[Req]:
         # A request whose grammar is still compiling takes no KV yet (grammar_gate.py).
-        waiting = [r for r in self.queues.waiting if not r.grammar_wait]
+        waiting = [r for r in self.queues.waiting if not (r.grammar_wait or r.storage_wait)]
         return schedule_policy.order(self.cfg.schedule_policy, waiting, self.kv.cache)
 
     def _shares_with(self, req: Req, admitted: list[Req]) -> bool:

@@ -33,7 +33,8 @@ from services.scheduler.cache_integrity import (
     recount_tree,
 )
 from services.scheduler.eviction import LeafHeap, make_policy
-from services.scheduler.host_tier import SELECTIVE_HITS, Direction, HostTier
+from services.scheduler.host_tier import SELECTIVE_HITS, Copy, Direction, HostTier
+from services.scheduler.storage_tier import MAX_LOAD_PAGES, PendingLoad, StorageTier, page_keys
 from services.scheduler.tokens import Tokens, as_tokens
 
 __all__ = [
@@ -71,6 +72,7 @@ class TreeNode:
         "anchor",
         "host",
         "host_seq",
+        "stored",
     )
 
     def __init__(
@@ -90,6 +92,7 @@ class TreeNode:
         # ``value`` may be empty: the node's KV is then in the host tier only.
         self.host: list[int] | None = None
         self.host_seq = -1  # this node's live entry in the host tier's heap
+        self.stored = False  # the storage tier has the pages that end inside this node
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock={self.lock_ref}, children={len(self.children)})"
@@ -212,6 +215,15 @@ class BasePrefixCache(ABC):
         next batch to carry; none without a host tier."""
         return []
 
+    def ask_storage(self, prompt: Sequence[int], namespace: str, req: object = None) -> bool:
+        """Queues a load from the storage tier of what prompt needs past the tree; False
+        when there is nothing to ask (no storage tier)."""
+        return False
+
+    def storage_answer(self, load_id: int, pages: int) -> object:
+        """Settles a storage load; the request that waited on it, if any."""
+        return None
+
     @abstractmethod
     def reset(self) -> None:
         """Flush: every cached slot back to the allocator; raises if anything is locked."""
@@ -232,6 +244,7 @@ class RadixCache(BasePrefixCache):
         slru_protected_hits: int = 2,
         host_slots: int = 0,
         write_policy: str = "write_back",
+        storage: StorageTier | None = None,
     ):
         if page_size != allocator.page_size:
             raise ValueError(
@@ -252,6 +265,12 @@ class RadixCache(BasePrefixCache):
             if host_slots > 0
             else None
         )
+        if storage is not None and (self.host is None or storage.page_tokens % page_size):
+            raise ValueError(
+                "the storage tier needs the host tier, and its pages "
+                f"({storage.page_tokens} tokens) must be whole KV pages of {page_size}"
+            )
+        self.storage = storage
 
     # -- match ------------------------------------------------------------------------
     def _match(
@@ -317,6 +336,7 @@ class RadixCache(BasePrefixCache):
         new.last_access = child.last_access
         new.hit_count = child.hit_count
         new.priority = child.priority
+        new.stored = child.stored
         parent.children[self._child_key(new.key)] = new
         child.key = child.key[n:]
         child.value = child.value[n:]
@@ -547,6 +567,7 @@ class RadixCache(BasePrefixCache):
         """A device leaf leaves the pool for the host tier (copied unless a copy exists);
         False when the host tier has no room: the caller drops the node."""
         assert self.host is not None
+        self._store(node)  # the last moment its whole path is on the device
         if node.host is None:
             host = self._alloc(self.host.allocator, len(node.value), self._evict_host)
             if host is None:
@@ -565,6 +586,7 @@ class RadixCache(BasePrefixCache):
     def _copy_to_host(self, node: TreeNode) -> None:
         """write_through: a host copy now, while the node stays on the device."""
         assert self.host is not None
+        self._store(node)
         if node.host is not None or not node.value:
             return
         host = self._alloc(self.host.allocator, len(node.value), self._evict_host)
@@ -622,6 +644,111 @@ class RadixCache(BasePrefixCache):
                 self.host.heap.discard(n)
         node.children = {}
 
+    # -- the storage tier (storage_tier.py) ----------------------------------------------
+    def _store(self, node: TreeNode) -> None:
+        """Writes the pages that end inside node to storage, from device slots: node is on
+        the device, and so is its path (device residency is prefix-closed)."""
+        st = self.storage
+        if st is None or node.stored or not node.value:
+            return
+        assert self.host is not None
+        node.stored = True
+        namespace, path = self._path_of(node)
+        p = st.page_tokens
+        end = sum(len(n.key) for n in path)
+        first, last = (end - len(node.key)) // p, end // p
+        if first >= last:
+            return
+        tokens = as_tokens(list(chain.from_iterable(n.key for n in path)))
+        slots = list(chain.from_iterable(n.value for n in path))[first * p : last * p]
+        keys = page_keys(st.seed, namespace, tokens, first, last, p)
+        self.host.copies.append(Copy(Direction.DEVICE_TO_STORAGE, slots, [], keys))
+        st.counters.stored += len(slots)
+
+    def _path_of(self, node: TreeNode) -> tuple[str, list[TreeNode]]:
+        """node's namespace and its path from below the anchor down to node."""
+        path = []
+        n: TreeNode | None = node
+        while n is not None and not n.anchor:
+            path.append(n)
+            n = n.parent
+        namespace = next((ns for ns, a in self.root.children.items() if a is n), "")
+        return namespace, path[::-1]
+
+    def ask_storage(self, prompt: Sequence[int], namespace: str, req: object = None) -> bool:
+        """Asks the storage tier for the pages of prompt past what the tree holds (either
+        tier), into fresh host slots; True when the load is queued (the request waits for
+        its answer, storage_answer)."""
+        st = self.storage
+        if st is None:
+            return False
+        assert self.host is not None
+        tokens = as_tokens(prompt)
+        end = len(tokens) - 1  # the last prompt token is always computed
+        anchor = self.root.children.get(namespace)
+        node, matched = anchor, 0
+        if anchor is not None:
+            node, matched, _ = self._walk(anchor, tokens, end - end % self.page_size)
+        p = st.page_tokens
+        first = matched // p
+        last = min(end // p, first + MAX_LOAD_PAGES)
+        if first >= last:
+            return False
+        held = node if node is not None and not node.anchor else None
+        if held is not None:
+            self.lock(held)  # what matched stays while host slots are found
+        try:
+            host = self._alloc(self.host.allocator, (last - first) * p, self._evict_host)
+        finally:
+            if held is not None:
+                self.unlock(held)
+        if host is None:
+            return False
+        keys = page_keys(st.seed, namespace, tokens, first, last, p)
+        load = PendingLoad(namespace, tokens[: last * p], first * p, host, req)
+        load_id = st.add(load)
+        self.host.copies.append(Copy(Direction.STORAGE_TO_HOST, [], host, keys, load_id))
+        return True
+
+    def storage_answer(self, load_id: int, pages: int) -> object:
+        """A load's answer: its first ``pages`` pages join the tree as host-only nodes (past
+        what the tree holds by now), the rest of its host slots are freed. Returns the
+        request that waited on it (None for an unknown load)."""
+        st = self.storage
+        load = st.pending.pop(load_id, None) if st is not None else None
+        if load is None:
+            return None
+        assert self.host is not None and st is not None
+        p = st.page_tokens
+        pages = max(0, min(pages, len(load.host) // p))
+        st.counters.loaded += pages * p
+        st.counters.missed += len(load.host) - pages * p
+        keep = self._attach_loaded(load, load.start + pages * p) if pages else (0, 0)
+        free = load.host[: keep[0]] + load.host[keep[1] :]
+        if free:
+            self.host.allocator.free(free[:: self.page_size])
+        return load.req
+
+    def _attach_loaded(self, load: PendingLoad, end: int) -> tuple[int, int]:
+        """Hangs tokens up to end of a load under what the tree matches of them; the range
+        of load.host it kept ((0, 0): none, the tree lost the pages before them)."""
+        anchor = self.root.children.get(load.namespace)
+        if anchor is None:
+            if load.start:
+                return (0, 0)
+            anchor = self._anchor(load.namespace)
+        node, pos, _ = self._walk(anchor, load.tokens, end)
+        if pos < load.start or pos >= end:
+            return (0, 0)
+        leaf = TreeNode(load.tokens[pos:end], [], node)
+        leaf.host = load.host[pos - load.start : end - load.start]
+        leaf.stored = True
+        self._clock += 1
+        leaf.last_access = self._clock
+        node.children[self._child_key(leaf.key)] = leaf
+        self._file_tiered(leaf)
+        return (pos - load.start, end - load.start)
+
     def _drop_anchor(self, anchor: TreeNode) -> None:
         for ns, a in self.root.children.items():
             if a is anchor:
@@ -659,7 +786,10 @@ class RadixCache(BasePrefixCache):
 
     def check_integrity(self) -> None:
         host_alloc = self.host.allocator if self.host is not None else None
-        evictable, protected = recount_tree(self.root, self.page_size, self.allocator, host_alloc)
+        held = self.storage.held_host_slots() if self.storage is not None else None
+        evictable, protected = recount_tree(
+            self.root, self.page_size, self.allocator, host_alloc, held
+        )
         if (evictable, protected) != (self._evictable, self._protected):
             raise CacheIntegrityError(
                 f"counters say evictable {self._evictable}, protected {self._protected}; "
@@ -730,10 +860,13 @@ def create_prefix_cache(
     slru_protected_hits: int,
     host_slots: int = 0,
     write_policy: str = "write_back",
+    storage: StorageTier | None = None,
 ) -> BasePrefixCache:
     if disable:
         return DisabledCache(allocator, page_size)
-    return RadixCache(allocator, page_size, policy, slru_protected_hits, host_slots, write_policy)
+    return RadixCache(
+        allocator, page_size, policy, slru_protected_hits, host_slots, write_policy, storage
+    )
 
 
 # -- helpers ----------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Req:
     matched_stop_token: int = -1
     num_retractions: int = 0
     grammar_wait: bool = False  # constrained: not admitted until the worker compiled its grammar
+    storage_wait: bool = False  # not admitted until the storage tier answered (storage_tier.py)
     first_scheduled: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0

@@ -45,6 +45,7 @@ from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
 from services.scheduler.request_checks import request_problem
 from services.scheduler.step_costs import StepCosts
+from services.scheduler.storage_tier import StorageTier, engine_seed
 from services.scheduler.tokens import tokens_from_wire
 from services.scheduler.worker_link import WorkerLink
 
@@ -75,8 +76,14 @@ class Scheduler:
         cfg = self.cfg
         self.info = info
         self.max_model_len = info.max_model_len
+        storage = None
+        if info.storage_page_tokens > 0:
+            seed = engine_seed(
+                info.model_id, info.dtype, info.num_layers, info.num_key_value_heads, info.head_dim
+            )
+            storage = StorageTier(int(info.storage_page_tokens), seed)
         self.kv = KVManager.for_pool(
-            int(info.max_total_num_tokens), cfg, int(info.host_total_num_tokens)
+            int(info.max_total_num_tokens), cfg, int(info.host_total_num_tokens), storage
         )
         max_running = min(cfg.max_running_requests, info.max_running_requests)
         table = ReqSlotTable(max_running)
@@ -112,21 +119,33 @@ class Scheduler:
             self.in_burst = any(r.in_prefill for r in self.queues.running)
         if not self.link.in_flight:
             items = self._next_batch()
-            if not items and not self.grammars.waiting():
+            if not items and not self.grammars.waiting() and not self.kv.has_copies():
                 return False
             self.dirty_since_check = True
-            # No items: a batch that only waits on grammars being compiled.
-            self.link.send(items, self.grammars.take_requests(), self.kv.take_copies())
+            # No items: a batch that only waits on grammars or carries copies between tiers.
+            self._send(items)
         current = self.link.in_flight[0]
         if not self.cfg.disable_overlap_schedule and not self._admissible_waiting():
             ahead = self.decode.lookahead(current.items, self.link.next_batch_id)
             if ahead:
-                self.link.send(ahead, self.grammars.take_requests(), self.kv.take_copies())
+                self._send(ahead)
         self._apply(current.items, self.link.recv())
         # Before this step's outputs go out, so a client that just got its last token
         # reads gauges that already count the KV its request left behind.
         self.publish_stats()
         return True
+
+    def _send(self, items: list[Item]) -> None:
+        self.link.send(items, self.grammars.take_requests(), self.kv.take_copies())
+        storage = getattr(self.kv.cache, "storage", None)
+        if storage is not None:
+            storage.mark_sent(self.link.next_batch_id - 1)
+
+    def _held_back(self) -> int:
+        """Waiting requests not admissible yet: their grammar compiles, or the storage tier
+        has not answered (an aborted one counts until then)."""
+        storage = getattr(self.kv.cache, "storage", None)
+        return self.grammars.num_waiting() + (len(storage.pending) if storage else 0)
 
     def _next_batch(self) -> list[Item]:
         """With nothing decoding (or --mixed-prefill-tokens 0, or chunking off), a prefill
@@ -155,7 +174,7 @@ class Scheduler:
         cfg = self.cfg
         running = self.queues.running
         decoding = sum(not r.in_prefill for r in running)
-        first = len(running) - decoding + len(self.queues.waiting) - self.grammars.num_waiting()
+        first = len(running) - decoding + len(self.queues.waiting) - self._held_back()
         # A burst lasts until all of it is admitted: its tail (fewer left waiting than
         # already decoding) is part of it, not a few late arrivals.
         if first <= 0:
@@ -171,7 +190,7 @@ class Scheduler:
     def _admissible_waiting(self) -> bool:
         """Whether a waiting request may be admitted next (one whose grammar still compiles
         may not: the lookahead step need not make way for it)."""
-        return len(self.queues.waiting) > self.grammars.num_waiting()
+        return len(self.queues.waiting) > self._held_back()
 
     def has_requests(self) -> bool:
         return bool(self.queues.running or self.queues.waiting)
@@ -202,6 +221,8 @@ class Scheduler:
             return
         self.queues.add(req)
         self.grammars.add(req)
+        # A prompt that runs past the tree waits for the storage tier's pages of it.
+        req.storage_wait = self.kv.cache.ask_storage(req.input_ids, req.namespace, req)
         self.metrics.on_arrival(req)
         request_spans.on_arrival(req)
 
@@ -281,6 +302,7 @@ class Scheduler:
     def _apply(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
         """A batch came back: append each sampled token, stop or stream, cache prefills."""
         self._settle_grammars(result.grammars)
+        self._settle_storage(result)
         if result.error:
             self._fail(items, result)
             return
@@ -336,6 +358,19 @@ class Scheduler:
         req.finish_reason, req.matched_stop_token = reason, matched
         self.queues.leave_running(req, cache_it=True)
         self._finish(req)
+
+    def _settle_storage(self, result: engine_pb2.ForwardResult) -> None:
+        """Storage loads answered (or lost with a failed batch: they found nothing) free
+        their requests for admission."""
+        storage = getattr(self.kv.cache, "storage", None)
+        if storage is None:
+            return
+        answers = [(s.load_id, s.pages) for s in result.storage_loads]
+        answers += [(i, 0) for i in storage.unanswered(result.batch_id) if i not in dict(answers)]
+        for load_id, pages in answers:
+            req = self.kv.cache.storage_answer(load_id, pages)
+            if isinstance(req, Req):
+                req.storage_wait = False
 
     def _settle_grammars(self, statuses: Iterable[engine_pb2.GrammarStatus]) -> None:
         """Grammars the worker finished compiling: refused ones end their (waiting) request."""
@@ -426,13 +461,22 @@ class Scheduler:
         if host is None:
             return {}
         c = host.counters
-        return {
+        stats = {
             "host_total_tokens": host.allocator.total,
             "host_used_tokens": host.used,
             "host_demoted_tokens": c.demoted,
             "host_loaded_tokens": c.loaded,
             "host_dropped_tokens": c.dropped,
         }
+        storage = getattr(self.kv.cache, "storage", None)
+        if storage is not None:
+            s = storage.counters
+            stats |= {
+                "storage_stored_tokens": s.stored,
+                "storage_loaded_tokens": s.loaded,
+                "storage_missed_tokens": s.missed,
+            }
+        return stats
 
     def run_commands(self) -> None:
         """Runs control calls (from the gRPC thread) between batches, on the loop's thread."""

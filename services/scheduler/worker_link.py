@@ -28,6 +28,8 @@ POLL_SLICE_MS = 100  # how soon a lost worker (or an expired shutdown) is notice
 _DIRECTIONS = {
     Direction.DEVICE_TO_HOST: engine_pb2.KVCopy.DIRECTION_DEVICE_TO_HOST,
     Direction.HOST_TO_DEVICE: engine_pb2.KVCopy.DIRECTION_HOST_TO_DEVICE,
+    Direction.DEVICE_TO_STORAGE: engine_pb2.KVCopy.DIRECTION_DEVICE_TO_STORAGE,
+    Direction.STORAGE_TO_HOST: engine_pb2.KVCopy.DIRECTION_STORAGE_TO_HOST,
 }
 
 
@@ -90,6 +92,8 @@ class WorkerLink:
                 direction=_DIRECTIONS[c.direction],
                 src_slots=pack_i32(c.src),
                 dst_slots=pack_i32(c.dst),
+                keys=b"".join(c.keys),
+                load_id=c.load_id,
             )
             for c in copies
         )

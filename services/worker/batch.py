@@ -125,3 +125,4 @@ class RunnerInfo:
     intermediate_size: int
     eos_token_ids: list[int]
     host_total_num_tokens: int = 0  # slots of the host tier (hierarchical cache; 0: none)
+    storage_page_tokens: int = 0  # tokens per page of the storage tier (0: none)

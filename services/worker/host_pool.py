@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from services.worker.kv_pool import KVPool, KVShape, cpu_memory_bytes
+from services.worker.page_store import PageStore, split_keys
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,7 @@ log = logging.getLogger(__name__)
 MAX_HOST_SHARE = 0.8
 # engine.proto's KVCopy.Direction values. This module imports no protobuf stubs (the GPU
 # check runs the model runner on an image without them); a test checks they agree.
-D2H = 1
-H2D = 2
+D2H, H2D, D2S, S2H = 1, 2, 3, 4  # engine.proto KVCopy.Direction
 
 
 class KVCopyMsg(Protocol):
@@ -35,6 +35,8 @@ class KVCopyMsg(Protocol):
     direction: int
     src_slots: bytes
     dst_slots: bytes
+    keys: bytes
+    load_id: int
 
 
 def _slots(raw: bytes) -> np.ndarray:
@@ -60,46 +62,93 @@ def host_tier_tokens(shape: KVShape, device_slots: int, ratio: float, size_gib: 
 
 
 class HostPool:
-    def __init__(self, shape: KVShape, num_slots: int, pin: bool):
+    def __init__(self, shape: KVShape, num_slots: int, pin: bool, store: PageStore | None = None):
         self.num_slots = num_slots
         dims = (shape.num_layers, num_slots + 1, shape.num_kv_heads, shape.head_dim)
         self.k_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
         self.v_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
-        self.bytes_moved: dict[int, int] = {D2H: 0, H2D: 0}
+        self.store = store  # the storage tier behind this one (page_store.py), if any
+        self.bytes_moved: dict[int, int] = {D2H: 0, H2D: 0, D2S: 0, S2H: 0}
 
     def nbytes(self) -> int:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
 
-    def apply(self, copies: list[KVCopyMsg], pool: KVPool) -> None:
-        """Runs the copies in order. Raises ValueError, having copied nothing, when any is
-        malformed (unknown direction, lengths differ, a slot out of either pool)."""
+    def apply(self, copies: list[KVCopyMsg], pool: KVPool) -> list[tuple[int, int]]:
+        """Runs the copies in order; returns (load_id, pages found) of each storage load.
+        Raises ValueError, having copied nothing, when any is malformed (unknown direction,
+        lengths that differ, a slot out of its pool, a storage copy without a storage tier)."""
         plan = [self._checked(c, pool.num_slots) for c in copies]
-        for direction, src, dst in plan:
-            if direction == D2H:
+        loads = []
+        for c, (src, dst, keys) in zip(copies, plan, strict=True):
+            if c.direction == D2H:
+                self._to_host(pool, src, dst)
+            elif c.direction == H2D:
+                self._to_device(pool, src, dst)
+            elif c.direction == D2S:
+                assert self.store is not None
                 index = torch.from_numpy(src).to(pool.k_buffer.device, non_blocking=True)
-                out = torch.from_numpy(dst)
-                for dev, host in ((pool.k_buffer, self.k_buffer), (pool.v_buffer, self.v_buffer)):
-                    host[:, out] = dev.index_select(1, index).to("cpu")
+                k, v = (b.index_select(1, index).to("cpu") for b in (pool.k_buffer, pool.v_buffer))
+                self.store.write(keys, k, v)
             else:
-                index = torch.from_numpy(src)
-                out = torch.from_numpy(dst).to(pool.k_buffer.device, non_blocking=True)
-                for dev, host in ((pool.k_buffer, self.k_buffer), (pool.v_buffer, self.v_buffer)):
-                    dev[:, out] = host.index_select(1, index).to(dev.device, non_blocking=True)
-            self.bytes_moved[direction] += len(src) * self._bytes_per_slot()
+                loads.append((c.load_id, self._from_store(keys, dst)))
+                src = dst[: loads[-1][1] * self.page_tokens]
+            self.bytes_moved[c.direction] += len(src) * self._bytes_per_slot()
+        return loads
+
+    def _to_host(self, pool: KVPool, src: np.ndarray, dst: np.ndarray) -> None:
+        index = torch.from_numpy(src).to(pool.k_buffer.device, non_blocking=True)
+        out = torch.from_numpy(dst)
+        for dev, host in ((pool.k_buffer, self.k_buffer), (pool.v_buffer, self.v_buffer)):
+            host[:, out] = dev.index_select(1, index).to("cpu")
+
+    def _to_device(self, pool: KVPool, src: np.ndarray, dst: np.ndarray) -> None:
+        index = torch.from_numpy(src)
+        out = torch.from_numpy(dst).to(pool.k_buffer.device, non_blocking=True)
+        for dev, host in ((pool.k_buffer, self.k_buffer), (pool.v_buffer, self.v_buffer)):
+            dev[:, out] = host.index_select(1, index).to(dev.device, non_blocking=True)
+
+    def _from_store(self, keys: list[bytes], dst: np.ndarray) -> int:
+        """The leading pages of keys the store has, into host slots dst; how many."""
+        assert self.store is not None
+        pages = self.store.read_leading(keys)
+        p = self.page_tokens
+        for i, (k, v) in enumerate(pages):
+            out = torch.from_numpy(dst[i * p : (i + 1) * p])
+            self.k_buffer[:, out] = k
+            self.v_buffer[:, out] = v
+        return len(pages)
+
+    @property
+    def page_tokens(self) -> int:
+        return self.store.page_tokens if self.store is not None else 0
 
     def _bytes_per_slot(self) -> int:
         return 2 * self.k_buffer[:, 0].nbytes
 
-    def _checked(self, c: KVCopyMsg, device_slots: int) -> tuple[int, np.ndarray, np.ndarray]:
-        if c.direction not in (D2H, H2D):
+    def _checked(
+        self, c: KVCopyMsg, device_slots: int
+    ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        if c.direction not in (D2H, H2D, D2S, S2H):
             raise ValueError(f"KVCopy: unknown direction {c.direction}")
-        src, dst = _slots(c.src_slots), _slots(c.dst_slots)
-        if len(src) != len(dst):
-            raise ValueError(f"KVCopy: {len(src)} source slots but {len(dst)} destinations")
-        src_max, dst_max = (
-            (device_slots, self.num_slots) if c.direction == D2H else (self.num_slots, device_slots)
-        )
-        for name, slots, top in (("source", src, src_max), ("destination", dst, dst_max)):
+        keys: list[bytes] = []
+        if c.direction in (D2S, S2H):
+            if self.store is None:
+                raise ValueError("KVCopy: this worker has no storage tier (--hicache-storage-dir)")
+            keys = split_keys(c.keys)
+            slots = _slots(c.src_slots if c.direction == D2S else c.dst_slots)
+            if len(slots) != len(keys) * self.store.page_tokens:
+                raise ValueError(
+                    f"KVCopy: {len(keys)} pages of {self.store.page_tokens} tokens but "
+                    f"{len(slots)} slots"
+                )
+            src, dst = (slots, slots[:0]) if c.direction == D2S else (slots[:0], slots)
+        else:
+            src, dst = _slots(c.src_slots), _slots(c.dst_slots)
+            if len(src) != len(dst):
+                raise ValueError(f"KVCopy: {len(src)} source slots but {len(dst)} destinations")
+        src_top = device_slots if c.direction in (D2H, D2S) else self.num_slots
+        dst_top = self.num_slots if c.direction in (D2H, S2H) else device_slots
+        for name, slots, top in (("source", src, src_top), ("destination", dst, dst_top)):
             if len(slots) and (slots.min() < 1 or slots.max() > top):
                 raise ValueError(f"KVCopy: a {name} slot is outside 1..{top}")
-        return c.direction, src, dst
+        return src, dst, keys

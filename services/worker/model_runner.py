@@ -36,6 +36,7 @@ from services.worker.model_loader import (
     weight_nbytes,
 )
 from services.worker.models.llama import head_dim_of
+from services.worker.page_store import PageStore
 from services.worker.req_table import ReqToTokenTable
 from services.worker.sampling import Sampler
 from services.worker.step_inputs import StepStager
@@ -146,16 +147,24 @@ class ModelRunner:
         cfg, shape = self.cfg, self.kv_pool.shape
         slots = host_tier_tokens(shape, self.kv_pool.num_slots, cfg.hicache_ratio, cfg.hicache_size)
         if slots <= 0:
+            if cfg.hicache_storage_dir:
+                raise ValueError("--hicache-storage-dir needs the host tier: set --hicache-ratio")
             return None
-        pool = HostPool(shape, slots, pin=self.device.type == "cuda")
+        store = None
+        if cfg.hicache_storage_dir:
+            if cfg.hicache_storage_page_tokens < 1:
+                raise ValueError("--hicache-storage-page-tokens must be >= 1")
+            store = PageStore(cfg.hicache_storage_dir, shape, cfg.hicache_storage_page_tokens)
+        pool = HostPool(shape, slots, pin=self.device.type == "cuda", store=store)
         log.info("host tier: %d KV slots (%.2f GiB)", slots, pool.nbytes() / 2**30)
         return pool
 
-    def copy_kv(self, copies: list) -> None:
-        """The batch's copies between the device pool and the host tier, before its forward."""
+    def copy_kv(self, copies: list) -> list[tuple[int, int]]:
+        """The batch's copies between the tiers, before its forward; (load_id, pages) of
+        each storage load."""
         if self.host_pool is None:
             raise ValueError("this worker has no host tier (--hicache-ratio / --hicache-size)")
-        self.host_pool.apply(copies, self.kv_pool)
+        return self.host_pool.apply(copies, self.kv_pool)
 
     def _runtime_reserve(self) -> RuntimeReserve:
         """What the sampler, graphs and prefill activations take after the pool (kv_pool.py)."""
@@ -230,6 +239,7 @@ class ModelRunner:
             intermediate_size=c.intermediate_size,
             eos_token_ids=list(self.eos_token_ids),
             host_total_num_tokens=self.host_pool.num_slots if self.host_pool else 0,
+            storage_page_tokens=self.host_pool.page_tokens if self.host_pool else 0,
         )
 
     # ---- forward --------------------------------------------------------------------

@@ -83,20 +83,22 @@ def forward(runner: Runner, msg: engine_pb2.ForwardBatch) -> engine_pb2.ForwardR
     Grammars the batch asks for start compiling first; those settled by the end ride on
     the result (a runner without grammar support refuses them)."""
     grammars: GrammarHost | None = getattr(runner, "grammars", None)
+    loads: list[tuple[int, int]] = []
     if msg.copies:  # the hierarchical cache's copies come before the forward that reads them
         copy_kv = getattr(runner, "copy_kv", None)
         if copy_kv is None:
             raise ValueError("this worker has no host tier")
-        copy_kv(list(msg.copies))
+        loads = copy_kv(list(msg.copies)) or []
     refused = _prepare_grammars(grammars, msg.grammars)
     if not msg.reqs:
         result = engine_pb2.ForwardResult(batch_id=msg.batch_id)
     else:
         batch = decode_batch(msg, Limits.of(runner.info()))
         result = encode_result(msg.batch_id, runner.forward(batch))
-    wait = 0.0 if msg.reqs else GRAMMAR_POLL_WAIT_S
+    wait = 0.0 if msg.reqs or msg.copies else GRAMMAR_POLL_WAIT_S
     settled = grammars.settled(wait) if grammars is not None else []
     result.grammars.extend(encode_grammar_status(st) for st in refused + settled)
+    result.storage_loads.extend(engine_pb2.StorageLoad(load_id=i, pages=n) for i, n in loads)
     return result
 
 

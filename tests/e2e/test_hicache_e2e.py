@@ -5,6 +5,8 @@ as cached, and counted as host -> device tokens, at page size 1 and 16."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from radixserve.v1 import generation_pb2
@@ -51,3 +53,51 @@ def test_evicted_prefixes_come_back_from_the_host_tier_token_exact(offline, page
         m = scrape_metrics(s.sched_metrics)
     moved = m["radixserve:hicache_tokens_total"]
     assert moved > 0 and m["radixserve:hicache_host_total_tokens"] >= 2000
+
+
+def test_a_new_engine_on_the_volume_serves_the_pages_token_exact(offline, tmp_path):
+    """The storage tier: one engine writes its pages (write_through), then stops; another
+    on the same directory, with empty device and host tiers, loads them instead of
+    computing them."""
+    flags = (
+        "--max-total-tokens", "512", "--hicache-ratio", "4", "--hicache-write-policy",
+        "write_through", "--hicache-storage-dir", str(tmp_path), "--hicache-storage-page-tokens",
+        "16",
+    )  # fmt: skip
+    prompts = PROMPTS[:3]
+    with Server(*flags) as s:
+        ids = [list(s.stub.Tokenize(generation_pb2.TokenizeRequest(text=p)).ids) for p in prompts]
+        want = offline(ids, 6)
+        for prompt, expect in zip(ids, want, strict=True):
+            got, _, last = s.generate(
+                input_ids=generation_pb2.InputIds(ids=prompt), sampling=greedy(6, ignore_eos=True)
+            )
+            assert got == expect and last.cached_tokens < 16  # "Session " is shared
+        pages = sum((len(p) - 1) // 16 for p in ids)
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*/*.kv"))) < pages and time.monotonic() < deadline:
+            time.sleep(0.1)  # the worker writes pages on a thread of its own
+    with Server(*flags, metrics=True) as s:
+        for prompt, expect in zip(ids, want, strict=True):
+            got, _, last = s.generate(
+                input_ids=generation_pb2.InputIds(ids=prompt), sampling=greedy(6, ignore_eos=True)
+            )
+            assert got == expect
+            assert last.cached_tokens == (len(prompt) - 1) // 16 * 16
+        moved = _tier_counts(s.sched_metrics)
+    assert moved["storage_to_host"] == pages * 16, moved
+
+
+def _tier_counts(port: int) -> dict[str, float]:
+    """radixserve:hicache_tokens_total by direction."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        s.labels["direction"]: s.value
+        for fam in text_string_to_metric_families(body)
+        for s in fam.samples
+        if s.name == "radixserve:hicache_tokens_total"
+    }

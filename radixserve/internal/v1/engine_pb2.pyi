@@ -220,22 +220,38 @@ class ForwardBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., is_decode: _Optional[bool] = ..., reqs: _Optional[_Iterable[_Union[ForwardRequest, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., grammars: _Optional[_Iterable[_Union[GrammarCompile, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ...) -> None: ...
 
 class KVCopy(_message.Message):
-    __slots__ = ("direction", "src_slots", "dst_slots")
+    __slots__ = ("direction", "src_slots", "dst_slots", "keys", "load_id")
     class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DIRECTION_UNSPECIFIED: _ClassVar[KVCopy.Direction]
         DIRECTION_DEVICE_TO_HOST: _ClassVar[KVCopy.Direction]
         DIRECTION_HOST_TO_DEVICE: _ClassVar[KVCopy.Direction]
+        DIRECTION_DEVICE_TO_STORAGE: _ClassVar[KVCopy.Direction]
+        DIRECTION_STORAGE_TO_HOST: _ClassVar[KVCopy.Direction]
     DIRECTION_UNSPECIFIED: KVCopy.Direction
     DIRECTION_DEVICE_TO_HOST: KVCopy.Direction
     DIRECTION_HOST_TO_DEVICE: KVCopy.Direction
+    DIRECTION_DEVICE_TO_STORAGE: KVCopy.Direction
+    DIRECTION_STORAGE_TO_HOST: KVCopy.Direction
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     SRC_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     direction: KVCopy.Direction
     src_slots: bytes
     dst_slots: bytes
-    def __init__(self, direction: _Optional[_Union[KVCopy.Direction, str]] = ..., src_slots: _Optional[bytes] = ..., dst_slots: _Optional[bytes] = ...) -> None: ...
+    keys: bytes
+    load_id: int
+    def __init__(self, direction: _Optional[_Union[KVCopy.Direction, str]] = ..., src_slots: _Optional[bytes] = ..., dst_slots: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., load_id: _Optional[int] = ...) -> None: ...
+
+class StorageLoad(_message.Message):
+    __slots__ = ("load_id", "pages")
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    load_id: int
+    pages: int
+    def __init__(self, load_id: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class GrammarCompile(_message.Message):
     __slots__ = ("rid", "constraint")
@@ -272,7 +288,7 @@ class SampledToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., grammar_terminated: _Optional[bool] = ..., grammar_error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., grammar_dead_end: _Optional[bool] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error", "worker_instance", "grammars")
+    __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error", "worker_instance", "grammars", "storage_loads")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +296,7 @@ class ForwardResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     GRAMMARS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LOADS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_time: float
@@ -287,14 +304,15 @@ class ForwardResult(_message.Message):
     error: str
     worker_instance: str
     grammars: _containers.RepeatedCompositeFieldContainer[GrammarStatus]
-    def __init__(self, batch_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time: _Optional[float] = ..., cuda_graph: _Optional[bool] = ..., error: _Optional[str] = ..., worker_instance: _Optional[str] = ..., grammars: _Optional[_Iterable[_Union[GrammarStatus, _Mapping]]] = ...) -> None: ...
+    storage_loads: _containers.RepeatedCompositeFieldContainer[StorageLoad]
+    def __init__(self, batch_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_time: _Optional[float] = ..., cuda_graph: _Optional[bool] = ..., error: _Optional[str] = ..., worker_instance: _Optional[str] = ..., grammars: _Optional[_Iterable[_Union[GrammarStatus, _Mapping]]] = ..., storage_loads: _Optional[_Iterable[_Union[StorageLoad, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids", "instance_id", "host_total_num_tokens")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids", "instance_id", "host_total_num_tokens", "storage_page_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +332,7 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -333,7 +352,8 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     instance_id: str
     host_total_num_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., host_total_num_tokens: _Optional[int] = ...) -> None: ...
+    storage_page_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., host_total_num_tokens: _Optional[int] = ..., storage_page_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerToWorker(_message.Message):
     __slots__ = ("forward", "info")
@@ -368,7 +388,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("max_total_num_tokens", "available_tokens", "evictable_tokens", "protected_tokens", "used_tokens", "num_running_reqs", "num_queue_reqs", "page_size", "worker", "host_total_tokens", "host_used_tokens", "host_demoted_tokens", "host_loaded_tokens", "host_dropped_tokens")
+    __slots__ = ("max_total_num_tokens", "available_tokens", "evictable_tokens", "protected_tokens", "used_tokens", "num_running_reqs", "num_queue_reqs", "page_size", "worker", "host_total_tokens", "host_used_tokens", "host_demoted_tokens", "host_loaded_tokens", "host_dropped_tokens", "storage_stored_tokens", "storage_loaded_tokens", "storage_missed_tokens")
     MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +403,9 @@ class SchedulerStats(_message.Message):
     HOST_DEMOTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_MISSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_total_num_tokens: int
     available_tokens: int
     evictable_tokens: int
@@ -397,4 +420,7 @@ class SchedulerStats(_message.Message):
     host_demoted_tokens: int
     host_loaded_tokens: int
     host_dropped_tokens: int
-    def __init__(self, max_total_num_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_queue_reqs: _Optional[int] = ..., page_size: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., host_total_tokens: _Optional[int] = ..., host_used_tokens: _Optional[int] = ..., host_demoted_tokens: _Optional[int] = ..., host_loaded_tokens: _Optional[int] = ..., host_dropped_tokens: _Optional[int] = ...) -> None: ...
+    storage_stored_tokens: int
+    storage_loaded_tokens: int
+    storage_missed_tokens: int
+    def __init__(self, max_total_num_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_queue_reqs: _Optional[int] = ..., page_size: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., host_total_tokens: _Optional[int] = ..., host_used_tokens: _Optional[int] = ..., host_demoted_tokens: _Optional[int] = ..., host_loaded_tokens: _Optional[int] = ..., host_dropped_tokens: _Optional[int] = ..., storage_stored_tokens: _Optional[int] = ..., storage_loaded_tokens: _Optional[int] = ..., storage_missed_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,97 @@
+"""The storage tier behind the host tier (hierarchical cache): page names and pending loads.
+
+The worker keeps pages of ``page_tokens`` tokens as files (services/worker/page_store.py);
+this side decides which to write and which to look for, by name only. A page's key hashes
+the engine's identity (model, KV layout), the namespace (cache salt / adapter) and every
+token from the sequence's start to the page's end, so equal keys mean equal KV: whoever
+computes the same tokens finds the page, a restarted worker or another engine on the
+volume, and a page of one namespace is never served to another.
+
+    write: a node leaving the device (or copied to the host, write_through) sends its
+           pages (those ending inside it) from its device slots: its path is on the device
+    load:  a new request whose prompt runs past what the tree holds asks for the next
+           pages into fresh host slots (STORAGE_TO_HOST); it waits (``Req.storage_wait``)
+           until the batch's result says how many leading pages were found, which then
+           join the tree as host-only nodes and load to the device like any host hit
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.scheduler.tokens import Tokens
+
+KEY_BYTES = 16
+MAX_LOAD_PAGES = 64  # pages one request asks for at once (what a batch reads from disk)
+
+
+def engine_seed(model_id: str, dtype: str, layers: int, kv_heads: int, head_dim: int) -> bytes:
+    """What a page's KV depends on besides its tokens: two engines share pages only when
+    these agree (the worker checks the layout again in each file's header)."""
+    return f"radixserve-kv1|{model_id}|{dtype}|{layers}|{kv_heads}|{head_dim}".encode()
+
+
+def page_keys(
+    seed: bytes, namespace: str, tokens: Tokens, first: int, end: int, p: int
+) -> list[bytes]:
+    """Keys of pages first..end-1 of tokens (page i holds tokens[i*p:(i+1)*p]): a chain, each
+    key hashing the previous one and its page's tokens."""
+    data = np.asarray(tokens[: end * p], dtype="<i4").tobytes()
+    key = hashlib.blake2b(seed + b"|" + namespace.encode(), digest_size=KEY_BYTES).digest()
+    out = []
+    step = 4 * p
+    for i in range(end):
+        key = hashlib.blake2b(key + data[i * step : (i + 1) * step], digest_size=KEY_BYTES).digest()
+        if i >= first:
+            out.append(key)
+    return out
+
+
+@dataclass
+class PendingLoad:
+    namespace: str
+    tokens: Tokens  # the prompt up to the end of the last page asked for
+    start: int  # first token of the first page asked for (a page boundary)
+    host: list[int]  # host slots reserved for all the pages asked for
+    req: object = None  # the request waiting on it (services.scheduler.request.Req)
+    batch_id: int = -1  # the batch its copy went out on (-1: not sent yet)
+
+
+@dataclass
+class StorageCounters:
+    """Tokens, cumulative."""
+
+    stored: int = 0  # device -> storage (pages written)
+    loaded: int = 0  # storage -> host (pages found)
+    missed: int = 0  # pages asked for and not found (computed instead)
+
+
+@dataclass
+class StorageTier:
+    page_tokens: int
+    seed: bytes
+    pending: dict[int, PendingLoad] = field(default_factory=dict)
+    counters: StorageCounters = field(default_factory=StorageCounters)
+    next_id: int = 1
+
+    def add(self, load: PendingLoad) -> int:
+        load_id, self.next_id = self.next_id, self.next_id + 1
+        self.pending[load_id] = load
+        return load_id
+
+    def held_host_slots(self) -> list[int]:
+        """Host slots reserved by loads not yet answered (outside the tree)."""
+        return [s for ld in self.pending.values() for s in ld.host]
+
+    def mark_sent(self, batch_id: int) -> None:
+        for ld in self.pending.values():
+            if ld.batch_id < 0:
+                ld.batch_id = batch_id
+
+    def unanswered(self, batch_id: int) -> list[int]:
+        """Loads whose batch (results come in order) came back without their answer: it
+        failed, so they found nothing."""
+        return [i for i, ld in self.pending.items() if 0 <= ld.batch_id <= batch_id]

@@ -1,0 +1,212 @@
+"""The storage tier of the hierarchical cache: KV pages as files in one directory.
+
+A page is the KV of ``page_tokens`` consecutive tokens, named by a 16-byte key the
+scheduler hashes from the namespace and every token up to the page's end, so a page is
+found again by whoever computes the same tokens: this worker after a restart, or another
+engine on the same volume. The file holds a header (magic, key, the KV layout) and a
+checksum; it is written to a temporary name and renamed, so a reader sees a whole page or
+none. Anything wrong with the disk (full, unwritable, a truncated or corrupted page, a
+page of another layout) is logged once per kind, counted, and read as a miss: serving goes
+on. Writes run on a thread of their own; reads are synchronous (the batch that asks waits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import signal
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.kv_pool import KVShape
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"RXKVPG01"
+KEY_BYTES = 16
+# magic, key, layers, kv heads, head dim, tokens, dtype name (16 bytes), payload checksum
+_HEADER = struct.Struct(f"<8s{KEY_BYTES}sIIII16s{KEY_BYTES}s")
+WRITE_BACKLOG = 256  # pages queued for the writer beyond which new ones are dropped
+
+
+@dataclass
+class StoreCounters:
+    pages_written: int = 0
+    pages_read: int = 0
+    misses: int = 0
+    write_failures: int = 0  # disk full, unwritable folder, backlog full
+    corrupt_pages: int = 0  # read back wrong (truncated, checksum, another layout): deleted
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+
+
+def split_keys(raw: bytes) -> list[bytes]:
+    if len(raw) % KEY_BYTES:
+        raise ValueError(f"KVCopy: {len(raw)} bytes of page keys is not a whole number of keys")
+    return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+
+class PageStore:
+    def __init__(self, root: str | Path, shape: KVShape, page_tokens: int):
+        self.root = Path(root)
+        self.shape = shape
+        self.page_tokens = page_tokens
+        self.counters = StoreCounters()
+        self._logged: set[str] = set()
+        self._dtype = str(shape.dtype).removeprefix("torch.").encode()
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(WRITE_BACKLOG)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._fail("mkdir", f"cannot create {self.root}: {e}; pages will not be stored")
+        if threading.current_thread() is threading.main_thread():
+            # A file-size limit (RLIMIT_FSIZE) then fails the write (EFBIG) instead of
+            # killing the worker.
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        self._writer = threading.Thread(target=self._write_loop, name="page-store", daemon=True)
+        self._writer.start()
+
+    # -- names and bytes ----------------------------------------------------------------
+    def path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.root / name[:2] / f"{name}.kv"
+
+    def _encode(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> bytes:
+        payload = k.contiguous().view(torch.uint8).numpy().tobytes()
+        payload += v.contiguous().view(torch.uint8).numpy().tobytes()
+        s = self.shape
+        header = _HEADER.pack(
+            MAGIC, key, s.num_layers, s.num_kv_heads, s.head_dim, self.page_tokens,
+            self._dtype, hashlib.blake2b(payload, digest_size=KEY_BYTES).digest(),
+        )  # fmt: skip
+        return header + payload
+
+    def _decode(self, key: bytes, data: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The page's (k, v), each [layers, page_tokens, heads, dim]; None when it is not
+        exactly what this key and layout should hold."""
+        s = self.shape
+        if len(data) < _HEADER.size:
+            return None
+        magic, got_key, layers, heads, dim, tokens, dtype, digest = _HEADER.unpack_from(data)
+        payload = memoryview(data)[_HEADER.size :]
+        if (magic, got_key, layers, heads, dim, tokens, dtype.rstrip(b"\0")) != (
+            MAGIC, key, s.num_layers, s.num_kv_heads, s.head_dim, self.page_tokens, self._dtype
+        ):  # fmt: skip
+            return None
+        if len(payload) != self.page_tokens * s.bytes_per_token():  # k and v
+            return None
+        if hashlib.blake2b(payload, digest_size=KEY_BYTES).digest() != digest:
+            return None
+        flat = torch.frombuffer(bytearray(payload), dtype=s.dtype)
+        k, v = flat.view(2, s.num_layers, self.page_tokens, s.num_kv_heads, s.head_dim)
+        return k, v
+
+    # -- writes (a thread of their own) -------------------------------------------------
+    def write(self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queues pages for writing: k, v are [layers, len(keys) * page_tokens, heads, dim]
+        on the CPU, already copied out of the pool (the slots may be reused at once)."""
+        p = self.page_tokens
+        for i, key in enumerate(keys):
+            blob = self._encode(key, k[:, i * p : (i + 1) * p], v[:, i * p : (i + 1) * p])
+            try:
+                self._queue.put_nowait((key, blob))
+            except queue.Full:
+                self._fail("backlog", f"more than {WRITE_BACKLOG} pages wait for the disk")
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is not None:
+                    self._write_page(*item)
+            except Exception as e:  # the writer must outlive any one page
+                self._fail("write:unexpected", f"writing a KV page failed: {e!r}")
+            finally:
+                self._queue.task_done()
+            if item is None:
+                return
+
+    def _write_page(self, key: bytes, blob: bytes) -> None:
+        path = self.path(key)
+        with contextlib.suppress(OSError):
+            if path.exists():
+                return  # the same tokens' page, written before (here or by another engine)
+        start = time.perf_counter()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # atomic: two engines writing one page leave one whole
+        except OSError as e:
+            with contextlib.suppress(OSError):  # the folder itself may be what is wrong
+                tmp.unlink(missing_ok=True)
+            self._fail(f"write:{e.errno}", f"cannot write a KV page to {self.root}: {e}")
+            return
+        self.counters.pages_written += 1
+        self.counters.bytes_written += len(blob)
+        self.counters.write_seconds += time.perf_counter() - start
+
+    def drain(self) -> None:
+        """Waits until every queued page is written (tests, shutdown)."""
+        self._queue.join()
+
+    # -- reads ---------------------------------------------------------------------------
+    def read_leading(self, keys: list[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pages of keys from the first, up to the first that is missing or unreadable."""
+        start = time.perf_counter()
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key in keys:
+            page = self._read_page(key)
+            if page is None:
+                break
+            out.append(page)
+        self.counters.pages_read += len(out)
+        self.counters.misses += len(keys) - len(out)
+        self.counters.read_seconds += time.perf_counter() - start
+        return out
+
+    def _read_page(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            self._fail(f"read:{e.errno}", f"cannot read a KV page from {self.root}: {e}")
+            return None
+        page = self._decode(key, data)
+        if page is None:
+            self.counters.corrupt_pages += 1
+            self._fail("corrupt", f"{path} is not a whole page of this model's KV; deleted")
+            with contextlib.suppress(OSError):  # a read-only volume: still a miss
+                path.unlink(missing_ok=True)
+            return None
+        self.counters.bytes_read += len(data)
+        return page
+
+    def clear(self) -> int:
+        """Deletes every page in the directory (an explicit flush); returns how many."""
+        self.drain()
+        n = 0
+        for path in self.root.glob("*/*.kv"):
+            path.unlink(missing_ok=True)
+            n += 1
+        return n
+
+    def _fail(self, kind: str, message: str) -> None:
+        if kind.startswith("write") or kind == "backlog":
+            self.counters.write_failures += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("storage tier: %s (further ones are counted, not logged)", message)
