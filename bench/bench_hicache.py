@@ -6,12 +6,17 @@ Model: a random-weight ~25M-parameter Llama over the default tokenizer with an 8
 (the default model's 512 tokens are too short for six turns), built in a temporary folder.
 Prints one markdown table (hit rate, wall time, ratios) for docs/benchmarks.md.
 
+Then one long prefix, computed cold and then reloaded from the host tier after eviction
+pushed it out of the pool (time to its first token, median of --reps).
+
     .venv/bin/python bench/bench_hicache.py [--quick] [--pool 8192] [--ratio 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -20,9 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # for tests.* when run as `python bench/...`
 
+from radixserve.v1 import generation_pb2  # noqa: E402
 from services.bench import serving  # noqa: E402
 from tests.conftest import make_tiny_zen_model  # noqa: E402
-from tests.server_util import Server, scrape_metrics  # noqa: E402
+from tests.server_util import Server, greedy, scrape_metrics  # noqa: E402
 
 MODEL = dict(
     hidden_size=512,
@@ -61,12 +67,41 @@ def run_one(model: Path, flags: list[str], quick: bool) -> dict[str, float]:
     }
 
 
+def reload_vs_recompute(model: Path, pool: int, prefix: int, reps: int) -> dict[str, float]:
+    """Seconds to the first token of a prefix+1-token prompt: cold (computed) and after the
+    prefix was evicted to the host tier (loaded back), side by side in one server."""
+    rng = random.Random(0)
+    flags = ["--max-total-tokens", str(pool), "--hicache-ratio", "8"]
+    cold, warm = [], []
+    with Server(*flags, model=model, timeout=600) as s:
+
+        def ttft(ids: list[int]) -> tuple[float, int]:
+            start = time.perf_counter()
+            _, _, last = s.generate(
+                input_ids=generation_pb2.InputIds(ids=ids), sampling=greedy(1, ignore_eos=True)
+            )
+            return time.perf_counter() - start, last.cached_tokens
+
+        for _ in range(reps):
+            head = [rng.randrange(3, 590) for _ in range(prefix)]
+            t, _ = ttft(head + [rng.randrange(3, 590)])
+            cold.append(t)
+            for _ in range(pool // prefix + 1):  # other prompts push it out of the pool
+                ttft([rng.randrange(3, 590) for _ in range(prefix + 1)])
+            t, cached = ttft(head + [rng.randrange(3, 590)])
+            assert cached == prefix, f"reloaded {cached} of {prefix} tokens"
+            warm.append(t)
+    return {"cold": statistics.median(cold), "reload": statistics.median(warm)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="16 conversations of 4 turns")
-    p.add_argument("--pool", type=int, default=8192, help="device pool of the small servers")
+    p.add_argument("--pool", type=int, default=16384, help="device pool of the small servers")
     p.add_argument("--ratio", type=float, default=16.0, help="--hicache-ratio of the tiered one")
     p.add_argument("--unbounded", type=int, default=131072, help="pool that holds everything")
+    p.add_argument("--prefix", type=int, default=4096, help="tokens of the reloaded prefix")
+    p.add_argument("--reps", type=int, default=3, help="reloads measured (median)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_zen_model(Path(tmp) / "llama-25m", **MODEL)
@@ -75,10 +110,18 @@ def main() -> int:
             f"host tier ({args.ratio:g}x)": [
                 "--max-total-tokens", str(args.pool), "--hicache-ratio", str(args.ratio)
             ],
+            "host tier (2x) + storage": [
+                "--max-total-tokens", str(args.pool), "--hicache-ratio", "2",
+                "--hicache-storage-dir", str(Path(tmp) / "pages"),
+            ],
             "unbounded pool": ["--max-total-tokens", str(args.unbounded)],
         }  # fmt: skip
-        got = {name: run_one(model, flags, args.quick) for name, flags in configs.items()}
-    off, host, full = (got[n] for n in configs)
+        got = {}
+        for name, flags in configs.items():
+            got[name] = run_one(model, flags, args.quick)
+            print(f"{name}: {got[name]}", file=sys.stderr, flush=True)  # kept if killed
+        reload = reload_vs_recompute(model, args.pool, args.prefix, args.reps)
+    off, host, _, full = (got[n] for n in configs)
     print(f"\nmulti-turn, pool {args.pool} tokens ({'quick' if args.quick else 'full'})\n")
     print("| configuration | cache hit rate | cached tokens | wall (s) | vs unbounded |")
     print("|---|---:|---:|---:|---:|")
@@ -91,6 +134,11 @@ def main() -> int:
         f"\nhost tier: cached tokens {host['cached'] / max(1.0, full['cached']):.0%} of the "
         f"unbounded pool's, {off['wall'] / host['wall']:.2f}x faster than tiers off, "
         f"{host['moved']:,.0f} tokens moved between tiers"
+    )
+    print(
+        f"\n{args.prefix}-token prefix, time to first token: computed {reload['cold']:.3f} s, "
+        f"reloaded from the host tier {reload['reload']:.3f} s "
+        f"({reload['cold'] / reload['reload']:.1f}x)"
     )
     return 0
 

@@ -145,6 +145,9 @@ class FakeWorker:
 
     def _storage_copy(self, c: engine_pb2.KVCopy, result: engine_pb2.ForwardResult) -> None:
         assert self.storage is not None, "a storage copy to a worker without a storage tier"
+        if c.direction == engine_pb2.KVCopy.DIRECTION_STORAGE_CLEAR:
+            self.storage.clear()
+            return
         p, raw = self.storage_page_tokens, c.keys
         keys = [raw[i : i + 16] for i in range(0, len(raw), 16)]
         assert keys and len(raw) == 16 * len(keys)

@@ -93,6 +93,8 @@ def _usage(msg: pb.GenerateResponse) -> Usage:
         prompt_tokens=msg.prompt_tokens,
         completion_tokens=msg.completion_tokens,
         cached_tokens=msg.cached_tokens,
+        cached_host_tokens=msg.cached_tokens_details.host,
+        cached_storage_tokens=msg.cached_tokens_details.storage,
     )
 
 

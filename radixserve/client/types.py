@@ -15,6 +15,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Of cached_tokens, those loaded back from the hierarchical cache's host / storage tier.
+    cached_host_tokens: int = 0
+    cached_storage_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

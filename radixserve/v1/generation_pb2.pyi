@@ -121,7 +121,7 @@ class Timings(_message.Message):
     def __init__(self, queue_time: _Optional[float] = ..., prefill_time: _Optional[float] = ..., decode_time: _Optional[float] = ..., total_time: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "matched_stop", "prompt_tokens", "cached_tokens", "completion_tokens", "timings", "prompt_logprobs", "prompt_logprobs_start")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "matched_stop", "prompt_tokens", "cached_tokens", "completion_tokens", "timings", "prompt_logprobs", "prompt_logprobs_start", "cached_tokens_details")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -146,7 +147,18 @@ class GenerateResponse(_message.Message):
     timings: Timings
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs_start: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ...) -> None: ...
+    cached_tokens_details: CachedTokensDetails
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., cached_tokens_details: _Optional[_Union[CachedTokensDetails, _Mapping]] = ...) -> None: ...
+
+class CachedTokensDetails(_message.Message):
+    __slots__ = ("device", "host", "storage")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    host: int
+    storage: int
+    def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., storage: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages")
@@ -187,8 +199,10 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., num_engines: _Optional[int] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class FlushCacheRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("storage",)
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    storage: bool
+    def __init__(self, storage: _Optional[bool] = ...) -> None: ...
 
 class FlushCacheResponse(_message.Message):
     __slots__ = ("flushed", "message")

@@ -413,15 +413,16 @@ class EngineClient:
         ]
         return list(await asyncio.gather(*calls))
 
-    async def flush_cache(self) -> engine_pb2.FlushReply:
-        """Flushes every serving engine; flushed only if all did, else their refusal reasons."""
+    async def flush_cache(self, storage: bool = False) -> engine_pb2.FlushReply:
+        """Flushes every serving engine (``storage``: the storage tier's pages too); flushed
+        only if all did, else their refusal reasons."""
         engines = self._controlled()
         if not engines:
             return engine_pb2.FlushReply(
                 flushed=False, message="no engine with a control address is serving"
             )
         calls = [
-            e.stub.FlushCache(engine_pb2.FlushRequest(), timeout=CONTROL_TIMEOUT_S)
+            e.stub.FlushCache(engine_pb2.FlushRequest(storage=storage), timeout=CONTROL_TIMEOUT_S)
             for e in engines
             if e.stub is not None
         ]

@@ -99,8 +99,8 @@ def _service_routes(frontend: Frontend) -> APIRouter:
         return PlainTextResponse(text.decode(), media_type=CONTENT_TYPE_LATEST)
 
     @router.post("/flush_cache")
-    async def flush_cache() -> JSONResponse:
-        res = await frontend.flush_cache()
+    async def flush_cache(storage: bool = False) -> JSONResponse:
+        res = await frontend.flush_cache(storage)
         body = {"flushed": res.flushed, "message": res.message}
         return JSONResponse(body, status_code=200 if res.flushed else 400)
 

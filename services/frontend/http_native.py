@@ -447,6 +447,11 @@ class NativeShape:
         meta["completion_tokens"] = resp.completion_tokens or len(self._ids)
         if resp.finish_reason:
             meta["cached_tokens"] = resp.cached_tokens
+            d = resp.cached_tokens_details
+            meta["cached_tokens_details"] = {
+                "device": resp.cached_tokens - d.host - d.storage, "host": d.host,
+                "storage": d.storage,
+            }  # fmt: skip
             meta["e2e_latency"] = resp.timings.total_time
         return NativeOutput(text=self._text, output_ids=list(self._ids), meta_info=meta)
 
@@ -601,9 +606,10 @@ def native_routes(frontend: Frontend) -> APIRouter:
         return JSONResponse(body)
 
     @router.get("/flush_cache")
-    async def flush_cache_get() -> JSONResponse:
+    async def flush_cache_get(storage: bool = False) -> JSONResponse:
         # SGLang serves its flush on GET too; POST is in http_api's service routes.
-        res = await frontend.flush_cache()
+        # ?storage=true deletes the storage tier's pages as well.
+        res = await frontend.flush_cache(storage)
         body = {"flushed": res.flushed, "message": res.message}
         return JSONResponse(body, status_code=200 if res.flushed else 400)
 

@@ -516,8 +516,17 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class CachedTokensDetails(BaseModel):
+    """Where the cached prompt tokens came from (the hierarchical cache's tiers)."""
+
+    device: int
+    host: int
+    storage: int
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
+    cached_tokens_details: CachedTokensDetails
 
 
 class Usage(BaseModel):
@@ -533,7 +542,16 @@ class Usage(BaseModel):
             prompt_tokens=final.prompt_tokens,
             completion_tokens=final.completion_tokens,
             total_tokens=final.prompt_tokens + final.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=final.cached_tokens,
+                cached_tokens_details=CachedTokensDetails(
+                    device=final.cached_tokens
+                    - final.cached_tokens_details.host
+                    - final.cached_tokens_details.storage,
+                    host=final.cached_tokens_details.host,
+                    storage=final.cached_tokens_details.storage,
+                ),
+            ),
         )
 
 

@@ -89,11 +89,16 @@ class _Progress:
 
     delivered: int = 0  # tokens streamed to the client
     cached_tokens: int = 0
+    cached_host: int = 0  # of them, loaded from the host tier / the storage tier
+    cached_storage: int = 0
     last: engine_pb2.TokenDelta = field(default_factory=engine_pb2.TokenDelta)
 
     def note(self, delta: engine_pb2.TokenDelta | None) -> None:
         if delta is not None:
-            self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+            if delta.cached_tokens > self.cached_tokens:
+                self.cached_tokens = delta.cached_tokens
+                self.cached_host = delta.cached_host_tokens
+                self.cached_storage = delta.cached_storage_tokens
             self.last = delta
 
 
@@ -166,8 +171,8 @@ class Frontend:
             raise _invalid(e) from e
         return pb.TokenizeResponse(ids=ids, tokens=self.tokenizer.token_strings(ids))
 
-    async def flush_cache(self) -> pb.FlushCacheResponse:
-        return flush_to_public(await self.engines.flush_cache())
+    async def flush_cache(self, storage: bool = False) -> pb.FlushCacheResponse:
+        return flush_to_public(await self.engines.flush_cache(storage))
 
     def _require_ready(self) -> EngineInfo:
         """What the engines said about themselves; refuses while they have not answered."""
@@ -338,6 +343,13 @@ class Frontend:
         resp.matched_stop = matched
         resp.prompt_tokens = last.prompt_tokens or prompt_len
         resp.cached_tokens = progress.cached_tokens
+        resp.cached_tokens_details.CopyFrom(
+            pb.CachedTokensDetails(
+                device=progress.cached_tokens - progress.cached_host - progress.cached_storage,
+                host=progress.cached_host,
+                storage=progress.cached_storage,
+            )
+        )
         resp.completion_tokens = n_out
         resp.timings.CopyFrom(
             pb.Timings(

@@ -47,7 +47,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def FlushCache(
         self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.FlushCacheResponse:
-        return await self._fe.flush_cache()
+        return await self._fe.flush_cache(storage=request.storage)
 
 
 async def _unary(

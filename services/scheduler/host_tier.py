@@ -35,6 +35,7 @@ class Direction(IntEnum):
     HOST_TO_DEVICE = 2
     DEVICE_TO_STORAGE = 3  # storage_tier.py
     STORAGE_TO_HOST = 4
+    STORAGE_CLEAR = 5
 
 
 @dataclass

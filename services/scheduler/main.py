@@ -48,7 +48,7 @@ class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
         if busy.num_running_reqs or busy.num_queue_reqs:
             # Refused at once, not after the batch in flight (which may take seconds).
             return self.sched.busy_flush_reply(busy.num_running_reqs, busy.num_queue_reqs)
-        return self.sched.call(self.sched.flush_cache)
+        return self.sched.call(lambda: self.sched.flush_cache(request.storage))
 
     def GetStats(self, request, context):
         # The frontends' health check. No worker: route around this engine until one is

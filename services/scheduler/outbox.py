@@ -34,6 +34,8 @@ def delta_of(req: Req) -> engine_pb2.TokenDelta:
     # Counts ride on every delta, so a frontend that stops early (stop string) has them.
     d.prompt_tokens = len(req.input_ids)
     d.cached_tokens = max(req.cached_tokens, 0)
+    d.cached_host_tokens = req.cached_host_tokens
+    d.cached_storage_tokens = req.cached_storage_tokens
     d.completion_tokens = len(req.output_ids)
     if req.finished:
         first = req.first_scheduled or req.finish_time

@@ -115,10 +115,16 @@ class PrefillBuilder:
         """Admits waiting requests in policy order while they fit; appends their items."""
         reserved = self.ratio.reserve(self.queues.running)
         admitted: list[Req] = []
+        loading = 0  # seats kept for requests whose pages the storage tier now loads
         for req in self._ordered_waiting():
-            if len(self.queues.running) + len(admitted) >= self.max_running or budget <= 0:
+            if len(self.queues.running) + len(admitted) + loading >= self.max_running:
+                break
+            if budget <= 0:
                 break
             if self._shares_with(req, admitted):
+                continue
+            if self._ask_storage(req):
+                loading += 1
                 continue
             item = self._admit_one(req, budget, reserved)
             if item is None:
@@ -128,6 +134,17 @@ class PrefillBuilder:
             budget -= item.n
             reserved += req.remaining_new_tokens * self.ratio.value
         return admitted
+
+    def _ask_storage(self, req: Req) -> bool:
+        """A request about to be admitted whose prompt runs past the tree first asks the
+        storage tier for its pages (once): True when it now waits for them. Asked here, not
+        at arrival, so a burst does not fill the host tier with pages of requests that
+        will wait long, evicting each other's before they are used."""
+        if req.storage_asked or prompt_logprobs.match_limit(req) is not None:
+            return False
+        req.storage_asked = True
+        req.storage_wait = self.kv.cache.ask_storage(req.fill_ids, req.namespace, req)
+        return req.storage_wait
 
     def _admit_one(self, req: Req, budget: int, reserved: float) -> Item | None:
         """Matches, locks and grows the request's first chunk; None (all undone) if the
@@ -143,6 +160,9 @@ class PrefillBuilder:
         self.queues.assign_row(req)
         if req.cached_tokens < 0:  # its first admission (not a retracted one coming back)
             req.cached_tokens = matched
+            loaded = min(self.kv.cache.last_loaded, matched)
+            req.cached_storage_tokens = min(req.storage_tokens, loaded)
+            req.cached_host_tokens = loaded - req.cached_storage_tokens
             req.first_scheduled = time.time()
             self.metrics.on_scheduled(req)
             request_spans.on_scheduled(req)

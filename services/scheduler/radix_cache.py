@@ -116,6 +116,7 @@ class SizeInfo(NamedTuple):
 class BasePrefixCache(ABC):
     page_size: int
     root: TreeNode
+    last_loaded: int = 0  # tokens the last (non-peek) match loaded from the host tier
 
     def match_prefix(
         self,
@@ -224,6 +225,10 @@ class BasePrefixCache(ABC):
         """Settles a storage load; the request that waited on it, if any."""
         return None
 
+    def clear_storage(self) -> bool:
+        """Queues the deletion of every page of the storage tier; False without one."""
+        return False
+
     @abstractmethod
     def reset(self) -> None:
         """Flush: every cached slot back to the allocator; raises if anything is locked."""
@@ -276,6 +281,8 @@ class RadixCache(BasePrefixCache):
     def _match(
         self, tokens: Tokens, end: int, namespace: str, priority: int, peek: bool
     ) -> MatchResult:
+        if not peek:
+            self.last_loaded = 0
         anchor = self.root.children.get(namespace)
         if anchor is None:
             return MatchResult([], self.root)
@@ -536,6 +543,7 @@ class RadixCache(BasePrefixCache):
                 self.host.copy(Direction.HOST_TO_DEVICE, n.host, slots)
                 n.value = slots
                 self._protected += len(slots)  # locked above; unlock() moves it
+                self.last_loaded += len(slots)
                 loaded += 1
         finally:
             self.unlock(end)
@@ -710,6 +718,13 @@ class RadixCache(BasePrefixCache):
         self.host.copies.append(Copy(Direction.STORAGE_TO_HOST, [], host, keys, load_id))
         return True
 
+    def clear_storage(self) -> bool:
+        if self.storage is None:
+            return False
+        assert self.host is not None
+        self.host.copies.append(Copy(Direction.STORAGE_CLEAR, [], []))
+        return True
+
     def storage_answer(self, load_id: int, pages: int) -> object:
         """A load's answer: its first ``pages`` pages join the tree as host-only nodes (past
         what the tree holds by now), the rest of its host slots are freed. Returns the
@@ -724,6 +739,8 @@ class RadixCache(BasePrefixCache):
         st.counters.loaded += pages * p
         st.counters.missed += len(load.host) - pages * p
         keep = self._attach_loaded(load, load.start + pages * p) if pages else (0, 0)
+        if load.req is not None:
+            load.req.storage_tokens = keep[1] - keep[0]  # type: ignore[attr-defined]
         free = load.host[: keep[0]] + load.host[keep[1] :]
         if free:
             self.host.allocator.free(free[:: self.page_size])

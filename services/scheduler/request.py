@@ -56,6 +56,10 @@ class Req:
     num_retractions: int = 0
     grammar_wait: bool = False  # constrained: not admitted until the worker compiled its grammar
     storage_wait: bool = False  # not admitted until the storage tier answered (storage_tier.py)
+    storage_asked: bool = False  # asked it once already (at its first admission attempt)
+    storage_tokens: int = 0  # tokens its storage load added to the tree
+    cached_host_tokens: int = 0  # of cached_tokens, loaded from the host tier ...
+    cached_storage_tokens: int = 0  # ... and, having come there from storage, from storage
     first_scheduled: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0

@@ -221,8 +221,6 @@ class Scheduler:
             return
         self.queues.add(req)
         self.grammars.add(req)
-        # A prompt that runs past the tree waits for the storage tier's pages of it.
-        req.storage_wait = self.kv.cache.ask_storage(req.input_ids, req.namespace, req)
         self.metrics.on_arrival(req)
         request_spans.on_arrival(req)
 
@@ -426,13 +424,22 @@ class Scheduler:
             ),
         )
 
-    def flush_cache(self) -> engine_pb2.FlushReply:
+    def flush_cache(self, storage: bool = False) -> engine_pb2.FlushReply:
         if self.has_requests():
             return self.busy_flush_reply(len(self.queues.running), len(self.queues.waiting))
         self.kv.flush()
+        message = "Cache flushed."
+        if storage:
+            if not self.kv.cache.clear_storage():
+                return engine_pb2.FlushReply(
+                    flushed=False,
+                    message="Cache flushed, but this engine has no storage tier to flush "
+                    "(--hicache-storage-dir).",
+                )
+            message = "Cache flushed, storage tier included."
         self.publish_stats()
-        log.info("Cache flushed.")
-        return engine_pb2.FlushReply(flushed=True, message="Cache flushed.")
+        log.info(message)
+        return engine_pb2.FlushReply(flushed=True, message=message)
 
     def publish_stats(self) -> None:
         """Refreshes the snapshot that control calls and gauges read without waiting for

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 MAX_HOST_SHARE = 0.8
 # engine.proto's KVCopy.Direction values. This module imports no protobuf stubs (the GPU
 # check runs the model runner on an image without them); a test checks they agree.
-D2H, H2D, D2S, S2H = 1, 2, 3, 4  # engine.proto KVCopy.Direction
+D2H, H2D, D2S, S2H, CLEAR = 1, 2, 3, 4, 5  # engine.proto KVCopy.Direction
 
 
 class KVCopyMsg(Protocol):
@@ -68,7 +68,7 @@ class HostPool:
         self.k_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
         self.v_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
         self.store = store  # the storage tier behind this one (page_store.py), if any
-        self.bytes_moved: dict[int, int] = {D2H: 0, H2D: 0, D2S: 0, S2H: 0}
+        self.bytes_moved: dict[int, int] = dict.fromkeys((D2H, H2D, D2S, S2H, CLEAR), 0)
 
     def nbytes(self) -> int:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
@@ -84,6 +84,9 @@ class HostPool:
                 self._to_host(pool, src, dst)
             elif c.direction == H2D:
                 self._to_device(pool, src, dst)
+            elif c.direction == CLEAR:
+                assert self.store is not None
+                log.info("storage tier: %d pages deleted (FlushCache)", self.store.clear())
             elif c.direction == D2S:
                 assert self.store is not None
                 index = torch.from_numpy(src).to(pool.k_buffer.device, non_blocking=True)
@@ -128,9 +131,13 @@ class HostPool:
     def _checked(
         self, c: KVCopyMsg, device_slots: int
     ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
-        if c.direction not in (D2H, H2D, D2S, S2H):
+        if c.direction not in (D2H, H2D, D2S, S2H, CLEAR):
             raise ValueError(f"KVCopy: unknown direction {c.direction}")
         keys: list[bytes] = []
+        if c.direction == CLEAR:
+            if self.store is None:
+                raise ValueError("KVCopy: this worker has no storage tier (--hicache-storage-dir)")
+            return _slots(b""), _slots(b""), keys
         if c.direction in (D2S, S2H):
             if self.store is None:
                 raise ValueError("KVCopy: this worker has no storage tier (--hicache-storage-dir)")

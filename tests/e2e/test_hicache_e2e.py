@@ -50,6 +50,9 @@ def test_evicted_prefixes_come_back_from_the_host_tier_token_exact(offline, page
                 if round_:  # long gone from the 256-slot pool: back from the host tier
                     whole = (len(prompt) - 1) // page_size * page_size
                     assert last.cached_tokens == whole
+                    d = last.cached_tokens_details
+                    # The prompts' shared first words stay on the device.
+                    assert d.device + d.host == whole and d.host >= whole - 16 and not d.storage
         m = scrape_metrics(s.sched_metrics)
     moved = m["radixserve:hicache_tokens_total"]
     assert moved > 0 and m["radixserve:hicache_host_total_tokens"] >= 2000
@@ -84,7 +87,15 @@ def test_a_new_engine_on_the_volume_serves_the_pages_token_exact(offline, tmp_pa
             )
             assert got == expect
             assert last.cached_tokens == (len(prompt) - 1) // 16 * 16
+            d = last.cached_tokens_details  # the shared first words may be on the device
+            assert d.device + d.storage == last.cached_tokens and d.storage >= 16 and not d.host
         moved = _tier_counts(s.sched_metrics)
+        flushed = s.stub.FlushCache(generation_pb2.FlushCacheRequest(storage=True))
+        assert flushed.flushed, flushed.message
+        deadline = time.monotonic() + 30
+        while list(tmp_path.glob("*/*.kv")) and time.monotonic() < deadline:
+            time.sleep(0.1)  # deleted by the worker with its next batch
+        assert not list(tmp_path.glob("*/*.kv"))
     assert moved["storage_to_host"] == pages * 16, moved
 
 

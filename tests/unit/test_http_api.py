@@ -41,6 +41,9 @@ def test_completion(client, tok):
         n_prompt + 10,
     )
     assert res.usage.prompt_tokens_details.cached_tokens == n_prompt // 2
+    # An extra field to the openai client: a plain dict.
+    details = res.usage.prompt_tokens_details.cached_tokens_details
+    assert details == {"device": n_prompt // 2, "host": 0, "storage": 0}
 
 
 def test_completion_stream_with_usage(client):

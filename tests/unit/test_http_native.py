@@ -273,8 +273,10 @@ def test_whole_answer_with_prompt_logprobs_from_position_zero(tok):
         "output_top_logprobs",
         "completion_tokens",
         "cached_tokens",
+        "cached_tokens_details",
         "e2e_latency",
     ]
+    assert meta["cached_tokens_details"] == {"device": 1, "host": 0, "storage": 0}
     assert meta["finish_reason"] == {"type": "length", "length": 2}
     assert (meta["prompt_tokens"], meta["cached_tokens"], meta["e2e_latency"]) == (3, 1, 0.25)
     text = lambda i: tok[1].decode([i], skip_special_tokens=False)  # noqa: E731

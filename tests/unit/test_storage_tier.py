@@ -59,6 +59,8 @@ def test_a_restarted_worker_serves_prompts_from_storage_token_exact(page_size):
     for rid, p in prompts.items():
         assert list(first[rid].token_ids) == list(again[rid].token_ids) == expected(p, 8)
         assert again[rid].cached_tokens == 96  # six whole pages of the 99 before the last
+        assert again[rid].cached_storage_tokens == 96 and again[rid].cached_host_tokens == 0
+        assert first[rid].cached_storage_tokens == first[rid].cached_host_tokens == 0
     assert worker.copied["s2h"] == 6 * 96
     sched.check_idle()
     stats = sched.stats()
@@ -150,3 +152,18 @@ def test_an_aborted_request_waiting_on_storage_leaves_nothing_held():
     sched.check_idle()
     submit(sched, "c", prompt, 4)  # the aborted request's load still filled the tree
     assert run(sched)["c"].cached_tokens == 112
+
+
+def test_flush_keeps_the_volume_unless_asked_and_says_when_there_is_none():
+    storage: dict = {}
+    sched, _ = _sched(storage, hicache_write_policy="write_through")
+    submit(sched, "a", list(range(1, 80)), 4)
+    run(sched)
+    assert sched.flush_cache().flushed and storage  # device and host tiers only
+    reply = sched.flush_cache(storage=True)
+    assert reply.flushed and "storage tier included" in reply.message
+    run(sched)  # the deletion rides on the next batch
+    assert not storage
+    plain, _ = make(num_slots=256, host_slots=512)
+    reply = plain.flush_cache(storage=True)
+    assert not reply.flushed and "--hicache-storage-dir" in reply.message

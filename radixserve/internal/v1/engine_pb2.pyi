@@ -119,7 +119,7 @@ class FrontendToScheduler(_message.Message):
     def __init__(self, generate: _Optional[_Union[TokenizedRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("rid", "token_ids", "logprobs", "finish_reason", "finish_message", "matched_stop_token", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_time", "prefill_time", "decode_time", "error_code", "prompt_logprobs", "prompt_logprobs_start", "retry_after")
+    __slots__ = ("rid", "token_ids", "logprobs", "finish_reason", "finish_message", "matched_stop_token", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_time", "prefill_time", "decode_time", "error_code", "prompt_logprobs", "prompt_logprobs_start", "retry_after", "cached_host_tokens", "cached_storage_tokens")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class TokenDelta(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_STORAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -152,7 +154,9 @@ class TokenDelta(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs_start: int
     retry_after: float
-    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., finish_message: _Optional[str] = ..., matched_stop_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time: _Optional[float] = ..., prefill_time: _Optional[float] = ..., decode_time: _Optional[float] = ..., error_code: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., retry_after: _Optional[float] = ...) -> None: ...
+    cached_host_tokens: int
+    cached_storage_tokens: int
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., finish_message: _Optional[str] = ..., matched_stop_token: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time: _Optional[float] = ..., prefill_time: _Optional[float] = ..., decode_time: _Optional[float] = ..., error_code: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., retry_after: _Optional[float] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerToFrontend(_message.Message):
     __slots__ = ("outputs",)
@@ -228,11 +232,13 @@ class KVCopy(_message.Message):
         DIRECTION_HOST_TO_DEVICE: _ClassVar[KVCopy.Direction]
         DIRECTION_DEVICE_TO_STORAGE: _ClassVar[KVCopy.Direction]
         DIRECTION_STORAGE_TO_HOST: _ClassVar[KVCopy.Direction]
+        DIRECTION_STORAGE_CLEAR: _ClassVar[KVCopy.Direction]
     DIRECTION_UNSPECIFIED: KVCopy.Direction
     DIRECTION_DEVICE_TO_HOST: KVCopy.Direction
     DIRECTION_HOST_TO_DEVICE: KVCopy.Direction
     DIRECTION_DEVICE_TO_STORAGE: KVCopy.Direction
     DIRECTION_STORAGE_TO_HOST: KVCopy.Direction
+    DIRECTION_STORAGE_CLEAR: KVCopy.Direction
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     SRC_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DST_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -372,8 +378,10 @@ class WorkerToScheduler(_message.Message):
     def __init__(self, result: _Optional[_Union[ForwardResult, _Mapping]] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("storage",)
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    storage: bool
+    def __init__(self, storage: _Optional[bool] = ...) -> None: ...
 
 class FlushReply(_message.Message):
     __slots__ = ("flushed", "message")
