@@ -9,7 +9,7 @@ Prints one markdown table (hit rate, wall time, ratios) for docs/benchmarks.md.
 Then one long prefix, computed cold and then reloaded from the host tier after eviction
 pushed it out of the pool (time to its first token, median of --reps).
 
-    .venv/bin/python bench/bench_hicache.py [--quick] [--pool 8192] [--ratio 16]
+    .venv/bin/python bench/bench_hicache.py [--quick] [--pool N] [--ratio R] [--unbounded N]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="16 conversations of 4 turns")
     p.add_argument("--pool", type=int, default=16384, help="device pool of the small servers")
     p.add_argument("--ratio", type=float, default=16.0, help="--hicache-ratio of the tiered one")
-    p.add_argument("--unbounded", type=int, default=131072, help="pool that holds everything")
+    p.add_argument("--unbounded", type=int, default=393216, help="pool that holds everything")
     p.add_argument("--prefix", type=int, default=4096, help="tokens of the reloaded prefix")
     p.add_argument("--reps", type=int, default=3, help="reloads measured (median)")
     args = p.parse_args()

@@ -359,15 +359,32 @@ def _base_type(tp) -> type:
     return origin or tp
 
 
-def _env_default(name: str, default, tp: type):
-    raw = os.environ.get(ENV_PREFIX + name.upper())
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _env_default(parser: argparse.ArgumentParser, f: dataclasses.Field, default, tp: type):
+    """The field's default from RADIXSERVE_<NAME> when set, held to the flag's own type and
+    choices (argparse checks neither on a default): a bad value stops with one line naming
+    the variable."""
+    var = ENV_PREFIX + f.name.upper()
+    raw = os.environ.get(var)
     if raw is None:
         return default
     if tp is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            parser.error(f"{var}={raw!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
+        return word in _TRUE
     if tp is list:
         return [s for s in raw.split(",") if s]
-    return tp(raw)
+    try:
+        value = tp(raw)
+    except ValueError:
+        parser.error(f"{var}={raw!r}: not a valid {tp.__name__}")
+    choices = resolve_choices(f.metadata.get("choices"))
+    if choices is not None and value not in choices:
+        parser.error(f"{var}={raw!r}: must be one of {', '.join(map(str, choices))}")
+    return value
 
 
 def resolve_choices(spec):
@@ -397,7 +414,7 @@ def add_dataclass_args(
         else:
             raise TypeError(f"{cls.__name__}.{f.name} has no default")
         if not f.metadata.get("secret"):  # a secret's env is read in from_args, off --help
-            default = _env_default(f.name, default, tp)
+            default = _env_default(parser, f, default, tp)
         flag = "--" + f.name.replace("_", "-")
         kw = {"help": f.metadata.get("help", ""), "default": default}
         if tp is bool:

@@ -17,6 +17,14 @@ TOKEN_GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2
 P = "radixserve:"
 
 
+FINISH_REASONS = ("stop", "length", "abort")
+# The gRPC codes a request ends with (services/frontend/errors and the scheduler's refusals).
+ERROR_CODES = (
+    "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED",
+    "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED", "ALREADY_EXISTS",
+)  # fmt: skip
+
+
 class FrontendMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -32,6 +40,12 @@ class FrontendMetrics:
             registry=r,
         )
         self.labels = labels
+        # Every series a dashboard panel or alert reads exists from the start at 0, so it
+        # reads zero, not "no data", until the first request of that kind.
+        for reason in FINISH_REASONS:
+            self.requests.labels(**labels, finish_reason=reason)
+        for code in ERROR_CODES:
+            self.errors.labels(**labels, code=code)
 
         def counter(name: str, doc: str):
             return Counter(P + name, doc, names, registry=r).labels(**labels)
