@@ -109,6 +109,7 @@ CHART_FIXED = {
     "enable_metrics",
     "otlp_traces_endpoint",
     "served_model_name",
+    "hicache_storage_dir",  # engine.hicacheStorage.mountPath
     # from Secrets (auth, internalAuth), never plain values
     "api_key",
     "admin_api_key",
@@ -463,6 +464,26 @@ def test_engine_volumes_model_and_shm() -> None:
         for m in hr.container(docs, "StatefulSet", "worker")["volumeMounts"]
     }
     assert mounts["/dev/shm"] == "dshm" and mounts["/models"] == "models"
+
+
+@pytest.mark.parametrize("claim", ["", "kv-pages-rwx"])
+def test_the_storage_tier_mounts_an_empty_dir_or_a_claim_in_the_worker(claim: str) -> None:
+    storage = {"enabled": True, "mountPath": "/kv", "existingClaim": claim}
+    docs = hr.manifests({"engine": {"hicacheStorage": storage}, "config": {"hicacheRatio": 2}})
+    for doc in docs:
+        if doc["kind"] == "StatefulSet":
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    worker = hr.container(docs, "StatefulSet", "worker")
+    assert "--hicache-storage-dir=/kv" in worker["args"]
+    assert {"name": "kv-pages", "mountPath": "/kv"} in worker["volumeMounts"]
+    pod = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "kv-pages")
+    if claim:
+        assert volume["persistentVolumeClaim"] == {"claimName": claim}
+    else:
+        assert volume["emptyDir"] == {"sizeLimit": "50Gi"}
+    plain = hr.container(hr.manifests(), "StatefulSet", "worker")
+    assert not any(a.startswith("--hicache-storage-dir") for a in plain["args"])
 
 
 def test_existing_claim_and_image_model() -> None:
