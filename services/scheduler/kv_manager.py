@@ -53,8 +53,7 @@ class KVManager:
         return self.cache.take_copies()
 
     def has_copies(self) -> bool:
-        host = getattr(self.cache, "host", None)
-        return bool(host is not None and host.copies)
+        return bool(self.cache.host is not None and self.cache.host.copies)
 
     # -- sizes ------------------------------------------------------------------------
     @property

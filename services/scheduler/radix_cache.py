@@ -117,6 +117,8 @@ class BasePrefixCache(ABC):
     page_size: int
     root: TreeNode
     last_loaded: int = 0  # tokens the last (non-peek) match loaded from the host tier
+    host: HostTier | None = None  # the hierarchical cache's tiers behind the device pool
+    storage: StorageTier | None = None
 
     def match_prefix(
         self,

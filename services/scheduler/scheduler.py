@@ -137,14 +137,14 @@ class Scheduler:
 
     def _send(self, items: list[Item]) -> None:
         self.link.send(items, self.grammars.take_requests(), self.kv.take_copies())
-        storage = getattr(self.kv.cache, "storage", None)
+        storage = self.kv.cache.storage
         if storage is not None:
             storage.mark_sent(self.link.next_batch_id - 1)
 
     def _held_back(self) -> int:
         """Waiting requests not admissible yet: their grammar compiles, or the storage tier
         has not answered (an aborted one counts until then)."""
-        storage = getattr(self.kv.cache, "storage", None)
+        storage = self.kv.cache.storage
         return self.grammars.num_waiting() + (len(storage.pending) if storage else 0)
 
     def _next_batch(self) -> list[Item]:
@@ -360,12 +360,13 @@ class Scheduler:
     def _settle_storage(self, result: engine_pb2.ForwardResult) -> None:
         """Storage loads answered (or lost with a failed batch: they found nothing) free
         their requests for admission."""
-        storage = getattr(self.kv.cache, "storage", None)
+        storage = self.kv.cache.storage
         if storage is None:
             return
-        answers = [(s.load_id, s.pages) for s in result.storage_loads]
-        answers += [(i, 0) for i in storage.unanswered(result.batch_id) if i not in dict(answers)]
-        for load_id, pages in answers:
+        answers = {s.load_id: s.pages for s in result.storage_loads}
+        for load_id in storage.unanswered(result.batch_id):
+            answers.setdefault(load_id, 0)  # its batch failed: nothing was loaded
+        for load_id, pages in answers.items():
             req = self.kv.cache.storage_answer(load_id, pages)
             if isinstance(req, Req):
                 req.storage_wait = False
@@ -464,7 +465,7 @@ class Scheduler:
         )
 
     def _tier_stats(self) -> dict[str, int]:
-        host = getattr(self.kv.cache, "host", None)
+        host = self.kv.cache.host
         if host is None:
             return {}
         c = host.counters
@@ -475,7 +476,7 @@ class Scheduler:
             "host_loaded_tokens": c.loaded,
             "host_dropped_tokens": c.dropped,
         }
-        storage = getattr(self.kv.cache, "storage", None)
+        storage = self.kv.cache.storage
         if storage is not None:
             s = storage.counters
             stats |= {
