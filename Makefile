@@ -20,9 +20,18 @@ DEVICE_TRITON   := 'triton==3.6.*'
 REHEARSAL       := .gpu-rehearsal
 REHEARSAL_STAMP := $(REHEARSAL)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean gpu-rehearsal gpu-wheels
+.PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean gpu-rehearsal gpu-wheels system-deps
 
-setup: $(STAMP)
+setup: $(STAMP) system-deps
+
+# Debian's redis-server, for the storage tier's Redis backend tests (tests/redis_util.py
+# starts one per test module on a free loopback port). Without it those tests skip, or fail
+# under CI.
+system-deps:
+	@command -v redis-server >/dev/null || { \
+		echo "setup: installing redis-server (Debian's package)"; \
+		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
+		|| echo "setup: could not install redis-server; the Redis storage tests will skip"; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +44,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/radixserve serve --port 30000
 
-test: $(STAMP) $(REHEARSAL_STAMP)
+test: $(STAMP) $(REHEARSAL_STAMP) system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The GPU machine's Triton (3.6) beside .venv's, for compiling every kernel the GPU check
@@ -54,7 +63,7 @@ gpu-wheels: $(STAMP)
 	bash bench/gpu_wheels.sh
 
 # Unit and property tests only: no server processes, no Helm (a couple of minutes).
-test-fast: $(STAMP)
+test-fast: $(STAMP) system-deps
 	$(PY) -m pytest -q tests/unit tests/property $(PYTEST_ARGS)
 
 # What CI runs before the tests: lint, formatting and types (config in pyproject.toml).

@@ -81,8 +81,31 @@ class WorkerConfig:
         "outlive the host tier and a restart, shared by every engine of one model on it "
         "(needs the host tier; empty: no storage tier)",
     )
+    hicache_storage_url: str = _opt(
+        "",
+        "hierarchical cache: a Redis-protocol server (Redis, Valkey) keeping the storage "
+        "tier's KV pages for every engine of one model given it, redis://[:password@]host:"
+        "port/db or rediss:// (TLS) (needs the host tier; exclusive with "
+        "--hicache-storage-dir; empty: no such server)",
+    )
+    hicache_storage_password: str = _secret(
+        "password of --hicache-storage-url's server when the URL has none (keeps it out of "
+        "argv). Env: RADIXSERVE_HICACHE_STORAGE_PASSWORD"
+    )
+    hicache_storage_tls_ca: str = _opt(
+        "", "CA certificate file that --hicache-storage-url's server (rediss://) is checked by"
+    )
+    hicache_storage_ttl: int = _opt(
+        86400,
+        "seconds a page stays in --hicache-storage-url's server after it is written (0: no expiry)",
+    )
+    hicache_storage_timeout_ms: int = _opt(
+        50,
+        "connect and read timeout of --hicache-storage-url's server: a server down or slow "
+        "costs a batch at most about this long, and its pages are misses",
+    )
     hicache_storage_page_tokens: int = _opt(
-        64, "tokens per page file of the storage tier (a multiple of --page-size)"
+        64, "tokens per page of the storage tier (a multiple of --page-size)"
     )
     max_running_requests: int = _opt(
         64, "requests decoded at once (rows of the request-slot table)"
@@ -136,6 +159,28 @@ class WorkerConfig:
         "", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)"
     )
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
+
+    def __post_init__(self) -> None:
+        url = self.hicache_storage_url
+        if url and self.hicache_storage_dir:
+            raise ValueError(
+                "--hicache-storage-dir and --hicache-storage-url are exclusive: give one "
+                "storage tier"
+            )
+        scheme = url.partition("://")[0] if "://" in url else ""
+        if url and scheme not in ("redis", "rediss"):
+            got = f"{scheme}://" if scheme else "no scheme"  # not the URL: it may hold a password
+            raise ValueError(f"--hicache-storage-url must start redis:// or rediss://, got {got}")
+        if self.hicache_storage_tls_ca and scheme != "rediss":
+            raise ValueError("--hicache-storage-tls-ca needs a rediss:// --hicache-storage-url")
+        if self.hicache_storage_ttl < 0:
+            raise ValueError(
+                f"--hicache-storage-ttl must be >= 0 (0: no expiry), got {self.hicache_storage_ttl}"
+            )
+        if self.hicache_storage_timeout_ms < 1:
+            raise ValueError(
+                f"--hicache-storage-timeout-ms must be >= 1, got {self.hicache_storage_timeout_ms}"
+            )
 
 
 @dataclass(frozen=True)

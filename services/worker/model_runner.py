@@ -36,7 +36,7 @@ from services.worker.model_loader import (
     weight_nbytes,
 )
 from services.worker.models.llama import head_dim_of
-from services.worker.page_store import PageStore
+from services.worker.page_store import DirectoryBackend, PageBackend, PageStore
 from services.worker.req_table import ReqToTokenTable
 from services.worker.sampling import Sampler
 from services.worker.step_inputs import StepStager
@@ -146,18 +146,38 @@ class ModelRunner:
         """The hierarchical cache's host tier (host_pool.py), when asked for."""
         cfg, shape = self.cfg, self.kv_pool.shape
         slots = host_tier_tokens(shape, self.kv_pool.num_slots, cfg.hicache_ratio, cfg.hicache_size)
+        flag = "--hicache-storage-dir" if cfg.hicache_storage_dir else "--hicache-storage-url"
+        wants_store = bool(cfg.hicache_storage_dir or cfg.hicache_storage_url)
         if slots <= 0:
-            if cfg.hicache_storage_dir:
-                raise ValueError("--hicache-storage-dir needs the host tier: set --hicache-ratio")
+            if wants_store:
+                raise ValueError(f"{flag} needs the host tier: set --hicache-ratio")
             return None
         store = None
-        if cfg.hicache_storage_dir:
+        if wants_store:
             if cfg.hicache_storage_page_tokens < 1:
                 raise ValueError("--hicache-storage-page-tokens must be >= 1")
-            store = PageStore(cfg.hicache_storage_dir, shape, cfg.hicache_storage_page_tokens)
+            store = PageStore(self._page_backend(), shape, cfg.hicache_storage_page_tokens)
+            log.info(
+                "storage tier: pages of %d tokens in %s", store.page_tokens, store.backend.where
+            )
         pool = HostPool(shape, slots, pin=self.device.type == "cuda", store=store)
         log.info("host tier: %d KV slots (%.2f GiB)", slots, pool.nbytes() / 2**30)
         return pool
+
+    def _page_backend(self) -> PageBackend:
+        """Where the storage tier keeps its pages: a folder, or a Redis-protocol server."""
+        cfg = self.cfg
+        if cfg.hicache_storage_dir:
+            return DirectoryBackend(cfg.hicache_storage_dir)
+        from services.worker.redis_store import RedisBackend  # redis only where it is used
+
+        return RedisBackend(
+            cfg.hicache_storage_url,
+            ttl=cfg.hicache_storage_ttl,
+            timeout=cfg.hicache_storage_timeout_ms / 1000,
+            password=cfg.hicache_storage_password,
+            tls_ca=cfg.hicache_storage_tls_ca,
+        )
 
     def copy_kv(self, copies: list) -> list[tuple[int, int]]:
         """The batch's copies between the tiers, before its forward; (load_id, pages) of

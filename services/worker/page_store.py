@@ -1,13 +1,18 @@
-"""The storage tier of the hierarchical cache: KV pages as files in one directory.
+"""The storage tier of the hierarchical cache: KV pages kept by a backend, one value a page.
 
 A page is the KV of ``page_tokens`` consecutive tokens, named by a 16-byte key the
 scheduler hashes from the namespace and every token up to the page's end, so a page is
 found again by whoever computes the same tokens: this worker after a restart, or another
-engine on the same volume. The file holds a header (magic, key, the KV layout) and a
-checksum; it is written to a temporary name and renamed, so a reader sees a whole page or
-none. Anything wrong with the disk (full, unwritable, a truncated or corrupted page, a
-page of another layout) is logged once per kind, counted, and read as a miss: serving goes
-on. Writes run on a thread of their own; reads are synchronous (the batch that asks waits).
+engine on the same volume or server. Each page holds a header (magic, key, the KV layout)
+and a checksum, so a reader takes a whole page of its own layout or none.
+
+``PageStore`` encodes, checks and counts; a ``PageBackend`` keeps the bytes:
+``DirectoryBackend`` (here) as files in one folder, ``RedisBackend``
+(services/worker/redis_store.py) in a Redis-protocol server. Anything wrong with either
+(a full disk, an unwritable folder, a server down, slow or out of memory, a truncated or
+corrupted page, a page of another layout) is logged once per kind, counted, and read as
+a miss: serving goes on. Writes run on a thread of their own; reads are synchronous (the
+batch that asks waits).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -35,6 +42,103 @@ KEY_BYTES = 16
 # magic, key, layers, kv heads, head dim, tokens, dtype name (16 bytes), payload checksum
 _HEADER = struct.Struct(f"<8s{KEY_BYTES}sIIII16s{KEY_BYTES}s")
 WRITE_BACKLOG = 256  # pages queued for the writer beyond which new ones are dropped
+WRITE_BATCH = 32  # queued pages the writer hands the backend at once (one round trip)
+
+
+class BackendError(OSError):
+    """A backend's failure that is no OS error (a server's reply, a lost connection);
+    ``kind`` names it in the once-per-kind log."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _kind(e: OSError) -> str:
+    return getattr(e, "kind", None) or str(e.errno)
+
+
+class PageBackend(Protocol):
+    """Where the pages' bytes live. Each call may raise OSError (BackendError included):
+    the store counts it as misses or failures, never lets it out."""
+
+    where: str  # what the log names (a folder, a URL without its password)
+
+    def start(self) -> None:
+        """Opens the backend once (a folder made, a server asked); failing is logged."""
+
+    def get_many(self, keys: list[bytes]) -> Iterable[bytes | None]:
+        """The values of keys in order (None: not there); may be produced lazily, and the
+        store stops at the first it cannot use."""
+        ...
+
+    def put_absent(self, pages: list[tuple[bytes, bytes]]) -> list[bool | OSError]:
+        """Stores each (key, value) unless the key is there; per page True (stored), False
+        (there already: the same tokens' page) or the error that kept it out."""
+        ...
+
+    def delete(self, key: bytes) -> None: ...
+
+    def clear(self) -> int:
+        """Deletes every page (of this kind of store, nothing else); how many."""
+        ...
+
+
+class DirectoryBackend:
+    """Pages as files ``root/ab/abcd....kv``: written to a temporary name and renamed, so
+    two engines writing one page leave one whole page and a reader never sees half."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.where = str(self.root)
+        if threading.current_thread() is threading.main_thread():
+            # A file-size limit (RLIMIT_FSIZE) then fails the write (EFBIG) instead of
+            # killing the worker.
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.root / name[:2] / f"{name}.kv"
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def get_many(self, keys: list[bytes]) -> Iterable[bytes | None]:
+        for key in keys:  # lazily: a file after the first bad one is never read
+            try:
+                yield self.path(key).read_bytes()
+            except FileNotFoundError:
+                yield None
+
+    def put_absent(self, pages: list[tuple[bytes, bytes]]) -> list[bool | OSError]:
+        return [self._put(key, blob) for key, blob in pages]
+
+    def _put(self, key: bytes, blob: bytes) -> bool | OSError:
+        path = self.path(key)
+        with contextlib.suppress(OSError):
+            if path.exists():
+                return False  # the same tokens' page, written before (here or by another engine)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # atomic: two engines writing one page leave one whole
+        except OSError as e:
+            with contextlib.suppress(OSError):  # the folder itself may be what is wrong
+                tmp.unlink(missing_ok=True)
+            return e
+        return True
+
+    def delete(self, key: bytes) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def clear(self) -> int:
+        n = 0
+        for path in self.root.glob("*/*.kv"):
+            path.unlink(missing_ok=True)
+            n += 1
+        return n
 
 
 @dataclass
@@ -42,7 +146,7 @@ class StoreCounters:
     pages_written: int = 0
     pages_read: int = 0
     misses: int = 0
-    write_failures: int = 0  # disk full, unwritable folder, backlog full
+    write_failures: int = 0  # disk or server full, unwritable, unreachable, backlog full
     corrupt_pages: int = 0  # read back wrong (truncated, checksum, another layout): deleted
     bytes_written: int = 0
     bytes_read: int = 0
@@ -57,8 +161,10 @@ def split_keys(raw: bytes) -> list[bytes]:
 
 
 class PageStore:
-    def __init__(self, root: str | Path, shape: KVShape, page_tokens: int):
-        self.root = Path(root)
+    """The pages of one model's KV layout in a backend (a folder given as a path)."""
+
+    def __init__(self, backend: PageBackend | str | Path, shape: KVShape, page_tokens: int):
+        self.backend = DirectoryBackend(backend) if isinstance(backend, str | Path) else backend
         self.shape = shape
         self.page_tokens = page_tokens
         self.counters = StoreCounters()
@@ -66,21 +172,15 @@ class PageStore:
         self._dtype = str(shape.dtype).removeprefix("torch.").encode()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(WRITE_BACKLOG)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.backend.start()
         except OSError as e:
-            self._fail("mkdir", f"cannot create {self.root}: {e}; pages will not be stored")
-        if threading.current_thread() is threading.main_thread():
-            # A file-size limit (RLIMIT_FSIZE) then fails the write (EFBIG) instead of
-            # killing the worker.
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            self._fail(
+                "start", f"cannot open {self.backend.where}: {e}; pages are misses until it works"
+            )
         self._writer = threading.Thread(target=self._write_loop, name="page-store", daemon=True)
         self._writer.start()
 
-    # -- names and bytes ----------------------------------------------------------------
-    def path(self, key: bytes) -> Path:
-        name = key.hex()
-        return self.root / name[:2] / f"{name}.kv"
-
+    # -- bytes ---------------------------------------------------------------------------
     def _encode(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> bytes:
         payload = k.contiguous().view(torch.uint8).numpy().tobytes()
         payload += v.contiguous().view(torch.uint8).numpy().tobytes()
@@ -121,40 +221,44 @@ class PageStore:
             try:
                 self._queue.put_nowait((key, blob))
             except queue.Full:
-                self._fail("backlog", f"more than {WRITE_BACKLOG} pages wait for the disk")
+                self._fail("backlog", f"more than {WRITE_BACKLOG} pages wait for the store")
 
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            batch = [self._queue.get()]  # then whatever else waits, up to WRITE_BATCH
+            while len(batch) < WRITE_BATCH and batch[-1] is not None:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if item is not None:
-                    self._write_page(*item)
+                self._write_pages([item for item in batch if item is not None])
             except Exception as e:  # the writer must outlive any one page
                 self._fail("write:unexpected", f"writing a KV page failed: {e!r}")
             finally:
-                self._queue.task_done()
-            if item is None:
+                for _ in batch:
+                    self._queue.task_done()
+            if batch[-1] is None:
                 return
 
-    def _write_page(self, key: bytes, blob: bytes) -> None:
-        path = self.path(key)
-        with contextlib.suppress(OSError):
-            if path.exists():
-                return  # the same tokens' page, written before (here or by another engine)
-        start = time.perf_counter()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)  # atomic: two engines writing one page leave one whole
-        except OSError as e:
-            with contextlib.suppress(OSError):  # the folder itself may be what is wrong
-                tmp.unlink(missing_ok=True)
-            self._fail(f"write:{e.errno}", f"cannot write a KV page to {self.root}: {e}")
+    def _write_pages(self, pages: list[tuple[bytes, bytes]]) -> None:
+        if not pages:
             return
-        self.counters.pages_written += 1
-        self.counters.bytes_written += len(blob)
+        start = time.perf_counter()
+        results: list[bool | OSError]
+        try:
+            results = self.backend.put_absent(pages)
+        except OSError as e:  # the whole batch (a server unreachable)
+            results = [e] * len(pages)
+        for (_, blob), result in zip(pages, results, strict=True):
+            if isinstance(result, OSError):
+                self._fail(
+                    f"write:{_kind(result)}",
+                    f"cannot write a KV page to {self.backend.where}: {result}",
+                )
+            elif result:
+                self.counters.pages_written += 1
+                self.counters.bytes_written += len(blob)
         self.counters.write_seconds += time.perf_counter() - start
 
     def drain(self) -> None:
@@ -166,43 +270,44 @@ class PageStore:
         """The pages of keys from the first, up to the first that is missing or unreadable."""
         start = time.perf_counter()
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for key in keys:
-            page = self._read_page(key)
-            if page is None:
-                break
-            out.append(page)
+        try:
+            for key, data in zip(keys, self.backend.get_many(keys), strict=False):
+                page = self._checked(key, data)
+                if page is None:
+                    break
+                out.append(page)
+        except OSError as e:
+            self._fail(f"read:{_kind(e)}", f"cannot read KV pages from {self.backend.where}: {e}")
         self.counters.pages_read += len(out)
         self.counters.misses += len(keys) - len(out)
         self.counters.read_seconds += time.perf_counter() - start
         return out
 
-    def _read_page(self, key: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
-        path = self.path(key)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            self._fail(f"read:{e.errno}", f"cannot read a KV page from {self.root}: {e}")
+    def _checked(self, key: bytes, data: bytes | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if data is None:
             return None
         page = self._decode(key, data)
         if page is None:
             self.counters.corrupt_pages += 1
-            self._fail("corrupt", f"{path} is not a whole page of this model's KV; deleted")
+            self._fail(
+                "corrupt",
+                f"page {key.hex()} in {self.backend.where} is not a whole page of this "
+                "model's KV; deleted",
+            )
             with contextlib.suppress(OSError):  # a read-only volume: still a miss
-                path.unlink(missing_ok=True)
+                self.backend.delete(key)
             return None
         self.counters.bytes_read += len(data)
         return page
 
     def clear(self) -> int:
-        """Deletes every page in the directory (an explicit flush); returns how many."""
+        """Deletes every page of the store (an explicit flush); returns how many."""
         self.drain()
-        n = 0
-        for path in self.root.glob("*/*.kv"):
-            path.unlink(missing_ok=True)
-            n += 1
-        return n
+        try:
+            return self.backend.clear()
+        except OSError as e:
+            self._fail(f"clear:{_kind(e)}", f"cannot delete the pages in {self.backend.where}: {e}")
+            return 0
 
     def _fail(self, kind: str, message: str) -> None:
         if kind.startswith("write") or kind == "backlog":

@@ -160,7 +160,7 @@ def test_a_malformed_storage_copy_is_refused_and_nothing_moves(tmp_path, bad, wo
     assert torch.equal(host.k_buffer, before)
     assert host.store.counters.pages_written == written == 1
     assert host.store.counters.pages_read == 0
-    assert not host.store.path(_key(2)).exists()
+    assert not host.store.backend.path(_key(2)).exists()
 
 
 @pytest.mark.parametrize("direction", [D2S, S2H])

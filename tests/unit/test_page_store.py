@@ -125,7 +125,7 @@ def _truncate_into_header(path: pathlib.Path) -> None:
 @pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate, _truncate_into_header])
 def test_a_damaged_page_is_a_miss_and_deleted_and_the_rest_still_serve(tmp_path, damage):
     store, k, _ = _stored(tmp_path, 3)
-    bad = store.path(_key(1))
+    bad = store.backend.path(_key(1))
     damage(bad)
     pages = store.read_leading([_key(0), _key(1), _key(2)])
     assert len(pages) == 1 and torch.equal(pages[0][0], _page(k, 0))
@@ -156,10 +156,10 @@ def test_a_page_of_another_layout_is_a_miss_and_deleted(tmp_path, other):
     foreign.write([_key(7)], *_kv(1, other))
     foreign.drain()
     assert foreign.counters.pages_written == 1
-    assert store.path(_key(7)).exists()
+    assert store.backend.path(_key(7)).exists()
     assert store.read_leading([_key(7)]) == []
     assert store.counters.corrupt_pages == 1
-    assert not store.path(_key(7)).exists()
+    assert not store.backend.path(_key(7)).exists()
     assert len(store.read_leading([_key(0), _key(1)])) == 2
 
 
@@ -172,7 +172,7 @@ def test_another_page_tokens_is_another_layout(tmp_path):
 
 def test_a_page_under_another_keys_name_is_a_miss(tmp_path):
     store, k, _ = _stored(tmp_path, 2)
-    a, b = store.path(_key(0)), store.path(_key(5))
+    a, b = store.backend.path(_key(0)), store.backend.path(_key(5))
     b.parent.mkdir(exist_ok=True)
     b.write_bytes(a.read_bytes())  # a whole, valid page, but of key 0
     assert store.read_leading([_key(5)]) == []
@@ -184,7 +184,7 @@ def test_a_page_under_another_keys_name_is_a_miss(tmp_path):
 
 def test_the_checksum_covers_the_payload(tmp_path):
     store, _, _ = _stored(tmp_path, 2)
-    a, b = store.path(_key(0)), store.path(_key(1))
+    a, b = store.backend.path(_key(0)), store.backend.path(_key(1))
     a_data, b_data = a.read_bytes(), b.read_bytes()
     assert a_data[_HEADER.size :] != b_data[_HEADER.size :]
     a.write_bytes(a_data[: _HEADER.size] + b_data[_HEADER.size :])  # a's header, b's KV
@@ -291,7 +291,7 @@ def test_clear_deletes_every_page_and_counts_them(tmp_path):
 
 def test_a_corrupt_page_on_a_read_only_volume_is_still_a_miss(tmp_path, monkeypatch):
     store, _, _ = _stored(tmp_path, 2)
-    _flip_payload_byte(store.path(_key(0)))
+    _flip_payload_byte(store.backend.path(_key(0)))
 
     def refuse(self, missing_ok=False):
         raise PermissionError(30, "Read-only file system", str(self))
