@@ -455,6 +455,7 @@ def guarded(table: Table, name: str, budget: Budget, need_s: float, fn, *args) -
 
 def step_sections(step: str, sizes: Sizes, peak: float | None, budget: Budget) -> list:
     """(name, fn, need_s, args) of one bench step, in order."""
+    from bench.gpu_hicache import bench_copies
     from bench.gpu_model_check import GPU_SIZES, SECTIONS, SMOKE_SIZES
 
     model_sizes = SMOKE_SIZES if sizes.device == "cpu" else GPU_SIZES
@@ -469,6 +470,7 @@ def step_sections(step: str, sizes: Sizes, peak: float | None, budget: Budget) -
         return [
             ("decode attention", bench_decode, 15, (sizes, peak, budget)),
             ("extend attention", bench_extend, 10, (sizes,)),
+            ("hicache copies", bench_copies, 10, (sizes.device, verdict)),
         ]
     if step == "awq":
         return [("AWQ int4 GEMM", bench_awq, 15, (budget,))]

@@ -38,7 +38,7 @@ STEPS = (
     Step("tests", 75, 2, "tests/unit/test_kernels.py, test_awq_kernel.py compiled, pytest -n 8"),
     Step("server", 90, 2, "radixserve serve on CUDA vs transformers; a radixserve bench burst"),
     Step("model", 45, 3, "model logits vs transformers, prefix extend, CUDA graphs, sampling"),
-    Step("kernels", 35, 4, "decode attention (bandwidth, sweep), extend attention vs SDPA"),
+    Step("kernels", 45, 4, "decode attention, extend attention vs SDPA, hicache copy GB/s"),
     Step("awq", 35, 5, "AWQ int4 GEMM accuracy and speed vs fp16 matmul"),
     Step("profile", 70, 6, "the default config on a 7B-shaped model: KV slots, decode split"),
     Step("tokens", 35, 7, "decode tokens/s with CUDA graphs on and off, batch 1 and 32"),

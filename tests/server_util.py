@@ -204,3 +204,17 @@ class BackgroundStream:
     def stop(self, timeout: float = 30) -> None:
         self.call.cancel()
         self._thread.join(timeout)
+
+
+def serve_children(pid: int) -> dict[str, int]:
+    """`radixserve serve`'s children by service name."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                cmd = (stat.parent / "cmdline").read_bytes().split(b"\0")
+                out[cmd[3].decode()] = int(stat.parent.name)  # python -m services.cli NAME
+        except (OSError, IndexError, ValueError):
+            pass
+    return out

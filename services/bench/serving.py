@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -61,7 +62,12 @@ def _httpx() -> ModuleType:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `radixserve bench` (names follow vLLM's and SGLang's bench clients)."""
     a = parser.add_argument
-    a("--base-url", default=DEFAULT_BASE_URL, help="server root (a trailing /v1 is accepted)")
+    a(
+        "--base-url",
+        default=DEFAULT_BASE_URL,
+        help="server root (a trailing /v1 is accepted); several, comma separated, share the "
+        "sessions round robin (one fleet behind several frontends)",
+    )
     a("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     a(
         "--tokenizer",
@@ -93,6 +99,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     a("--prefix-len", type=int, default=1000, help="shared-prefix: tokens of the shared prefix")
     a("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [L * ratio, L]")
     a("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
+    a(
+        "--system-prompt-len",
+        type=int,
+        default=0,
+        help="multi-turn: tokens of one system prompt every conversation starts with (0: none)",
+    )
     _add_gsp_args(parser)
     _add_stall_args(parser)
     _add_request_args(parser)
@@ -313,9 +325,14 @@ class Runner:
     """Sends a workload's sessions with a concurrency cap and arrival times; keeps results."""
 
     def __init__(
-        self, client: httpx.AsyncClient, ns: argparse.Namespace, model: str, sessions: list[Session]
+        self,
+        clients: list[httpx.AsyncClient],
+        ns: argparse.Namespace,
+        model: str,
+        sessions: list[Session],
     ) -> None:
-        self.client, self.ns, self.model = client, ns, model
+        # One client per --base-url; session i talks to clients[i % n] (several frontends).
+        self.clients, self.ns, self.model = clients, ns, model
         self.sem = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
         self.gates = Gates(sessions)
         self.results: list[Result] = []
@@ -336,33 +353,40 @@ class Runner:
         return {**body, **(self.ns.extra_body or {})}
 
     async def request(
-        self, prompt: str, max_tokens: int, group: str, on_first: Callable[[], None]
+        self,
+        client: httpx.AsyncClient,
+        prompt: str,
+        max_tokens: int,
+        group: str,
+        on_first: Callable[[], None],
     ) -> Result:
         if self.sem is None:
-            res = await send(self.client, self.body(prompt, max_tokens), group, on_first)
+            res = await send(client, self.body(prompt, max_tokens), group, on_first)
         else:
             async with self.sem:
-                res = await send(self.client, self.body(prompt, max_tokens), group, on_first)
+                res = await send(client, self.body(prompt, max_tokens), group, on_first)
         self.results.append(res)
         self.bar.update(1)
         return res
 
-    async def session(self, s: Session, at: float) -> None:
+    async def session(self, s: Session, at: float, client: httpx.AsyncClient) -> None:
         await asyncio.sleep(max(0.0, at - time.perf_counter()))
         if s.after is not None:
             await self.gates.wait(s.after)
             await asyncio.sleep(s.delay)
         arrived = self.gates.once(s.group)
         try:
-            await self.turns(s, arrived)
+            await self.turns(s, arrived, client)
         finally:
             arrived()
 
-    async def turns(self, s: Session, arrived: Callable[[], None]) -> None:
+    async def turns(
+        self, s: Session, arrived: Callable[[], None], client: httpx.AsyncClient
+    ) -> None:
         prompt = ""
         for i, turn in enumerate(s.turns):
             prompt = turn.message if i == 0 else prompt + SEP + turn.message
-            res = await self.request(prompt, turn.max_tokens, s.group, arrived)
+            res = await self.request(client, prompt, turn.max_tokens, s.group, arrived)
             if not res.ok:
                 self.skip(s, len(s.turns) - i - 1)
                 return
@@ -379,8 +403,12 @@ class Runner:
         """Runs every session; returns the wall time in seconds."""
         t0 = time.perf_counter()
         arrivals = arrival_offsets(len(sessions), self.ns.request_rate, self.ns.seed)
+        n = len(self.clients)
         await asyncio.gather(
-            *(self.session(s, t0 + off) for s, off in zip(sessions, arrivals, strict=True))
+            *(
+                self.session(s, t0 + off, self.clients[i % n])
+                for i, (s, off) in enumerate(zip(sessions, arrivals, strict=True))
+            )
         )
         self.bar.close()
         return time.perf_counter() - t0
@@ -499,11 +527,15 @@ async def run_sessions(
     httpx = _httpx()
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     timeout = httpx.Timeout(ns.timeout, connect=30.0)
-    async with httpx.AsyncClient(
-        base_url=root_url(ns.base_url), timeout=timeout, limits=limits
-    ) as client:
-        model = ns.model or await discover_model(client)
-        runner = Runner(client, ns, model, sessions)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=root_url(url), timeout=timeout, limits=limits)
+            )
+            for url in ns.base_url.split(",")
+        ]
+        model = ns.model or await discover_model(clients[0])
+        runner = Runner(clients, ns, model, sessions)
         wall = await runner.run(sessions)
     fill_prompt_counts(runner.results, TextMaker(random.Random(0), tokenizer))
     report = summarize(runner.results, wall)

@@ -124,12 +124,15 @@ def distinct(ns: argparse.Namespace, mk: TextMaker) -> list[Session]:
 
 
 def multi_turn(ns: argparse.Namespace, mk: TextMaker) -> list[Session]:
-    """Conversations: every turn resends the whole history plus a new message."""
+    """Conversations: every turn resends the whole history plus a new message; with
+    --system-prompt-len, all of them open with the same system prompt."""
+    system = mk.text(ns.system_prompt_len) + SEP if getattr(ns, "system_prompt_len", 0) else ""
 
     def conversation() -> Session:
-        return Session(
-            tuple(Turn(mk.text(ns.input_len), ns.output_len) for _ in range(ns.num_turns))
-        )
+        turns = [Turn(mk.text(ns.input_len), ns.output_len) for _ in range(ns.num_turns)]
+        if turns:
+            turns[0] = Turn(system + turns[0].message, ns.output_len)
+        return Session(tuple(turns))
 
     return [conversation() for _ in range(ns.num_prompts)]
 

@@ -23,6 +23,7 @@ from radixserve.internal.v1 import engine_pb2
 from services.common import transport
 from services.common.config import SchedulerConfig
 from services.common.grpc_util import HealthServicer, set_serving
+from services.scheduler.event_publisher import EventPublisher
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_conn import WorkerConn
@@ -53,6 +54,7 @@ class EngineLoop:
         self.drain_deadline: float | None = None  # set by SIGTERM
         self.health: HealthServicer | None = None
         self.health_names: list[str] = []
+        self.publisher: EventPublisher | None = None  # the tree's CacheEvents (main.py)
 
     # ---- what the outside sees ----------------------------------------------------------
     def attach_health(self, health: HealthServicer, names: list[str]) -> None:
@@ -83,6 +85,8 @@ class EngineLoop:
             self.sched.run_commands()
             worked = self._await_worker() if self.worker_down else self._step()
             self.sched.flush_outbox(frontends)
+            if self.publisher is not None:
+                self.publisher.publish()
             if worked:
                 last_work = time.monotonic()
             else:

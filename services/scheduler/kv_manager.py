@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from services.common.config import SchedulerConfig
 from services.scheduler.allocator import KVSlotAllocator
+from services.scheduler.cache_events import TreeEvents
 from services.scheduler.radix_cache import (
     BasePrefixCache,
     check_slot_integrity,
@@ -32,6 +33,7 @@ class KVManager:
         cfg: SchedulerConfig,
         host_slots: int = 0,
         storage: StorageTier | None = None,
+        events: TreeEvents | None = None,
     ) -> KVManager:
         """The allocator and cache for a worker whose KV pool has pool_slots slots (and
         whose host tier host_slots, and storage tier ``storage``: the hierarchical cache)."""
@@ -45,6 +47,7 @@ class KVManager:
             usable_slots(host_slots, cfg.page_size) if host_slots else 0,
             cfg.hicache_write_policy,
             storage,
+            events,
         )
         return cls(allocator, cache)
 

@@ -28,6 +28,7 @@ from services.common.curve import (
 from services.common.grpc_util import DRAINING, SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
 from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.event_publisher import EventPublisher
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.worker_conn import WorkerConn
 
@@ -63,6 +64,15 @@ class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
         # The snapshot of the last step: answers even while a long batch runs, so the
         # frontend's health check never mistakes a busy engine for a dead one.
         return self.sched.snapshot
+
+    def CacheSnapshot(self, request, context):
+        pub = self.loop.publisher
+        if pub is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "cache events are off (--cache-events-port -1)"
+            )
+            return None
+        return self.sched.call(lambda: pub.snapshot(self.sched.kv.cache.root))
 
 
 def wait_for_worker(conn: WorkerConn, stop: threading.Event) -> engine_pb2.WorkerInfo | None:
@@ -142,6 +152,11 @@ def _serve(
     # CURVE (with keys): only the frontends' key gets a frame through; control needs the token.
     admit_frontends, _ = serve_securely(ctx, keys, "scheduler", ["frontend"])
     frontends = transport.router(ctx, cfg.scheduler_addr, setup=admit_frontends)
+    if loop.sched.events is not None:
+        loop.publisher = EventPublisher(
+            ctx, cfg.host, cfg.cache_events_port, loop.sched.events, admit_frontends
+        )
+        loop.sched.events_port = loop.publisher.port
     token = keys.control_token() if keys else ""
     server, port = start_control_server(loop, cfg.host, cfg.control_port, token)
     extra = ""
@@ -161,3 +176,5 @@ def _serve(
         loop.run(frontends)
     finally:
         server.stop(grace=None)
+        if loop.publisher is not None:
+            loop.publisher.close()

@@ -113,6 +113,10 @@ class SchedulerMetrics:
         )  # fmt: skip
         for direction in self._host_seen:
             self.host_moved.labels(**self.labels, direction=direction)
+        self.load_failures = d.labelled_counter(
+            "hicache_load_failures", "Storage loads lost with a failed batch (computed instead)"
+        )
+        self._failures_seen = 0
 
     def _declare_mfu(self, d: _Declare) -> None:
         self.flops = d.labelled_counter("estimated_flops", "Estimated FLOPs of forward batches")
@@ -196,3 +200,7 @@ class SchedulerMetrics:
             if new:
                 self.host_moved.labels(**self.labels, direction=direction).inc(new)
             self._host_seen[direction] = total
+        failed, seen = s.storage_failed_loads, self._failures_seen
+        if failed != seen:
+            self.load_failures.inc(failed - seen if failed > seen else failed)
+            self._failures_seen = failed

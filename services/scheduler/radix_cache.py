@@ -26,6 +26,7 @@ from itertools import chain
 from typing import Any, NamedTuple
 
 from services.scheduler.allocator import KVSlotAllocator
+from services.scheduler.cache_events import TreeEvents
 from services.scheduler.cache_integrity import (
     CacheIntegrityError,
     SlotLeakError,
@@ -73,6 +74,7 @@ class TreeNode:
         "host",
         "host_seq",
         "stored",
+        "blocks",
     )
 
     def __init__(
@@ -93,6 +95,8 @@ class TreeNode:
         self.host: list[int] | None = None
         self.host_seq = -1  # this node's live entry in the host tier's heap
         self.stored = False  # the storage tier has the pages that end inside this node
+        # (end offset, key) of the routers' blocks that end inside this node (cache_events.py).
+        self.blocks: Sequence[tuple[int, bytes]] = ()
 
     def __repr__(self) -> str:
         return f"TreeNode(len={len(self.key)}, lock={self.lock_ref}, children={len(self.children)})"
@@ -119,6 +123,7 @@ class BasePrefixCache(ABC):
     last_loaded: int = 0  # tokens the last (non-peek) match loaded from the host tier
     host: HostTier | None = None  # the hierarchical cache's tiers behind the device pool
     storage: StorageTier | None = None
+    events: TreeEvents | None = None  # the routers' view of the tree (cache_events.py)
 
     def match_prefix(
         self,
@@ -252,6 +257,7 @@ class RadixCache(BasePrefixCache):
         host_slots: int = 0,
         write_policy: str = "write_back",
         storage: StorageTier | None = None,
+        events: TreeEvents | None = None,
     ):
         if page_size != allocator.page_size:
             raise ValueError(
@@ -278,6 +284,7 @@ class RadixCache(BasePrefixCache):
                 f"({storage.page_tokens} tokens) must be whole KV pages of {page_size}"
             )
         self.storage = storage
+        self.events = events  # what the routers are told (None: nothing is published)
 
     # -- match ------------------------------------------------------------------------
     def _match(
@@ -346,6 +353,8 @@ class RadixCache(BasePrefixCache):
         new.hit_count = child.hit_count
         new.priority = child.priority
         new.stored = child.stored
+        if child.blocks:
+            TreeEvents.split(new, child, n)
         parent.children[self._child_key(new.key)] = new
         child.key = child.key[n:]
         child.value = child.value[n:]
@@ -391,6 +400,8 @@ class RadixCache(BasePrefixCache):
             if self.page_size > 1:
                 _check_pages(slots, pos, end, self.page_size)
             node = self._add_leaf(node, tokens[pos:end], slots[pos:end], priority)
+            if self.events is not None:
+                self.events.added(node, namespace, tokens, pos)
         return InsertResult(known, node)
 
     def _path_len(self, node: TreeNode, anchor: TreeNode) -> int:
@@ -497,6 +508,8 @@ class RadixCache(BasePrefixCache):
     def _remove_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None  # a leaf in the heap is in the tree
+        if self.events is not None:
+            self.events.removed(node)
         del parent.children[self._child_key(node.key)]
         node.parent = None
         self._leaves.discard(node)
@@ -766,6 +779,8 @@ class RadixCache(BasePrefixCache):
         leaf.last_access = self._clock
         node.children[self._child_key(leaf.key)] = leaf
         self._file_tiered(leaf)
+        if self.events is not None:
+            self.events.added(leaf, load.namespace, load.tokens, pos)
         return (pos - load.start, end - load.start)
 
     def _drop_anchor(self, anchor: TreeNode) -> None:
@@ -792,6 +807,8 @@ class RadixCache(BasePrefixCache):
         self.root.children.clear()
         self._leaves.clear()
         self._evictable = 0
+        if self.events is not None:
+            self.events.cleared()
         if slots:
             self.allocator.free(slots)
         if self.host is not None:
@@ -880,12 +897,14 @@ def create_prefix_cache(
     host_slots: int = 0,
     write_policy: str = "write_back",
     storage: StorageTier | None = None,
+    events: TreeEvents | None = None,
 ) -> BasePrefixCache:
     if disable:
         return DisabledCache(allocator, page_size)
     return RadixCache(
-        allocator, page_size, policy, slru_protected_hits, host_slots, write_policy, storage
-    )
+        allocator, page_size, policy, slru_protected_hits, host_slots, write_policy, storage,
+        events,
+    )  # fmt: skip
 
 
 # -- helpers ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from services.scheduler import prompt_logprobs, request_spans
 from services.scheduler.admission import QueueLimits
 from services.scheduler.batch import Item
 from services.scheduler.batch_log import BatchLog
+from services.scheduler.cache_events import TreeEvents, route_seed
 from services.scheduler.decode import DecodeBuilder
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.kv_manager import KVManager
@@ -68,6 +69,13 @@ class Scheduler:
         self.outbox = Outbox()
         self.commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self.snapshot = engine_pb2.SchedulerStats()
+        # The routers' view of the tree; it outlives the trees of restarted workers.
+        self.events = (
+            TreeEvents(cfg.cache_event_block_tokens, route_seed(info.model_id))
+            if cfg.cache_events_port >= 0
+            else None
+        )
+        self.events_port = 0  # where EventPublisher publishes them (main.py)
         self.attach_worker(worker_sock, info)
 
     def attach_worker(self, worker_sock: zmq.Socket, info: engine_pb2.WorkerInfo) -> None:
@@ -79,12 +87,16 @@ class Scheduler:
         storage = None
         if info.storage_page_tokens > 0:
             seed = engine_seed(
-                info.model_id, info.dtype, info.num_layers, info.num_key_value_heads, info.head_dim
-            )
+                info.model_id, info.weights_fingerprint, info.dtype, info.num_layers,
+                info.num_key_value_heads, info.head_dim,
+            )  # fmt: skip
             storage = StorageTier(int(info.storage_page_tokens), seed)
+        if self.events is not None:
+            self.events.cleared()  # a new pool: whatever the old tree held is gone
         self.kv = KVManager.for_pool(
-            int(info.max_total_num_tokens), cfg, int(info.host_total_num_tokens), storage
-        )
+            int(info.max_total_num_tokens), cfg, int(info.host_total_num_tokens), storage,
+            self.events,
+        )  # fmt: skip
         max_running = min(cfg.max_running_requests, info.max_running_requests)
         table = ReqSlotTable(max_running)
         self.queues = ReqQueues(self.kv, table, cache_finished=not cfg.disable_radix_cache)
@@ -365,7 +377,9 @@ class Scheduler:
             return
         answers = {s.load_id: s.pages for s in result.storage_loads}
         for load_id in storage.unanswered(result.batch_id):
-            answers.setdefault(load_id, 0)  # its batch failed: nothing was loaded
+            if load_id not in answers:  # its batch failed: nothing was loaded
+                answers[load_id] = 0
+                storage.counters.failed_loads += 1
         for load_id, pages in answers.items():
             req = self.kv.cache.storage_answer(load_id, pages)
             if isinstance(req, Req):
@@ -461,6 +475,7 @@ class Scheduler:
             num_queue_reqs=len(self.queues.waiting),
             page_size=self.cfg.page_size,
             worker=self.info,
+            cache_events_port=self.events_port,
             **self._tier_stats(),
         )
 
@@ -483,6 +498,7 @@ class Scheduler:
                 "storage_stored_tokens": s.stored,
                 "storage_loaded_tokens": s.loaded,
                 "storage_missed_tokens": s.missed,
+                "storage_failed_loads": s.failed_loads,
             }
         return stats
 

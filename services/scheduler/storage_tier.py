@@ -17,37 +17,28 @@ volume, and a page of one namespace is never served to another.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from services.common.page_keys import block_keys
 from services.scheduler.tokens import Tokens
 
-KEY_BYTES = 16
 MAX_LOAD_PAGES = 64  # pages one request asks for at once (what a batch reads from disk)
 
 
-def engine_seed(model_id: str, dtype: str, layers: int, kv_heads: int, head_dim: int) -> bytes:
+def engine_seed(
+    model_id: str, weights: str, dtype: str, layers: int, kv_heads: int, head_dim: int
+) -> bytes:
     """What a page's KV depends on besides its tokens: two engines share pages only when
-    these agree (the worker checks the layout again in each file's header)."""
-    return f"radixserve-kv1|{model_id}|{dtype}|{layers}|{kv_heads}|{head_dim}".encode()
+    these agree (the worker checks the layout again in each file's header). weights is the
+    checkpoint's fingerprint: one served name over other weights shares nothing."""
+    return f"radixserve-kv2|{model_id}|{weights}|{dtype}|{layers}|{kv_heads}|{head_dim}".encode()
 
 
 def page_keys(
     seed: bytes, namespace: str, tokens: Tokens, first: int, end: int, p: int
 ) -> list[bytes]:
-    """Keys of pages first..end-1 of tokens (page i holds tokens[i*p:(i+1)*p]): a chain, each
-    key hashing the previous one and its page's tokens."""
-    data = np.asarray(tokens[: end * p], dtype="<i4").tobytes()
-    key = hashlib.blake2b(seed + b"|" + namespace.encode(), digest_size=KEY_BYTES).digest()
-    out = []
-    step = 4 * p
-    for i in range(end):
-        key = hashlib.blake2b(key + data[i * step : (i + 1) * step], digest_size=KEY_BYTES).digest()
-        if i >= first:
-            out.append(key)
-    return out
+    """Keys of pages first..end-1 of tokens (page i holds tokens[i*p:(i+1)*p])."""
+    return block_keys(seed, namespace, tokens, first, end, p)
 
 
 @dataclass
@@ -67,6 +58,7 @@ class StorageCounters:
     stored: int = 0  # device -> storage (pages written)
     loaded: int = 0  # storage -> host (pages found)
     missed: int = 0  # pages asked for and not found (computed instead)
+    failed_loads: int = 0  # loads (not tokens) lost with a failed batch
 
 
 @dataclass

@@ -126,3 +126,4 @@ class RunnerInfo:
     eos_token_ids: list[int]
     host_total_num_tokens: int = 0  # slots of the host tier (hierarchical cache; 0: none)
     storage_page_tokens: int = 0  # tokens per page of the storage tier (0: none)
+    weights_fingerprint: str = ""  # model_loader.weights_fingerprint of the checkpoint

@@ -4,13 +4,15 @@ by host slot, and the copies between it and the device pool that the scheduler d
     k_buffer: [num_layers, num_slots + 1, kv_heads, head_dim]   (v alike; slot 0 unused)
 
 The scheduler owns which host slot holds what (services/scheduler/host_tier.py); this only
-copies what it is told, in order, before the batch's forward. On CUDA the buffer is pinned,
-so a copy is one DMA per direction; on CPU both tiers are RAM and a copy is a gather.
+copies what it is told, in order, before the batch's forward. On CPU both tiers are RAM
+and a copy is a gather. On CUDA the buffer is pinned and the copies run on a stream of their
+own (_CudaCopies), so the worker's thread never waits for the GPU to reach them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 import numpy as np
@@ -68,7 +70,9 @@ class HostPool:
         self.k_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
         self.v_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
         self.store = store  # the storage tier behind this one (page_store.py), if any
+        self.cuda: _CudaCopies | None = None  # set at the first copy from a CUDA pool
         self.bytes_moved: dict[int, int] = dict.fromkeys((D2H, H2D, D2S, S2H, CLEAR), 0)
+        self.seconds_moving: dict[int, float] = dict.fromkeys((D2H, H2D, D2S, S2H, CLEAR), 0.0)
 
     def nbytes(self) -> int:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
@@ -78,8 +82,13 @@ class HostPool:
         Raises ValueError, having copied nothing, when any is malformed (unknown direction,
         lengths that differ, a slot out of its pool, a storage copy without a storage tier)."""
         plan = [self._checked(c, pool.num_slots) for c in copies]
+        if pool.k_buffer.is_cuda and self.cuda is None:
+            self.cuda = _CudaCopies(pool.k_buffer.device)
+        if self.cuda is not None:
+            self.cuda.finish(self)  # last batch's demotions land before anything reads them
         loads = []
         for c, (src, dst, keys) in zip(copies, plan, strict=True):
+            start = time.perf_counter()
             if c.direction == D2H:
                 self._to_host(pool, src, dst)
             elif c.direction == H2D:
@@ -96,15 +105,23 @@ class HostPool:
                 loads.append((c.load_id, self._from_store(keys, dst)))
                 src = dst[: loads[-1][1] * self.page_tokens]
             self.bytes_moved[c.direction] += len(src) * self._bytes_per_slot()
+            self.seconds_moving[c.direction] += time.perf_counter() - start
         return loads
 
     def _to_host(self, pool: KVPool, src: np.ndarray, dst: np.ndarray) -> None:
+        if self.cuda is not None:
+            self.cuda.to_host(pool, src, dst)
+            return
         index = torch.from_numpy(src).to(pool.k_buffer.device, non_blocking=True)
         out = torch.from_numpy(dst)
         for dev, host in ((pool.k_buffer, self.k_buffer), (pool.v_buffer, self.v_buffer)):
             host[:, out] = dev.index_select(1, index).to("cpu")
 
     def _to_device(self, pool: KVPool, src: np.ndarray, dst: np.ndarray) -> None:
+        if self.cuda is not None:
+            self.cuda.finish(self)  # a demotion of this same batch may be what it reloads
+            self.cuda.to_device(self, pool, src, dst)
+            return
         index = torch.from_numpy(src)
         out = torch.from_numpy(dst).to(pool.k_buffer.device, non_blocking=True)
         for dev, host in ((pool.k_buffer, self.k_buffer), (pool.v_buffer, self.v_buffer)):
@@ -159,3 +176,57 @@ class HostPool:
             if len(slots) and (slots.min() < 1 or slots.max() > top):
                 raise ValueError(f"KVCopy: a {name} slot is outside 1..{top}")
         return src, dst, keys
+
+
+class _CudaCopies:
+    """Host <-> device copies on a CUDA stream of their own, ordered between forwards by
+    events: the copy stream waits for the forwards before it (they wrote the KV it reads) and
+    the next forward waits for the copies (it may reuse a demoted slot or read a loaded one).
+    Loads gather host rows into pinned memory and DMA them; demotions gather device rows and
+    DMA them into pinned staging that reaches the host buffer at the next ``finish`` (the
+    start of the next batch's copies), so no copy blocks the worker's thread."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def _begin(self) -> torch.cuda.Stream:
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        return compute
+
+    def _end(self, compute: torch.cuda.Stream) -> torch.cuda.Event:
+        event = self.stream.record_event()
+        compute.wait_event(event)
+        return event
+
+    def to_host(self, pool: KVPool, src: np.ndarray, dst: np.ndarray) -> None:
+        compute = self._begin()
+        with torch.cuda.stream(self.stream):
+            index = torch.from_numpy(src).to(self.device, non_blocking=True)
+            staged = []
+            for dev in (pool.k_buffer, pool.v_buffer):
+                rows = dev.index_select(1, index)
+                out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                out.copy_(rows, non_blocking=True)
+                staged.append(out)
+        self.pending.append((self._end(compute), staged[0], staged[1], torch.from_numpy(dst)))
+
+    def to_device(self, host: HostPool, pool: KVPool, src: np.ndarray, dst: np.ndarray) -> None:
+        index = torch.from_numpy(src)
+        rows = [b.index_select(1, index).pin_memory() for b in (host.k_buffer, host.v_buffer)]
+        compute = self._begin()
+        with torch.cuda.stream(self.stream):
+            out = torch.from_numpy(dst).to(self.device, non_blocking=True)
+            for dev, r in zip((pool.k_buffer, pool.v_buffer), rows, strict=True):
+                dev[:, out] = r.to(self.device, non_blocking=True)
+        self._end(compute)
+
+    def finish(self, host: HostPool) -> None:
+        """Demotions staged so far into the host buffer (waits for their DMA)."""
+        for event, k, v, dst in self.pending:
+            event.synchronize()
+            host.k_buffer[:, dst] = k
+            host.v_buffer[:, dst] = v
+        self.pending.clear()

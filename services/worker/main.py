@@ -128,6 +128,8 @@ def main(cfg: WorkerConfig) -> None:
     sock = transport.router(ctx, cfg.worker_addr, setup=admit_scheduler)
     server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
     metrics = WorkerMetrics(runner.info().model_id) if cfg.enable_metrics else None
+    if metrics is not None:
+        metrics.watch_tiers(runner.host_pool)
     if metrics and runner.device.type == "cpu":
         metrics.cpu_threads.labels(metrics.model_name).set(threads)
     where = f"gRPC health on {cfg.host}:{port}"

@@ -14,6 +14,7 @@ costs in memory. A quantization_config radixserve cannot serve is refused here, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -67,6 +68,28 @@ def safetensors_files(model_path: str) -> list[Path]:
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_path}")
     return files
+
+
+FINGERPRINT_SAMPLES = 16  # blocks of each file hashed besides its header
+FINGERPRINT_BLOCK = 4096
+
+
+def weights_fingerprint(files: list[Path]) -> str:
+    """A short hash of the checkpoint: each file's size, its safetensors header and a few
+    blocks spread over its data, so two checkpoints of one layout (a fine-tune, other random
+    weights) differ while copies of one checkpoint agree, without reading gigabytes."""
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}|{size}|".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(fh.read(min(header_len, size)))
+            for i in range(FINGERPRINT_SAMPLES):
+                fh.seek(size * i // FINGERPRINT_SAMPLES)
+                h.update(fh.read(FINGERPRINT_BLOCK))
+    return h.hexdigest()
 
 
 def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

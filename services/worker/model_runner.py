@@ -33,7 +33,9 @@ from services.worker.model_loader import (
     load_model,
     num_parameters,
     resolve_dtype,
+    safetensors_files,
     weight_nbytes,
+    weights_fingerprint,
 )
 from services.worker.models.llama import head_dim_of
 from services.worker.page_store import DirectoryBackend, PageBackend, PageStore
@@ -88,6 +90,7 @@ class ModelRunner:
         self.hf_config = c = load_config(cfg.model_path)
         self.dtype = resolve_dtype(cfg.dtype, c, self.device)
         self.model, _ = load_model(cfg.model_path, self.dtype, self.device, config=c)
+        self.weights_fingerprint = weights_fingerprint(safetensors_files(cfg.model_path))
         self.vocab_size = c.vocab_size
         self.max_context = _context_length(cfg, c)
         self.num_kv_heads = c.num_key_value_heads or c.num_attention_heads
@@ -260,6 +263,7 @@ class ModelRunner:
             eos_token_ids=list(self.eos_token_ids),
             host_total_num_tokens=self.host_pool.num_slots if self.host_pool else 0,
             storage_page_tokens=self.host_pool.page_tokens if self.host_pool else 0,
+            weights_fingerprint=self.weights_fingerprint,
         )
 
     # ---- forward --------------------------------------------------------------------

@@ -59,8 +59,14 @@ EVERYTHING_ON = {
         "runtimeClassName": "nvidia",
         "worker": {"extraArgs": ["--disable-cuda-graph"]},
         "scheduler": {"extraEnv": [{"name": "FOO", "value": "bar"}]},
+        "sharedKVStore": {
+            "enabled": True,
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "tolerations": [{"key": "cache", "operator": "Exists"}],
+        },
         **_pod_extras("engine"),
     },
+    "config": {"hicacheRatio": 2},  # the host tier the shared KV store backs
     "frontend": {
         "replicas": 2,
         "extraArgs": ["--max-model-len=512"],
@@ -102,6 +108,7 @@ CHART_FIXED = {
     "scheduler_addr",
     "worker_addr",
     "control_port",
+    "cache_events_port",
     "worker_grpc_port",
     "model_path",
     "device",
@@ -110,6 +117,9 @@ CHART_FIXED = {
     "otlp_traces_endpoint",
     "served_model_name",
     "hicache_storage_dir",  # engine.hicacheStorage.mountPath
+    # engine.sharedKVStore: from its Secret (env secretKeyRef), never a ConfigMap or argv
+    "hicache_storage_url",
+    "hicache_storage_password",
     # from Secrets (auth, internalAuth), never plain values
     "api_key",
     "admin_api_key",
@@ -277,6 +287,7 @@ def test_fixed_ports_and_flags_of_each_container() -> None:
         "--scheduler-addr=tcp://$(POD_IP):30100",
         "--control-port=30101",
         "--metrics-port=30102",
+        "--cache-events-port=30103",
         "--worker-addr=tcp://127.0.0.1:30200",
     } <= set(scheduler)
     assert {
@@ -321,6 +332,8 @@ def test_config_values_become_env_vars_every_container_reads(
     config["maxTotalTokens"] = 1_000_000  # must reach the service as 1000000, never 1e+06
     config["engineDnsServer"] = "10.43.0.10:53"
     config["routingLoadFactor"] = 1.5
+    config["routingBalanceRelThreshold"] = 2.0  # >= 1, like the load factor
+    config["hicacheStorageTlsCa"] = "/etc/kv-ca/ca.crt"  # needs a rediss:// URL (below)
     docs = hr.manifests({"config": config})
     services = {
         "frontend": (rs_config.FrontendConfig,),
@@ -336,6 +349,8 @@ def test_config_values_become_env_vars_every_container_reads(
             env = _configmap_env(docs, component)
             for var, raw in env.items():
                 m.setenv(var, raw)
+            if component == "engine":  # what engine.sharedKVStore's Secret would add
+                m.setenv("RADIXSERVE_HICACHE_STORAGE_URL", "rediss://kv:6379/0")
             for cls in classes:
                 parser = argparse.ArgumentParser()
                 rs_config.add_dataclass_args(parser, cls)
@@ -435,12 +450,13 @@ def test_graceful_shutdown_budgets() -> None:
 
 
 def test_pods_are_locked_down() -> None:
-    docs = hr.manifests({**EVERYTHING_ON, "engine": {}, "frontend": {}})
+    kv_store = {"sharedKVStore": EVERYTHING_ON["engine"]["sharedKVStore"]}
+    docs = hr.manifests({**EVERYTHING_ON, "engine": kv_store, "frontend": {}})
     pods = [
         d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
     ]
     pods += [d["spec"] for d in docs if d["kind"] == "Pod"]
-    assert len(pods) == 4  # frontend, engine, jaeger, helm test
+    assert len(pods) == 5  # frontend, engine, jaeger, kvstore, helm test
     for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False
@@ -484,6 +500,163 @@ def test_the_storage_tier_mounts_an_empty_dir_or_a_claim_in_the_worker(claim: st
         assert volume["emptyDir"] == {"sizeLimit": "50Gi"}
     plain = hr.container(hr.manifests(), "StatefulSet", "worker")
     assert not any(a.startswith("--hicache-storage-dir") for a in plain["args"])
+
+
+KV_STORE = {"engine": {"sharedKVStore": {"enabled": True}}, "config": {"hicacheRatio": 2}}
+
+
+def _secret_refs(container: dict) -> dict[str, dict]:
+    """A container's env entries from Secrets: name -> secretKeyRef."""
+    return {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
+def _worker_env(docs: list[dict]) -> dict[str, str]:
+    """The worker's environment as the kubelet builds it: its ConfigMap, then its env entries
+    (secretKeyRefs resolved against the rendered Secrets; a missing optional key is unset)."""
+    secrets = {
+        d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in d["data"].items()}
+        for d in docs
+        if d["kind"] == "Secret"
+    }
+    env = dict(_configmap_env(docs))
+    for entry in hr.container(docs, "StatefulSet", "worker")["env"]:
+        ref = entry.get("valueFrom", {}).get("secretKeyRef")
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        elif ref and ref["key"] in secrets.get(ref["name"], {}):
+            env[entry["name"]] = secrets[ref["name"]][ref["key"]]
+    return env
+
+
+def test_the_shared_kv_store_the_chart_deploys(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {
+        "engine": {"sharedKVStore": {"enabled": True, "maxmemory": "8gb"}},
+        "config": {"hicacheRatio": 2, "hicacheStorageTtl": 3600},
+        "networkPolicy": {"enabled": True},
+    }
+    docs = hr.manifests(values)
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    deployment = hr.find(docs, "Deployment", "-kvstore")
+    assert deployment["metadata"]["name"] == "rs-radixserve-kvstore"
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]["spec"]
+    (valkey,) = pod["containers"]
+    assert re.fullmatch(r"valkey/valkey:\d+\.\d+\.\d+", valkey["image"])  # pinned, not latest
+    args = valkey["args"]
+    pairs = dict(zip(args[::2], args[1::2], strict=True))
+    assert pairs["--maxmemory"] == "8gb" and pairs["--maxmemory-policy"] == "allkeys-lru"
+    assert pairs["--save"] == "" and pairs["--appendonly"] == "no"  # a cache: nothing on disk
+    assert pairs["--requirepass"] == "$(VALKEYCLI_AUTH)"  # expanded from the Secret
+    ref = {"secretKeyRef": {"name": "rs-radixserve-kvstore", "key": "password"}}
+    assert {"name": "VALKEYCLI_AUTH", "valueFrom": ref} in valkey["env"]
+    assert "valkey-cli ping" in " ".join(valkey["readinessProbe"]["exec"]["command"])
+    assert valkey["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "data", "mountPath": "/data"} in valkey["volumeMounts"]
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == "data")
+    service = hr.find(docs, "Service", "-kvstore")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert [p["port"] for p in service["spec"]["ports"]] == [6379]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    secret = _secret(docs, "-kvstore")
+    password = secret["password"]
+    assert len(password) == 40 and password.isalnum()
+    assert secret["url"] == "redis://rs-radixserve-kvstore.ns.svc.cluster.local:6379/0"
+
+    # The worker reads both from the Secret; the password is nowhere else, plain or encoded.
+    worker = hr.container(docs, "StatefulSet", "worker")
+    refs = _secret_refs(worker)
+    assert refs["RADIXSERVE_HICACHE_STORAGE_URL"] == {"name": "rs-radixserve-kvstore", "key": "url"}
+    assert refs["RADIXSERVE_HICACHE_STORAGE_PASSWORD"] == {
+        "name": "rs-radixserve-kvstore",
+        "key": "password",
+    }
+    rendered = json.dumps(docs)
+    assert password not in rendered
+    assert rendered.count(base64.b64encode(password.encode()).decode()) == 1
+    assert not [a for a in worker["args"] if a.startswith("--hicache-storage")]
+    for component in ("engine", "frontend"):
+        env = _configmap_env(docs, component)
+        assert "RADIXSERVE_HICACHE_STORAGE_URL" not in env
+        assert "RADIXSERVE_HICACHE_STORAGE_PASSWORD" not in env
+    scheduler = json.dumps(hr.container(docs, "StatefulSet", "scheduler"))
+    assert "HICACHE_STORAGE" not in scheduler
+    # ... and parses them into its config as the service would.
+    with monkeypatch.context() as m:
+        for var, raw in _worker_env(docs).items():
+            m.setenv(var, raw)
+        parser = argparse.ArgumentParser()
+        rs_config.add_dataclass_args(parser, rs_config.WorkerConfig)
+        cfg = rs_config.from_args(rs_config.WorkerConfig, parser.parse_args([]))
+    assert (cfg.hicache_storage_url, cfg.hicache_storage_password) == (secret["url"], password)
+    assert cfg.hicache_storage_ttl == 3600 and cfg.hicache_ratio == 2
+
+    # Only this release's engine pods reach it.
+    policy = hr.find(docs, "NetworkPolicy", "-kvstore")["spec"]
+    assert policy["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    engine_pods = hr.find(docs, "StatefulSet", "-engine")["spec"]["selector"]["matchLabels"]
+    assert policy["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": engine_pods}}],
+            "ports": [{"port": 6379, "protocol": "TCP"}],
+        }
+    ]
+    notes = hr.render(values)["radixserve/templates/NOTES.txt"]
+    assert "rs-radixserve-kvstore:6379" in notes
+
+
+def test_the_shared_kv_store_of_an_existing_secret() -> None:
+    store = {"enabled": True, "deploy": False, "existingSecret": "kv-creds"}
+    docs = hr.manifests(
+        {
+            "engine": {"sharedKVStore": store},
+            "config": {"hicacheSize": 8},
+            "networkPolicy": {"enabled": True},
+        }
+    )
+    assert not [d for d in docs if "kvstore" in d["metadata"]["name"]]
+    kubernetes_validate.validate(hr.find(docs, "StatefulSet", "-engine"), K8S_VERSION, strict=True)
+    worker = hr.container(docs, "StatefulSet", "worker")
+    refs = _secret_refs(worker)
+    assert refs["RADIXSERVE_HICACHE_STORAGE_URL"] == {"name": "kv-creds", "key": "url"}
+    # The password key may be absent (a URL that holds one, a server that takes none).
+    assert refs["RADIXSERVE_HICACHE_STORAGE_PASSWORD"] == {
+        "name": "kv-creds",
+        "key": "password",
+        "optional": True,
+    }
+    with pytest.raises(hr.HelmError, match="existingSecret is required"):
+        hr.render({**KV_STORE, "engine": {"sharedKVStore": {**store, "existingSecret": ""}}})
+    plain = hr.manifests()
+    assert not [d for d in plain if "kvstore" in d["metadata"]["name"]]
+    assert "HICACHE_STORAGE" not in json.dumps(hr.container(plain, "StatefulSet", "worker"))
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {
+                **KV_STORE,
+                "engine": {"sharedKVStore": {"enabled": True}, "hicacheStorage": {"enabled": True}},
+            },
+            "engine.hicacheStorage and engine.sharedKVStore are both enabled",
+        ),
+        ({"engine": {"sharedKVStore": {"enabled": True}}}, "set config.hicacheRatio"),
+        ({**KV_STORE, "config": {"hicacheRatio": 0, "hicacheSize": 0}}, "set config.hicacheRatio"),
+    ],
+    ids=["with-hicache-storage", "no-host-tier", "host-tier-zero"],
+)
+def test_the_shared_kv_store_fails_at_install_with_a_clear_message(
+    values: dict, message: str
+) -> None:
+    with pytest.raises(hr.HelmError, match=re.escape(message)):
+        hr.render(values)
 
 
 def test_existing_claim_and_image_model() -> None:
@@ -572,6 +745,9 @@ def test_notes_tell_how_to_reach_the_server() -> None:
         ({"model": {"path": ""}}, "/model/path"),
         ({"model": {"source": "s3"}}, "/model/source"),
         ({"frontend": {"extraArgs": "--foo"}}, "/frontend/extraArgs"),
+        ({"engine": {"sharedKVStore": {"maxmemory": "lots"}}}, "/engine/sharedKVStore/maxmemory"),
+        ({"config": {"hicacheStorageTimeoutMs": 0}}, "/config/hicacheStorageTimeoutMs"),
+        ({"config": {"hicacheStorageTtl": -1}}, "/config/hicacheStorageTtl"),
     ],
 )
 def test_bad_values_fail_at_install_with_a_clear_message(values: dict, where: str) -> None:
@@ -591,7 +767,7 @@ def test_dockerfile_targets_match_the_chart() -> None:
     docs = hr.manifests()
     ports = {
         "frontend": ("Deployment", {30000, 30080, 30090}),
-        "scheduler": ("StatefulSet", {30100, 30101, 30102}),
+        "scheduler": ("StatefulSet", {30100, 30101, 30102, 30103}),
         "worker": ("StatefulSet", {30201, 30202}),
     }
     run_as = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]["securityContext"][

@@ -261,7 +261,7 @@ def test_network_policy_lets_only_frontends_reach_the_engines() -> None:
     assert engine["spec"]["policyTypes"] == ["Ingress"]
     internal, metrics = engine["spec"]["ingress"]
     assert internal["from"] == [{"podSelector": {"matchLabels": frontend_pods}}]
-    assert {p["port"] for p in internal["ports"]} == {30100, 30101}
+    assert {p["port"] for p in internal["ports"]} == {30100, 30101, 30103}
     selector = {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["obs", "prom"]}
     assert metrics["from"] == [{"namespaceSelector": {"matchExpressions": [selector]}}]
     assert {p["port"] for p in metrics["ports"]} == {30102, 30202}

@@ -29,6 +29,7 @@ from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
 from services.common.transport import new_ipc_addr
 from tests.server_util import DEFAULT_MODEL, REPO, Server, free_port, greedy
+from tests.server_util import serve_children as _children
 
 pytestmark = pytest.mark.slow
 
@@ -268,20 +269,6 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(stack: Stack):
         stack.procs[name].wait(15)
     assert time.monotonic() - signalled < DRAIN_S + 10, "SIGTERM not honoured within the grace"
     assert stack.procs["scheduler"].returncode == 0, stack.output()
-
-
-def _children(pid: int) -> dict[str, int]:
-    """`radixserve serve`'s children by service name."""
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                cmd = (stat.parent / "cmdline").read_bytes().split(b"\0")
-                out[cmd[3].decode()] = int(stat.parent.name)  # python -m services.cli NAME
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
 
 
 def _generate_when_back(s: Server, timeout_s: float = 120) -> list[int]:

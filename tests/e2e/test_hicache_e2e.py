@@ -1,17 +1,28 @@
 """The hierarchical cache over the three real processes (issue 36): prompts whose KV was
 evicted from a small device pool come back from the host tier, token-exact with the
 worker's offline greedy (itself exact with transformers, test_model_parity.py), reported
-as cached, and counted as host -> device tokens, at page size 1 and 16."""
+as cached, and counted as host -> device tokens, at page size 1 and 16, with chunked
+prefill and constrained decoding on."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
+import grpc
 import pytest
 
 from radixserve.v1 import generation_pb2
 from services.common.config import WorkerConfig
-from tests.server_util import DEFAULT_MODEL, Server, greedy, scrape_metrics
+from tests.server_util import (
+    DEFAULT_MODEL,
+    Server,
+    greedy,
+    scrape_metrics,
+    serve_children,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +47,10 @@ def offline():
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_evicted_prefixes_come_back_from_the_host_tier_token_exact(offline, page_size):
-    flags = ("--max-total-tokens", "256", "--hicache-ratio", "8", "--page-size", str(page_size))
+    flags = (
+        "--max-total-tokens", "256", "--hicache-ratio", "8", "--page-size", str(page_size),
+        "--chunked-prefill-size", "32",
+    )  # fmt: skip
     with Server(*flags, metrics=True) as s:
         ids = [list(s.stub.Tokenize(generation_pb2.TokenizeRequest(text=p)).ids) for p in PROMPTS]
         want = offline(ids, 8)
@@ -53,9 +67,25 @@ def test_evicted_prefixes_come_back_from_the_host_tier_token_exact(offline, page
                     d = last.cached_tokens_details
                     # The prompts' shared first words stay on the device.
                     assert d.device + d.host == whole and d.host >= whole - 16 and not d.storage
+        # Constrained decoding over a prefix that comes back from the host tier: the same
+        # answer as when it was computed.
+        regex = generation_pb2.SamplingParams(max_tokens=12, temperature=0, regex="[a-z ]{4,12}")
+        answers = []
+        for _ in range(2):
+            answers.append(
+                s.generate(input_ids=generation_pb2.InputIds(ids=ids[0]), sampling=regex)
+            )
+            for prompt in ids[1:]:  # pushes ids[0]'s KV out of the device pool
+                s.generate(input_ids=generation_pb2.InputIds(ids=prompt), sampling=greedy(1))
+        (cold, text, _), (warm, warm_text, last) = answers
+        assert cold == warm and text == warm_text and last.cached_tokens_details.host > 0
         m = scrape_metrics(s.sched_metrics)
+        w = scrape_metrics(s.metrics_port + 2)
     moved = m["radixserve:hicache_tokens_total"]
     assert moved > 0 and m["radixserve:hicache_host_total_tokens"] >= 2000
+    # The worker's side of the same copies: bytes (k and v of every layer) and seconds.
+    assert w["radixserve:hicache_copy_bytes_total"] > 0
+    assert w["radixserve:hicache_copy_seconds_total"] > 0
 
 
 def test_a_new_engine_on_the_volume_serves_the_pages_token_exact(offline, tmp_path):
@@ -90,6 +120,7 @@ def test_a_new_engine_on_the_volume_serves_the_pages_token_exact(offline, tmp_pa
             d = last.cached_tokens_details  # the shared first words may be on the device
             assert d.device + d.storage == last.cached_tokens and d.storage >= 16 and not d.host
         moved = _tier_counts(s.sched_metrics)
+        _kill_the_worker_during_loads(s, ids, want)
         flushed = s.stub.FlushCache(generation_pb2.FlushCacheRequest(storage=True))
         assert flushed.flushed, flushed.message
         deadline = time.monotonic() + 30
@@ -97,6 +128,50 @@ def test_a_new_engine_on_the_volume_serves_the_pages_token_exact(offline, tmp_pa
             time.sleep(0.1)  # deleted by the worker with its next batch
         assert not list(tmp_path.glob("*/*.kv"))
     assert moved["storage_to_host"] == pages * 16, moved
+
+
+def _kill_the_worker_during_loads(s: Server, ids: list[list[int]], want: list[list[int]]) -> None:
+    """kill -9 of the worker while a burst of prompts loads from storage (after a flush,
+    the device and host tiers hold none of them): the streams fail UNAVAILABLE or finish,
+    and the restarted worker, its tiers empty, loads the pages again, token-exact."""
+    assert s.stub.FlushCache(generation_pb2.FlushCacheRequest()).flushed
+    worker = serve_children(s.proc.pid)["worker"]
+    codes: list = []
+
+    def one(prompt: list[int]) -> None:
+        try:
+            s.generate(
+                input_ids=generation_pb2.InputIds(ids=prompt), sampling=greedy(96, ignore_eos=True)
+            )
+            codes.append(None)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    burst = [threading.Thread(target=one, args=(p,)) for p in ids * 3]
+    for t in burst:
+        t.start()
+    time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    for t in burst:
+        t.join(60)
+    assert len(codes) == len(burst) and set(codes) <= {None, grpc.StatusCode.UNAVAILABLE}, codes
+    assert grpc.StatusCode.UNAVAILABLE in codes  # it died while serving the burst
+    deadline = time.monotonic() + 120
+    while serve_children(s.proc.pid).get("worker", worker) == worker:
+        assert time.monotonic() < deadline, s.output()
+        time.sleep(0.2)
+    for prompt, expect in zip(ids, want, strict=True):
+        while True:
+            try:
+                got, _, last = s.generate(
+                    input_ids=generation_pb2.InputIds(ids=prompt),
+                    sampling=greedy(6, ignore_eos=True),
+                )
+                break
+            except grpc.RpcError as e:  # the engine is still starting
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                time.sleep(0.3)
+        assert got == expect and last.cached_tokens_details.storage >= 16
 
 
 def _tier_counts(port: int) -> dict[str, float]:

@@ -10,181 +10,21 @@ engine is a scheduler and worker killed with SIGKILL mid-stream.
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
-from services.common.curve import generate_keys
 from services.frontend.router import prefix_key, ranking
-from tests.dns_stub import DnsStub
-from tests.server_util import DEFAULT_MODEL, REPO, free_port, greedy
+from tests.cluster_util import LOAD_FACTOR, Cluster, healthy, until
+from tests.server_util import greedy
 
 pytestmark = pytest.mark.slow
-
-DNS_NAME = "rs-radixserve-engine-headless.ns.svc.cluster.local"
-LOAD_FACTOR = 1.25
-
-
-def _spawn(log_dir: Path, name: str, *args: str) -> subprocess.Popen:
-    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-    # Every process on CURVE keys, as in the chart (tcp:// links need them).
-    keys = log_dir / "keys"
-    if not keys.exists():
-        generate_keys(str(keys))
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args, f"--internal-keys-dir={keys}"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        start_new_session=True,
-    )
-
-
-def _healthy(addr: str, service: str = "") -> bool:
-    try:
-        with grpc.insecure_channel(addr) as ch:
-            req = health_pb2.HealthCheckRequest(service=service)
-            status = health_pb2_grpc.HealthStub(ch).Check(req, timeout=1).status
-            return status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def _until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-class Cluster:
-    """Engines on 127.0.0.<n>, all on the same ports; frontends that discover them by DNS."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.dns = DnsStub().start()
-        # The ports every engine pod uses (the chart fixes 30100/30101/30102/30200/30201).
-        self.zmq, self.control, self.metrics = free_port(), free_port(), free_port()
-        self.worker_zmq, self.worker_grpc = free_port(), free_port()
-        self.engines: dict[str, list[subprocess.Popen]] = {}
-        self.frontends: list[tuple[subprocess.Popen, str]] = []
-
-    def start_engine(self, ip: str) -> None:
-        worker = _spawn(
-            self.log_dir,
-            f"worker-{ip}",
-            "worker",
-            f"--model-path={DEFAULT_MODEL}",
-            "--device=cpu",
-            f"--host={ip}",
-            f"--worker-addr=tcp://{ip}:{self.worker_zmq}",
-            f"--worker-grpc-port={self.worker_grpc}",
-            "--max-total-tokens=8192",
-            "--max-running-requests=32",
-            "--cpu-threads=1",
-        )
-        scheduler = _spawn(
-            self.log_dir,
-            f"scheduler-{ip}",
-            "scheduler",
-            f"--host={ip}",
-            f"--scheduler-addr=tcp://{ip}:{self.zmq}",
-            f"--control-port={self.control}",
-            f"--worker-addr=tcp://{ip}:{self.worker_zmq}",
-            "--enable-metrics",
-            f"--metrics-port={self.metrics}",
-            f"--engine-replica={ip}",
-            "--max-running-requests=32",
-        )
-        self.engines[ip] = [scheduler, worker]
-
-    def wait_engine(self, ip: str) -> None:
-        _until(lambda: _healthy(f"{ip}:{self.control}"), 180, f"engine {ip}")
-
-    def start_frontend(self) -> str:
-        port = free_port()
-        proc = _spawn(
-            self.log_dir,
-            f"frontend-{len(self.frontends)}",
-            "frontend",
-            f"--model-path={DEFAULT_MODEL}",
-            f"--port={port}",
-            "--http-port=-1",
-            f"--engine-dns-name={DNS_NAME}",
-            f"--engine-dns-server={self.dns.address}",
-            f"--engine-zmq-port={self.zmq}",
-            f"--engine-control-port={self.control}",
-            "--engine-resolve-interval=0.5",
-            f"--routing-load-factor={LOAD_FACTOR}",
-        )
-        addr = f"127.0.0.1:{port}"
-        self.frontends.append((proc, addr))
-        _until(lambda: _healthy(addr, "liveness"), 60, f"frontend {addr}")
-        return addr
-
-    def publish(self, ips: list[str]) -> None:
-        """What the headless Service's DNS name resolves to (kubectl scale)."""
-        self.dns.set(DNS_NAME, ips)
-
-    def kill(self, ip: str) -> None:
-        for proc in self.engines.pop(ip):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-    def metric(self, ip: str, name: str) -> float:
-        """A metric of the engine's scheduler, summed over its labels."""
-        url = f"http://{ip}:{self.metrics}/metrics"
-        body = urllib.request.urlopen(url, timeout=5).read().decode()
-        return sum(
-            s.value
-            for fam in text_string_to_metric_families(body)
-            for s in fam.samples
-            if s.name == name
-        )
-
-    def requests_done(self, ip: str) -> float:
-        """Finished requests on the engine (all finish reasons)."""
-        return self.metric(ip, "radixserve:num_requests_total")
-
-    def running(self, ip: str) -> int:
-        return int(self.metric(ip, "radixserve:num_running_reqs"))
-
-    def settle(self, ips: list[str]) -> None:
-        """Waits until the engines are idle and the frontends' probes have seen it, so that
-        routing starts from equal loads."""
-        _until(lambda: all(self.running(ip) == 0 for ip in ips), 30, "engines idle")
-        time.sleep(1.5)  # a probe round (1 s) of every frontend
-
-    def close(self) -> None:
-        procs = [p for p, _ in self.frontends] + [p for ps in self.engines.values() for p in ps]
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.dns.stop()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.log_dir.iterdir())
-
 
 IPS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
@@ -246,11 +86,11 @@ def _prompt_preferring(addr: str, ip: str, ips: list[str], tag: str) -> str:
 def test_frontends_discover_engines_and_scale_up(cluster):
     addrs = [a for _, a in cluster.frontends]
     for addr in addrs:
-        _until(lambda a=addr: _engines_seen(a) == 2, 20, "two engines")
+        until(lambda a=addr: _engines_seen(a) == 2, 20, "two engines")
     before = cluster.requests_done(IPS[2])
     cluster.publish(IPS)  # kubectl scale --replicas=3
     for addr in addrs:
-        _until(lambda a=addr: _engines_seen(a) == 3, 20, "three engines")
+        until(lambda a=addr: _engines_seen(a) == 3, 20, "three engines")
     for i in range(12):
         _generate(addrs[i % 2], f"Request {i} about namespaces and honking great ideas.", 4)
     assert cluster.requests_done(IPS[2]) > before  # the new engine takes its share
@@ -312,7 +152,7 @@ def test_a_killed_engine_fails_its_streams_fast_and_traffic_moves_on(cluster):
     victim = IPS[1]
     cluster.publish(IPS)
     for addr in addrs:
-        _until(lambda a=addr: _engines_seen(a) == 3, 20, "three engines")
+        until(lambda a=addr: _engines_seen(a) == 3, 20, "three engines")
     cluster.settle(IPS)
     long_prompts = [_prompt_preferring(addrs[0], ip, IPS, "Long") for ip in IPS]
     calls = [
@@ -348,8 +188,8 @@ def test_a_killed_engine_fails_its_streams_fast_and_traffic_moves_on(cluster):
         assert f"engine {victim} is not answering" in details
         assert at - killed_at < 5
     for addr in addrs:
-        assert _healthy(addr)  # ready: two engines still serve
-        _until(lambda a=addr: _engines_seen(a) == 2, 10, "the dead engine routed around")
+        assert healthy(addr)  # ready: two engines still serve
+        until(lambda a=addr: _engines_seen(a) == 2, 10, "the dead engine routed around")
 
 
 def test_scale_down_drains_and_requests_keep_succeeding(cluster):
@@ -362,25 +202,25 @@ def test_scale_down_drains_and_requests_keep_succeeding(cluster):
     )
     next(call)
     # Scale down the engine that runs the stream (the dead one is gone from DNS too).
-    _until(lambda: sum(map(cluster.running, alive)) == 1, 10, "the stream in a batch")
+    until(lambda: sum(map(cluster.running, alive)) == 1, 10, "the stream in a batch")
     (leaving,) = [ip for ip in alive if cluster.running(ip) == 1]
     (staying,) = [ip for ip in alive if ip != leaving]
     cluster.publish([staying])
     for addr in addrs:
-        _until(lambda a=addr: _engines_seen(a) == 1, 10, "one engine")
+        until(lambda a=addr: _engines_seen(a) == 1, 10, "one engine")
     before = cluster.requests_done(leaving)
     for i in range(6):
         _generate(addrs[i % 2], f"After scale-down {i}: now is better than never.", 4)
     *_, last = list(call)  # the stream on the leaving engine finished there
     assert last.finish_reason == "length"
     # Only that stream ran there (the counter may trail the stream's last message a little).
-    _until(lambda: cluster.requests_done(leaving) >= before + 1, 5, "the stream counted")
+    until(lambda: cluster.requests_done(leaving) >= before + 1, 5, "the stream counted")
     time.sleep(0.5)
     assert cluster.requests_done(leaving) == before + 1
     cluster.publish([])  # scaled to zero: not ready, but alive
     for addr in addrs:
-        _until(lambda a=addr: not _healthy(a), 10, "not ready")
-        assert _healthy(addr, "liveness")
+        until(lambda a=addr: not healthy(a), 10, "not ready")
+        assert healthy(addr, "liveness")
     cluster.publish([staying])
     for addr in addrs:
-        _until(lambda a=addr: _healthy(a), 10, "ready again")
+        until(lambda a=addr: healthy(a), 10, "ready again")

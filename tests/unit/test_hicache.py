@@ -146,3 +146,31 @@ def test_multi_turn_beyond_the_pool_is_token_exact_and_reuses_the_host_tier(page
         if host:
             assert worker.copied["h2d"] > 0 and worker.copied["d2h"] > 0
     assert hits[8192] > 2 * hits[0], hits
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_host_tier_loads_with_chunked_prefill_and_retraction_stay_exact(page_size, caplog):
+    """A pool small enough that decode retracts requests, prompts prefilled in chunks, and
+    prefixes coming back from the host tier into those chunks: every answer is the true
+    sequence's, and nothing is held once idle."""
+    rng = random.Random(5)
+    sched, worker = make(
+        num_slots=640, max_running=16, host_slots=8192, page_size=page_size,
+        chunked_prefill_size=48,
+    )  # fmt: skip
+    prompts = {
+        f"p{i}": [rng.randrange(1, 900) for _ in range(rng.randrange(40, 120))] for i in range(12)
+    }
+    cached = 0
+    with caplog.at_level("WARNING", logger="radixserve.scheduler"):
+        for round_ in range(2):
+            for rid, prompt in prompts.items():
+                submit(sched, f"{rid}r{round_}", prompt, 60)
+            got = run(sched)
+            for rid, prompt in prompts.items():
+                d = got[f"{rid}r{round_}"]
+                assert list(d.token_ids) == expected(prompt, 60), (rid, round_)
+                cached += d.cached_host_tokens if round_ else 0
+            sched.check_idle()
+    assert "Retract requests" in caplog.text
+    assert cached > 0 and worker.copied["h2d"] > 0

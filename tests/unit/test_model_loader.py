@@ -182,3 +182,26 @@ def test_reduced_precision_runner_generates(tiny_llama_dir, dtype):
     assert r.info().dtype == dtype and r.kv_pool.k[0].dtype == getattr(torch, dtype)
     out = generate(r, [[5, 6, 7], [9, 10, 11, 12, 13]], 6, stop_at_eos=False)
     assert [len(o) for o in out] == [6, 6] and all(0 <= t < 300 for o in out for t in o)
+
+
+def test_the_weights_fingerprint_tells_checkpoints_of_one_layout_apart(tmp_path):
+    """Two random checkpoints of one config share every header byte; their sampled data
+    differs. A copy of one checkpoint keeps its fingerprint."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from services.worker.model_loader import weights_fingerprint
+
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        folder = tmp_path / f"m{seed}"
+        folder.mkdir()
+        save_file({"w": torch.randn(256, 256), "b": torch.randn(256)}, folder / "model.safetensors")
+        paths.append(folder / "model.safetensors")
+    copy = tmp_path / "copy" / "model.safetensors"
+    copy.parent.mkdir()
+    shutil.copy(paths[0], copy)
+    a, b, c = (weights_fingerprint([p]) for p in (*paths, copy))
+    assert a != b and a == c and len(a) == 16

@@ -9,8 +9,10 @@ import random
 
 import pytest
 
+from radixserve.internal.v1 import engine_pb2
 from services.scheduler.storage_tier import engine_seed, page_keys
 from services.scheduler.tokens import as_tokens
+from services.scheduler.worker_link import WorkerLost
 from tests.fake_worker import expected, make, run, submit
 
 
@@ -27,7 +29,7 @@ def _sched(storage: dict, page_size: int = 1, host: int = 4096, **kw):
 
 
 def test_page_keys_chain_over_every_token_before_and_the_namespace():
-    seed = engine_seed("m", "float32", 2, 1, 4)
+    seed = engine_seed("m", "w1", "float32", 2, 1, 4)
     toks = as_tokens(list(range(1, 65)))
     keys = page_keys(seed, "", toks, 0, 4, 16)
     assert len(set(keys)) == 4 and all(len(k) == 16 for k in keys)
@@ -35,7 +37,9 @@ def test_page_keys_chain_over_every_token_before_and_the_namespace():
     other = as_tokens([7] + list(range(2, 65)))  # the first token differs
     assert not set(page_keys(seed, "", other, 0, 4, 16)) & set(keys)
     assert not set(page_keys(seed, "salt", toks, 0, 4, 16)) & set(keys)
-    assert not set(page_keys(engine_seed("m2", "float32", 2, 1, 4), "", toks, 0, 4, 16)) & set(keys)
+    for other_seed in (("m2", "w1"), ("m", "w2")):  # another name, or the same over other weights
+        seed2 = engine_seed(*other_seed, "float32", 2, 1, 4)
+        assert not set(page_keys(seed2, "", toks, 0, 4, 16)) & set(keys)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -113,7 +117,7 @@ def test_lost_pages_are_computed_and_a_failed_batch_answers_its_loads_with_nothi
     submit(sched, "a", prompt, 4)
     run(sched)
     # Pages 3.. are gone (deleted as corrupt, or another engine's volume was wiped).
-    keys = page_keys(engine_seed("fake", "float32", 2, 1, 4), "", as_tokens(prompt), 0, 7, 16)
+    keys = page_keys(engine_seed("fake", "", "float32", 2, 1, 4), "", as_tokens(prompt), 0, 7, 16)
     for k in keys[3:]:
         storage.pop(k, None)
     sched, worker = _sched(storage)
@@ -135,7 +139,7 @@ def test_lost_pages_are_computed_and_a_failed_batch_answers_its_loads_with_nothi
     submit(sched, "c", prompt, 4)
     got = run(sched)["c"]
     assert got.cached_tokens == 0 and list(got.token_ids) == expected(prompt, 4)
-    assert sched.stats().storage_missed_tokens > 0
+    assert sched.stats().storage_missed_tokens > 0 and sched.stats().storage_failed_loads == 1
     sched.check_idle()
 
 
@@ -167,3 +171,46 @@ def test_flush_keeps_the_volume_unless_asked_and_says_when_there_is_none():
     plain, _ = make(num_slots=256, host_slots=512)
     reply = plain.flush_cache(storage=True)
     assert not reply.flushed and "--hicache-storage-dir" in reply.message
+
+
+def test_a_worker_lost_mid_load_leaves_nothing_held_and_its_successor_loads_again():
+    """kill -9 of the worker while a storage load is in flight: the request fails
+    UNAVAILABLE, the load's host slots come back, and the restarted worker (new, empty
+    tiers on the same volume) loads the pages again, token-exact."""
+    from tests.fake_worker import FakeWorker, FakeWorkerSocket
+
+    storage: dict = {}
+    prompt = list(range(1, 120))
+    sched, _ = _sched(storage, hicache_write_policy="write_through")
+    submit(sched, "a", prompt, 4)
+    run(sched)
+    sched, _ = _sched(storage)
+    sock = sched.link.sock
+    real_send = sock.send
+
+    def killed_on_load(payload, flags=0, copy=True):  # the worker dies with the load's batch
+        if any(c.direction == 4 for c in _copies(payload)):
+            sched.link.lost = lambda: "the worker's socket closed"
+            return
+        real_send(payload, flags, copy)
+
+    sock.send = killed_on_load
+    submit(sched, "b", prompt, 4)
+    with pytest.raises(WorkerLost):
+        sched.step()
+    assert sched.kv.cache.storage is not None and sched.kv.cache.storage.pending
+    assert sched.fail_all("the engine lost its worker") == 1
+    sched.check_idle()
+    worker = FakeWorker(1024, 4, host_slots=4096, storage=storage, storage_page_tokens=16)
+    sched.attach_worker(FakeWorkerSocket(worker), worker.info)
+    submit(sched, "c", prompt, 4)
+    got = run(sched)["c"]
+    assert got.cached_tokens == 112 and list(got.token_ids) == expected(prompt, 4)
+    assert got.cached_storage_tokens == 112
+    sched.check_idle()
+
+
+def _copies(payload: bytes) -> list:
+    msg = engine_pb2.SchedulerToWorker()
+    msg.ParseFromString(bytes(payload))
+    return list(msg.forward.copies) if msg.HasField("forward") else []

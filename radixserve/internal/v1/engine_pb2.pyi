@@ -318,7 +318,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids", "instance_id", "host_total_num_tokens", "storage_page_tokens")
+    __slots__ = ("model_id", "architecture", "vocab_size", "max_model_len", "max_total_num_tokens", "max_running_requests", "device", "dtype", "attention_backend", "num_parameters", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "eos_token_ids", "instance_id", "host_total_num_tokens", "storage_page_tokens", "weights_fingerprint")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,7 @@ class WorkerInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -359,7 +360,8 @@ class WorkerInfo(_message.Message):
     instance_id: str
     host_total_num_tokens: int
     storage_page_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., host_total_num_tokens: _Optional[int] = ..., storage_page_tokens: _Optional[int] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_total_num_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., host_total_num_tokens: _Optional[int] = ..., storage_page_tokens: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SchedulerToWorker(_message.Message):
     __slots__ = ("forward", "info")
@@ -376,6 +378,30 @@ class WorkerToScheduler(_message.Message):
     result: ForwardResult
     info: WorkerInfo
     def __init__(self, result: _Optional[_Union[ForwardResult, _Mapping]] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class CacheEvents(_message.Message):
+    __slots__ = ("instance_id", "seq", "block_tokens", "seed", "cleared", "stored", "removed", "snapshot")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    seq: int
+    block_tokens: int
+    seed: bytes
+    cleared: bool
+    stored: bytes
+    removed: bytes
+    snapshot: bool
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., block_tokens: _Optional[int] = ..., seed: _Optional[bytes] = ..., cleared: _Optional[bool] = ..., stored: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class CacheSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("storage",)
@@ -396,7 +422,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("max_total_num_tokens", "available_tokens", "evictable_tokens", "protected_tokens", "used_tokens", "num_running_reqs", "num_queue_reqs", "page_size", "worker", "host_total_tokens", "host_used_tokens", "host_demoted_tokens", "host_loaded_tokens", "host_dropped_tokens", "storage_stored_tokens", "storage_loaded_tokens", "storage_missed_tokens")
+    __slots__ = ("max_total_num_tokens", "available_tokens", "evictable_tokens", "protected_tokens", "used_tokens", "num_running_reqs", "num_queue_reqs", "page_size", "worker", "host_total_tokens", "host_used_tokens", "host_demoted_tokens", "host_loaded_tokens", "host_dropped_tokens", "storage_stored_tokens", "storage_loaded_tokens", "storage_missed_tokens", "storage_failed_loads", "cache_events_port")
     MAX_TOTAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -414,6 +440,8 @@ class SchedulerStats(_message.Message):
     STORAGE_STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_MISSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_PORT_FIELD_NUMBER: _ClassVar[int]
     max_total_num_tokens: int
     available_tokens: int
     evictable_tokens: int
@@ -431,4 +459,6 @@ class SchedulerStats(_message.Message):
     storage_stored_tokens: int
     storage_loaded_tokens: int
     storage_missed_tokens: int
-    def __init__(self, max_total_num_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_queue_reqs: _Optional[int] = ..., page_size: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., host_total_tokens: _Optional[int] = ..., host_used_tokens: _Optional[int] = ..., host_demoted_tokens: _Optional[int] = ..., host_loaded_tokens: _Optional[int] = ..., host_dropped_tokens: _Optional[int] = ..., storage_stored_tokens: _Optional[int] = ..., storage_loaded_tokens: _Optional[int] = ..., storage_missed_tokens: _Optional[int] = ...) -> None: ...
+    storage_failed_loads: int
+    cache_events_port: int
+    def __init__(self, max_total_num_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., evictable_tokens: _Optional[int] = ..., protected_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_queue_reqs: _Optional[int] = ..., page_size: _Optional[int] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., host_total_tokens: _Optional[int] = ..., host_used_tokens: _Optional[int] = ..., host_demoted_tokens: _Optional[int] = ..., host_loaded_tokens: _Optional[int] = ..., host_dropped_tokens: _Optional[int] = ..., storage_stored_tokens: _Optional[int] = ..., storage_loaded_tokens: _Optional[int] = ..., storage_missed_tokens: _Optional[int] = ..., storage_failed_loads: _Optional[int] = ..., cache_events_port: _Optional[int] = ...) -> None: ...

@@ -46,6 +46,11 @@ class SchedulerControlStub:
                 request_serializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.StatsRequest.SerializeToString,
                 response_deserializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.CacheSnapshot = channel.unary_unary(
+                '/radixserve.internal.v1.SchedulerControl/CacheSnapshot',
+                request_serializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.CacheSnapshotRequest.SerializeToString,
+                response_deserializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.CacheEvents.FromString,
+                _registered_method=True)
 
 
 class SchedulerControlServicer:
@@ -65,6 +70,14 @@ class SchedulerControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheSnapshot(self, request, context):
+        """Every block the tree holds now, at the current sequence number (a router that saw a
+        gap in the CacheEvents stream asks for it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_SchedulerControlServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.StatsRequest.FromString,
                     response_serializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.SchedulerStats.SerializeToString,
+            ),
+            'CacheSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheSnapshot,
+                    request_deserializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.CacheSnapshotRequest.FromString,
+                    response_serializer=radixserve_dot_internal_dot_v1_dot_engine__pb2.CacheEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class SchedulerControl:
             '/radixserve.internal.v1.SchedulerControl/GetStats',
             radixserve_dot_internal_dot_v1_dot_engine__pb2.StatsRequest.SerializeToString,
             radixserve_dot_internal_dot_v1_dot_engine__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixserve.internal.v1.SchedulerControl/CacheSnapshot',
+            radixserve_dot_internal_dot_v1_dot_engine__pb2.CacheSnapshotRequest.SerializeToString,
+            radixserve_dot_internal_dot_v1_dot_engine__pb2.CacheEvents.FromString,
             options,
             channel_credentials,
             insecure,
