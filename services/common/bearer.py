@@ -10,7 +10,7 @@ compared in constant time (hmac.compare_digest) so timing cannot reveal a prefix
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,8 +126,10 @@ class _SendToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(client_call_details._replace(metadata=metadata), request)
 
 
-def aio_channel(target: str, token: str = "") -> grpc.aio.Channel:
+def aio_channel(
+    target: str, token: str = "", options: Sequence[tuple[str, Any]] | None = None
+) -> grpc.aio.Channel:
     """An insecure grpc.aio channel whose unary calls carry ``token`` (when given) as
     ``authorization: Bearer`` metadata: the frontend's end of the scheduler's control."""
     interceptors = [_SendToken(token)] if token else None
-    return grpc.aio.insecure_channel(target, interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

@@ -329,10 +329,33 @@ class FrontendConfig:
     engine_zmq_port: int = _opt(30100, "ZeroMQ port of every discovered engine's scheduler")
     engine_control_port: int = _opt(30101, "gRPC control port of every discovered engine")
     engine_resolve_interval: float = _opt(5.0, "seconds between two lookups of --engine-dns-name")
+    routing_policy: str = _opt(
+        "cache_aware",
+        "which engine gets a request (docs/routing.md): cache_aware (the engine whose radix "
+        "tree, known from its cache events, holds most of the prompt, unless the loads are "
+        "imbalanced; else prefix_hash), prefix_hash (rendezvous hashing of the first 32 "
+        "tokens with bounded loads), round_robin, least_load",
+        choices="services.frontend.router:policy_names",
+    )
     routing_load_factor: float = _opt(
         1.25,
-        "bounded loads: an engine takes new requests while its load is under this factor "
-        "times the mean (>= 1; larger keeps shared prefixes on one engine longer)",
+        "prefix_hash (and cache_aware's fallback) bounded loads: an engine takes new requests "
+        "while its load is under this factor times the mean (>= 1; larger keeps shared "
+        "prefixes on one engine longer)",
+    )
+    routing_balance_abs_threshold: int = _opt(
+        4,
+        "cache_aware: the loads (running + waiting requests) are imbalanced, and a request "
+        "goes to the least loaded engine, when max - min exceeds this and max exceeds "
+        "--routing-balance-rel-threshold x min",
+    )
+    routing_balance_rel_threshold: float = _opt(
+        1.5, "cache_aware: the relative half of the imbalance test (>= 1)"
+    )
+    routing_min_match_tokens: int = _opt(
+        32,
+        "cache_aware: the fewest cached prompt tokens that send a request to the engine "
+        "holding the most of them (fewer: prefix_hash decides) (>= 1)",
     )
     max_model_len: int = _opt(0, "context length (0: asked from the engines)")
     max_request_bytes: int = _opt(
@@ -367,6 +390,16 @@ class FrontendConfig:
         "", "OTLP/gRPC endpoint for traces, e.g. localhost:4317 (off when empty)"
     )
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
+
+    def __post_init__(self) -> None:
+        for flag, value, least in (
+            ("--routing-load-factor", self.routing_load_factor, 1),
+            ("--routing-balance-abs-threshold", self.routing_balance_abs_threshold, 0),
+            ("--routing-balance-rel-threshold", self.routing_balance_rel_threshold, 1),
+            ("--routing-min-match-tokens", self.routing_min_match_tokens, 1),
+        ):
+            if not value >= least:  # NaN too
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
 
 
 @dataclass(frozen=True)

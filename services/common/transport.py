@@ -6,6 +6,8 @@ Topology (addresses are flags; ``ipc://`` paths per instance by default, ``tcp:/
         FrontendToScheduler ->          <- SchedulerToFrontend (routed by the frontend's identity)
     scheduler DEALER --connect-->  worker ROUTER    (binds --worker-addr)
         SchedulerToWorker ->            <- WorkerToScheduler
+    frontend SUB     --connect-->  scheduler PUB    (binds --cache-events-port)
+                                        <- CacheEvents (the radix tree's blocks, for routing)
 
 Nothing here pickles: every payload is ``message.SerializeToString()``.
 """
@@ -119,6 +121,30 @@ def router(
     # Fail loudly instead of dropping a reply to a peer that went away.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.bind(addr)
+    return sock
+
+
+def subscriber(
+    ctx: zmq.Context,
+    addr: str,
+    setup: Callable[[zmq.Socket], None] | None = None,
+    max_queued: int = 10_000,
+) -> zmq.Socket:
+    """A SUB socket taking every message published at ``addr`` (one message per frame).
+
+    Unlike the request links its queue is bounded (``max_queued`` messages): a stream of
+    facts can be resynced from a snapshot, so a slow reader drops messages (the gap is seen
+    in their sequence numbers) instead of growing without limit."""
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, max_queued)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    if "://[" in addr:  # an IPv6 literal
+        sock.setsockopt(zmq.IPV6, 1)
+    if setup is not None:
+        setup(sock)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(addr)
     return sock
 
 

@@ -12,9 +12,12 @@ keep the pool true to the world:
   token are sent to another replica whole, and new requests go elsewhere. Its socket is
   replaced, so nothing queued for it is delivered late; when it answers again it serves again.
 
-Routing (router.py) is cache-aware and load-aware: rendezvous hashing on the prompt's prefix
-with bounded loads, where an engine's load is the larger of this frontend's requests on it
-and the running + waiting requests it reported last (which counts the other frontends' too).
+Routing (router.py, ``--routing-policy``) is cache-aware and load-aware. An engine's load is
+the larger of this frontend's requests on it and the running + waiting requests it reported
+last (which counts the other frontends' too). With cache_aware, each engine that reports a
+``cache_events_port`` is followed (cache_events.py) into a CacheIndex of the blocks its tree
+holds, so a prompt goes where most of it is already cached; the index also holds what this
+frontend sent the engine in the last few seconds, until the events confirm it.
 
 The frontend is ready while at least one replica serves (readiness); it stays alive
 regardless (liveness is the process itself, see main.py).
@@ -36,9 +39,12 @@ from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc
 from services.common import transport
 from services.common.bearer import aio_channel
 from services.common.curve import InternalKeys, connect_securely
-from services.common.grpc_util import DRAINING
+from services.common.grpc_util import DRAINING, MAX_MESSAGE_BYTES
+from services.frontend.cache_events import SNAPSHOT_TIMEOUT_S, CacheSubscriber, host_of
+from services.frontend.cache_index import CacheIndex, PromptKeys
 from services.frontend.engine_discovery import Endpoint, Resolver
-from services.frontend.router import DEFAULT_LOAD_FACTOR, pick, prefix_key, ranking
+from services.frontend.metrics import RoutingMetrics
+from services.frontend.router import Router, RoutingParams, prefix_key, ranking
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,9 @@ PROBE_INTERVAL_S = 0.5  # while no engine serves
 HEALTH_INTERVAL_S = 1.0  # once one does: how fast a dead engine is noticed
 CONTROL_TIMEOUT_S = 2.0
 MISSES_TO_DOWN = 3  # unanswered probes (timeouts) before a replica counts as down
+# A cache snapshot holds 16 bytes per block the tree holds: allow one as large as the
+# servers allow any message (1M blocks), not grpc's 4 MB client default.
+CONTROL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 class DuplicateRequestError(KeyError):
@@ -64,7 +73,8 @@ class EngineInfo:
 
 
 def route(cache_salt: str, input_ids: Sequence[int], num_engines: int) -> int:
-    """The replica (by index) a prefix prefers when no engine is loaded: routing's first pick."""
+    """The replica (by index) a prefix prefers when no engine is loaded and none holds it:
+    prefix_hash's first pick, and cache_aware's fallback."""
     names = [str(i) for i in range(num_engines)]
     return int(ranking(prefix_key(cache_salt, input_ids), names)[0])
 
@@ -76,7 +86,8 @@ class _Engine:
         self.ep = ep
         self.sock: zmq.asyncio.Socket | None = None
         self.receiver: asyncio.Task | None = None
-        self.channel = aio_channel(ep.control_addr, control_token) if ep.control_addr else None
+        addr = ep.control_addr
+        self.channel = aio_channel(addr, control_token, CONTROL_OPTIONS) if addr else None
         self.stub = engine_pb2_grpc.SchedulerControlStub(self.channel) if self.channel else None
         self.serving = self.stub is None  # nothing to ask: trust the configuration
         self.draining = False  # gone from discovery: finishes its requests, takes no new ones
@@ -84,6 +95,9 @@ class _Engine:
         self.stats: engine_pb2.SchedulerStats | None = None
         self.misses = 0
         self.rids: set[str] = set()
+        self.index = CacheIndex()  # what its tree holds, by its CacheEvents
+        self.events: CacheSubscriber | None = None
+        self.events_port = 0  # the port ``events`` follows (0: none)
 
     @property
     def name(self) -> str:
@@ -105,6 +119,7 @@ class _Pending:
 
     req: engine_pb2.TokenizedRequest
     key: bytes
+    prompt: PromptKeys
     queue: asyncio.Queue[engine_pb2.TokenDelta]
     engine: _Engine | None = None
     answered: bool = False
@@ -116,8 +131,9 @@ class EngineClient:
         resolver: Resolver,
         max_model_len: int = 0,
         on_health: Callable[[bool], Awaitable[None]] | None = None,
-        load_factor: float = DEFAULT_LOAD_FACTOR,
+        routing: RoutingParams | None = None,
         keys: InternalKeys | None = None,
+        metrics: RoutingMetrics | None = None,
     ) -> None:
         """``keys``: the internal links' CURVE keys and control token (services/common/curve.py)."""
         self._resolver = resolver
@@ -125,7 +141,8 @@ class EngineClient:
         self._control_token = keys.control_token() if keys else ""
         self._max_model_len = max_model_len
         self._on_health = on_health
-        self._load_factor = load_factor
+        self._router = Router(routing)
+        self._metrics = metrics
         self._ctx = zmq.asyncio.Context()
         self._name = f"frontend-{uuid.uuid4().hex[:12]}"
         self._sockets_made = 0
@@ -177,7 +194,9 @@ class EngineClient:
         if req.rid in self._requests:
             raise DuplicateRequestError(req.rid)
         queue: asyncio.Queue[engine_pb2.TokenDelta] = asyncio.Queue()
-        pending = _Pending(req, prefix_key(req.cache_salt, input_ids), queue)
+        # The ids as the scheduler gets them (its tree's keys hash exactly these).
+        prompt = PromptKeys(req.cache_salt, transport.unpack_i32(req.input_ids))
+        pending = _Pending(req, prefix_key(req.cache_salt, input_ids), prompt, queue)
         self._requests[req.rid] = pending
         self._dispatch(pending)
         return queue
@@ -206,7 +225,14 @@ class EngineClient:
             self._fail(pending, "no engine is serving; retry shortly")
             return
         loads = {name: e.load for name, e in engines.items()}
-        engine = engines[pick(pending.key, loads, self._load_factor)]
+        decision = self._router.choose(
+            pending.key, loads, lambda name: engines[name].index.match_prompt(pending.prompt)
+        )
+        engine = engines[decision.engine]
+        if self._router.params.cache_aware:
+            engine.index.note_sent(pending.prompt)  # holds it soon: the next of a burst follows
+        if self._metrics is not None:
+            self._metrics.on_decision(decision.branch)
         pending.engine = engine
         engine.rids.add(pending.req.rid)
         self._send(engine, engine_pb2.FrontendToScheduler(generate=pending.req))
@@ -266,6 +292,9 @@ class EngineClient:
         del self._engines[engine.ep.zmq_addr]
         self._lose(engine, f"engine {engine.name} left the pool")
         self._disconnect(engine)
+        self._stop_events(engine)
+        if self._metrics is not None:
+            self._metrics.untrack_index(engine.name)
         if engine.channel is not None:
             await engine.channel.close()
         log.info("engine %s removed (%d serving)", engine.name, self.num_engines)
@@ -292,6 +321,8 @@ class EngineClient:
             if engine is None:
                 engine = self._engines[addr] = _Engine(ep, self._control_token)
                 self._connect(engine)
+                if self._metrics is not None:
+                    self._metrics.track_index(engine.name, engine.index)
                 log.info("engine %s joined (%s)", ep.name, ep.zmq_addr)
             elif engine.draining:
                 engine.draining = False
@@ -337,6 +368,7 @@ class EngineClient:
             if engine.sock is None and not engine.draining:
                 self._connect(engine)
             log.info("engine %s serving", engine.name)
+        self._follow_events(engine)
 
     async def _on_probe_error(self, engine: _Engine, err: BaseException) -> None:
         if _is_draining(err):  # finishes what it runs there; new requests go elsewhere
@@ -354,8 +386,46 @@ class EngineClient:
             log.warning("%s: routing around it", message)
             self._lose(engine, message)
             self._connect(engine)  # fresh socket for when it is back; nothing stale delivered
+            self._follow_events(engine)  # its tree is unknown until it is back
         if engine.draining and not engine.serving:
             await self._remove(engine)
+
+    # ---- cache events ------------------------------------------------------------
+
+    def _follow_events(self, engine: _Engine) -> None:
+        """Follows the engine's CacheEvents while it serves and publishes them (cache_aware
+        only); a new port is a new subscription (the scheduler restarted), and an index
+        that nothing follows is empty."""
+        stats, wanted = engine.stats, engine.serving and self._router.params.cache_aware
+        port = max(stats.cache_events_port, 0) if wanted and stats is not None else 0
+        if port == engine.events_port:
+            return
+        self._stop_events(engine)
+        if not port or engine.stub is None:
+            return
+        stub, addr = engine.stub, f"tcp://{host_of(engine.ep.control_addr)}:{port}"
+
+        def snapshot() -> Awaitable[engine_pb2.CacheEvents]:
+            return stub.CacheSnapshot(engine_pb2.CacheSnapshotRequest(), timeout=SNAPSHOT_TIMEOUT_S)
+
+        engine.events = CacheSubscriber(
+            self._ctx,
+            addr,
+            engine.index,
+            snapshot,
+            setup=self._zmq_setup,
+            name=engine.name,
+            on_resync=self._metrics.on_resync if self._metrics is not None else None,
+        )
+        engine.events_port = port
+        log.info("engine %s: following its cache events at %s", engine.name, addr)
+
+    def _stop_events(self, engine: _Engine) -> None:
+        if engine.events is not None:
+            engine.events.close()
+            engine.events = None
+        engine.events_port = 0
+        engine.index.clear()
 
     async def _refresh(self) -> None:
         """Recomputes what the engines say about themselves and whether we are ready."""

@@ -21,6 +21,7 @@ from services.frontend.grpc_parse import ParseRequests
 from services.frontend.http_api import HttpServer
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.pipeline import Frontend
+from services.frontend.router import RoutingParams
 from services.frontend.server import SERVICE_NAME, add_generation_servicer
 from services.frontend.tokenizer import Tokenizer
 
@@ -42,6 +43,16 @@ def internal_keys(cfg: FrontendConfig) -> InternalKeys | None:
     for addr in addrs:
         check_link(addr, keys, cfg.insecure_internal, "the engines' address")
     return keys
+
+
+def routing_params(cfg: FrontendConfig) -> RoutingParams:
+    return RoutingParams(
+        policy=cfg.routing_policy,
+        load_factor=cfg.routing_load_factor,
+        balance_abs=cfg.routing_balance_abs_threshold,
+        balance_rel=cfg.routing_balance_rel_threshold,
+        min_match_tokens=cfg.routing_min_match_tokens,
+    )
 
 
 class FrontendServer:
@@ -80,14 +91,15 @@ class FrontendServer:
             cfg.engine_resolve_interval,
             cfg.engine_dns_server,
         )
+        metrics = FrontendMetrics(model_id_of(cfg))
         self.engines = EngineClient(
             resolver,
             cfg.max_model_len,
             on_health=self._on_engine_health,
-            load_factor=cfg.routing_load_factor,
+            routing=routing_params(cfg),
             keys=internal_keys(cfg),
+            metrics=metrics.routing,
         )
-        metrics = FrontendMetrics(model_id_of(cfg))
         frontend = Frontend(tokenizer, self.engines, model_id_of(cfg), metrics)
         add_generation_servicer(self._grpc, frontend)
         self.grpc_port = bind(self._grpc, cfg.host, cfg.port, "frontend gRPC (--port)")

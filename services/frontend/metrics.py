@@ -8,9 +8,13 @@ shows it beside the default registry's process metrics.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from collections.abc import Sized
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from radixserve.v1 import generation_pb2 as pb
+from services.frontend.cache_events import RESYNC_REASONS
+from services.frontend.router import CACHE_AWARE_BRANCHES
 
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 TOKEN_GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -73,6 +77,7 @@ class FrontendMetrics:
             "Arrival at the frontend to the last message",
             TIME_BUCKETS,
         )
+        self.routing = RoutingMetrics(r, labels)
 
     def serve(self, host: str, port: int) -> int:
         """Starts /metrics on host:port (0: a free port); returns the port."""
@@ -95,3 +100,50 @@ class FrontendMetrics:
 
     def on_error(self, code_name: str) -> None:
         self.errors.labels(**self.labels, code=code_name).inc()
+
+
+class RoutingMetrics:
+    """Routing (router.py) and the engines' cache indexes (cache_index.py) as one frontend
+    sees them; in the frontend's registry."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        r, names, self.labels = registry, list(labels), labels
+        self.decisions = Counter(
+            P + "frontend_routing_decisions",
+            "Requests routed, by what decided: cache_hit, balance, fallback (cache_aware), "
+            "or the policy's name",
+            [*names, "branch"],
+            registry=r,
+        )
+        self.indexed_keys = Gauge(
+            P + "frontend_cache_index_keys",
+            "Block keys of an engine's radix tree known from its cache events",
+            [*names, "engine"],
+            registry=r,
+        )
+        self.resyncs = Counter(
+            P + "frontend_cache_resyncs",
+            "Cache snapshots taken of an engine, by why: connect, restart, gap",
+            [*names, "reason"],
+            registry=r,
+        )
+        for branch in CACHE_AWARE_BRANCHES:
+            self.decisions.labels(**labels, branch=branch)
+        for reason in RESYNC_REASONS:
+            self.resyncs.labels(**labels, reason=reason)
+
+    def on_decision(self, branch: str) -> None:
+        self.decisions.labels(**self.labels, branch=branch).inc()
+
+    def on_resync(self, reason: str) -> None:
+        self.resyncs.labels(**self.labels, reason=reason).inc()
+
+    def track_index(self, engine: str, index: Sized) -> None:
+        """The engine's key count, read at each scrape."""
+        self.indexed_keys.labels(**self.labels, engine=engine).set_function(lambda: len(index))
+
+    def untrack_index(self, engine: str) -> None:
+        try:
+            self.indexed_keys.remove(*self.labels.values(), engine)
+        except KeyError:  # never tracked
+            pass

@@ -1,30 +1,58 @@
-"""Which engine replica gets a request: cache-aware first, load-aware when it matters.
+"""Which engine replica gets a request (``--routing-policy``; docs/routing.md).
 
-The routing key is (cache_salt, the first ROUTING_PREFIX_TOKENS prompt ids). Engines are
-ranked for that key by rendezvous (highest-random-weight) hashing of (key, engine name), so
+Every policy is a pure function of what the frontend knows: each routable engine's load
+(its running + waiting requests, ``_Engine.load``) and, for cache_aware, how many leading
+prompt tokens each engine's radix tree holds (cache_index.py, fed by the engines' own
+CacheEvents). Frontends do not talk to each other: two that see the same loads and events
+decide the same, so every tie is broken by rendezvous order, never by arrival or dict order.
 
-- requests that share a prefix (a system prompt, a few-shot header) rank the engines the
-  same way and land on the engine whose radix tree already holds that prefix's KV, and every
-  frontend computes the same ranking without talking to the others;
-- adding or removing an engine moves only the keys that it wins or loses.
+cache_aware (the default), in this order:
 
-Bounded loads (consistent hashing with bounded loads, Mirrokni et al.): an engine may take a
-new request only while its load is below ceil(factor * (total load + 1) / engines). The
-request goes to the first engine of its ranking under that bound, so a hot prefix fills its
-first-choice engine up to a fair share and then spills to its second choice (which then
-caches the prefix too) instead of queueing on one replica while the others idle.
+(a) balance: if the fleet is imbalanced, max load - min load > ``balance_abs`` AND max load
+    > ``balance_rel`` x min load (SGLang's router semantics), the least loaded engine (ties:
+    rendezvous order). Caching is worth little while one replica queues and another idles.
+(b) cache_hit: else, if the engine holding the longest prefix of the prompt holds at least
+    ``min_match_tokens`` of it, the engine with the most matched tokens (ties: the lower
+    load, then rendezvous order, so equal copies of a hot prefix share its requests).
+(c) fallback: else (no engine holds a useful prefix), prefix_hash below, so requests that
+    share a new prefix still converge on one engine, the same one from every frontend,
+    which then caches it for (b).
+
+prefix_hash (the routing before issue 37, kept exactly): the routing key is (cache_salt,
+the first ROUTING_PREFIX_TOKENS prompt ids). Engines are ranked for that key by rendezvous
+(highest-random-weight) hashing of (key, engine name), so requests that share a prefix rank
+the engines the same way from every frontend, and adding or removing an engine moves only
+the keys that it wins or loses. Bounded loads (consistent hashing with bounded loads,
+Mirrokni et al.): an engine may take a new request only while its load is below
+ceil(factor * (total load + 1) / engines); the request goes to the first engine of its
+ranking under that bound, so a hot prefix fills its first-choice engine up to a fair share
+and then spills to its second choice instead of queueing on one replica while others idle.
+
+round_robin: the engines in name order, one after the other (this frontend's own counter).
+least_load: the least loaded engine (ties: rendezvous order).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from services.common import transport
 
 ROUTING_PREFIX_TOKENS = 32
 DEFAULT_LOAD_FACTOR = 1.25
+
+POLICIES = ("cache_aware", "prefix_hash", "round_robin", "least_load")
+# What a cache_aware decision was based on (the metric's label; other policies: their name).
+CACHE_AWARE_BRANCHES = ("cache_hit", "balance", "fallback")
+
+
+def policy_names() -> list[str]:
+    """The choices of --routing-policy."""
+    return list(POLICIES)
 
 
 def prefix_key(cache_salt: str, input_ids: Sequence[int]) -> bytes:
@@ -49,7 +77,7 @@ def load_bound(loads: Mapping[str, int], factor: float) -> int:
 
 
 def pick(key: bytes, loads: Mapping[str, int], factor: float = DEFAULT_LOAD_FACTOR) -> str:
-    """The first engine of the key's ranking whose load is under the bound.
+    """prefix_hash: the first engine of the key's ranking whose load is under the bound.
 
     One always qualifies: the bound exceeds the mean load, so the least loaded engine is
     below it. ``factor`` >= 1; larger keeps prefixes together longer, 1 balances strictly.
@@ -59,3 +87,80 @@ def pick(key: bytes, loads: Mapping[str, int], factor: float = DEFAULT_LOAD_FACT
     bound = load_bound(loads, factor)
     order = ranking(key, list(loads))
     return next((n for n in order if loads[n] < bound), order[0])
+
+
+def imbalanced(loads: Mapping[str, int], abs_threshold: int, rel_threshold: float) -> bool:
+    """cache_aware's rule (a): the spread of loads is past both thresholds."""
+    hi, lo = max(loads.values()), min(loads.values())
+    return hi - lo > abs_threshold and hi > rel_threshold * lo
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    """The --routing-* flags (services/common/config.py FrontendConfig)."""
+
+    policy: str = "cache_aware"
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    balance_abs: int = 4
+    balance_rel: float = 1.5
+    min_match_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r} (one of {POLICIES})")
+
+    @property
+    def cache_aware(self) -> bool:
+        return self.policy == "cache_aware"
+
+
+@dataclass(frozen=True)
+class Decision:
+    engine: str
+    branch: str  # cache_hit | balance | fallback (cache_aware), else the policy's name
+    matched_tokens: int = 0  # cache_aware: the chosen engine's, when asked
+
+
+class Router:
+    """Applies one policy; the only state is round_robin's counter."""
+
+    def __init__(self, params: RoutingParams | None = None) -> None:
+        self.params = params or RoutingParams()
+        self._turn = itertools.count()
+
+    def choose(
+        self, key: bytes, loads: Mapping[str, int], matched: Callable[[str], int] | None = None
+    ) -> Decision:
+        """``key``: prefix_key of the request; ``loads``: every routable engine's;
+        ``matched(name)``: tokens of the prompt that engine holds (cache_aware only)."""
+        if not loads:
+            raise ValueError("no engine to route to")
+        p = self.params
+        if p.policy == "prefix_hash":
+            return Decision(pick(key, loads, p.load_factor), p.policy)
+        if p.policy == "round_robin":
+            names = sorted(loads)
+            return Decision(names[next(self._turn) % len(names)], p.policy)
+        if p.policy == "least_load":
+            return Decision(_least_loaded(key, loads), p.policy)
+        return self._cache_aware(key, loads, matched or (lambda name: 0))
+
+    def _cache_aware(
+        self, key: bytes, loads: Mapping[str, int], matched: Callable[[str], int]
+    ) -> Decision:
+        p = self.params
+        if imbalanced(loads, p.balance_abs, p.balance_rel):
+            engine = _least_loaded(key, loads)
+            return Decision(engine, "balance", matched(engine))
+        order = ranking(key, list(loads))
+        tokens = {name: matched(name) for name in order}
+        # Most matched, then least loaded, then rendezvous order (min is stable: first wins).
+        best = min(order, key=lambda n: (-tokens[n], loads[n]))
+        if tokens[best] >= max(p.min_match_tokens, 1):
+            return Decision(best, "cache_hit", tokens[best])
+        engine = pick(key, loads, p.load_factor)
+        return Decision(engine, "fallback", tokens[engine])
+
+
+def _least_loaded(key: bytes, loads: Mapping[str, int]) -> str:
+    return min(ranking(key, list(loads)), key=lambda n: loads[n])
