@@ -40,20 +40,27 @@ MODEL = dict(
 )
 
 
-def workload_args(base_url: str, quick: bool) -> argparse.Namespace:
+def workload_args(base_url: str, quick: bool, workload: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     serving.add_bench_args(parser)
+    common = ["--base-url", base_url, "--ignore-eos", "--seed", "1", "--max-concurrency", "8"]
+    if workload == "gsp":  # 32 system prompts of 2,048 tokens: 4x a 16,384-token pool
+        groups, per_group = ("8", "2") if quick else ("32", "6")
+        return parser.parse_args(
+            common + ["--workload", "generated-shared-prefix", "--gsp-num-groups", groups,
+                      "--gsp-prompts-per-group", per_group, "--gsp-system-prompt-len", "2048",
+                      "--gsp-question-len", "64", "--gsp-output-len", "16", "--gsp-interleave"]
+        )  # fmt: skip
     prompts, turns = ("16", "4") if quick else ("48", "6")
     return parser.parse_args(
-        ["--base-url", base_url, "--workload", "multi-turn", "--num-prompts", prompts,
-         "--num-turns", turns, "--input-len", "200", "--output-len", "48",
-         "--max-concurrency", "8", "--ignore-eos", "--seed", "1"]
+        common + ["--workload", "multi-turn", "--num-prompts", prompts, "--num-turns", turns,
+                  "--input-len", "200", "--output-len", "48"]
     )  # fmt: skip
 
 
-def run_one(model: Path, flags: list[str], quick: bool) -> dict[str, float]:
+def run_one(model: Path, flags: list[str], quick: bool, workload: str) -> dict[str, float]:
     with Server(*flags, model=model, metrics=True, timeout=600) as s:
-        ns = workload_args(f"http://127.0.0.1:{s.http_port}", quick)
+        ns = workload_args(f"http://127.0.0.1:{s.http_port}", quick, workload)
         start = time.perf_counter()
         rep = serving.benchmark(ns)
         wall = time.perf_counter() - start
@@ -102,6 +109,11 @@ def main() -> int:
     p.add_argument("--unbounded", type=int, default=393216, help="pool that holds everything")
     p.add_argument("--prefix", type=int, default=4096, help="tokens of the reloaded prefix")
     p.add_argument("--reps", type=int, default=3, help="reloads measured (median)")
+    p.add_argument(
+        "--workload", choices=["multi-turn", "gsp"], default="multi-turn",
+        help="multi-turn chats, or generated-shared-prefix with its groups interleaved",
+    )  # fmt: skip
+    p.add_argument("--skip-reload", action="store_true", help="no 4,096-token reload timing")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_zen_model(Path(tmp) / "llama-25m", **MODEL)
@@ -118,11 +130,13 @@ def main() -> int:
         }  # fmt: skip
         got = {}
         for name, flags in configs.items():
-            got[name] = run_one(model, flags, args.quick)
+            got[name] = run_one(model, flags, args.quick, args.workload)
             print(f"{name}: {got[name]}", file=sys.stderr, flush=True)  # kept if killed
-        reload = reload_vs_recompute(model, args.pool, args.prefix, args.reps)
+        reload = None
+        if not args.skip_reload:
+            reload = reload_vs_recompute(model, args.pool, args.prefix, args.reps)
     off, host, _, full = (got[n] for n in configs)
-    print(f"\nmulti-turn, pool {args.pool} tokens ({'quick' if args.quick else 'full'})\n")
+    print(f"\n{args.workload}, pool {args.pool} tokens ({'quick' if args.quick else 'full'})\n")
     print("| configuration | cache hit rate | cached tokens | wall (s) | vs unbounded |")
     print("|---|---:|---:|---:|---:|")
     for name, r in got.items():
@@ -135,6 +149,8 @@ def main() -> int:
         f"unbounded pool's, {off['wall'] / host['wall']:.2f}x faster than tiers off, "
         f"{host['moved']:,.0f} tokens moved between tiers"
     )
+    if reload is None:
+        return 0
     print(
         f"\n{args.prefix}-token prefix, time to first token: computed {reload['cold']:.3f} s, "
         f"reloaded from the host tier {reload['reload']:.3f} s "

@@ -144,6 +144,11 @@ def _add_gsp_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-system-prompt-len", type=int, default=2048)
     g.add_argument("--gsp-question-len", type=int, default=128)
     g.add_argument("--gsp-output-len", type=int, default=256)
+    g.add_argument(
+        "--gsp-interleave",
+        action="store_true",
+        help="send the groups' questions round robin instead of group after group",
+    )
 
 
 def _add_stall_args(parser: argparse.ArgumentParser) -> None:

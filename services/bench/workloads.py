@@ -138,13 +138,21 @@ def multi_turn(ns: argparse.Namespace, mk: TextMaker) -> list[Session]:
 
 
 def generated_shared_prefix(ns: argparse.Namespace, mk: TextMaker) -> list[Session]:
-    """SGLang's generated-shared-prefix: groups of questions behind one system prompt each."""
-    sessions = []
+    """SGLang's generated-shared-prefix: groups of questions behind one system prompt each,
+    group after group (--gsp-interleave: question 1 of every group, then question 2, ..., so
+    each system prompt must outlive all the others' to be reused)."""
+    groups = []
     for _ in range(ns.gsp_num_groups):
         system = mk.text(ns.gsp_system_prompt_len)
-        for _ in range(ns.gsp_prompts_per_group):
-            sessions.append(single(system + SEP + mk.text(ns.gsp_question_len), ns.gsp_output_len))
-    return sessions
+        groups.append(
+            [
+                single(system + SEP + mk.text(ns.gsp_question_len), ns.gsp_output_len)
+                for _ in range(ns.gsp_prompts_per_group)
+            ]
+        )
+    if getattr(ns, "gsp_interleave", False):
+        return [g[i] for i in range(ns.gsp_prompts_per_group) for g in groups]
+    return [s for g in groups for s in g]
 
 
 def random_lengths(ns: argparse.Namespace, mk: TextMaker) -> list[Session]:

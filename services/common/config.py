@@ -256,6 +256,15 @@ class SchedulerConfig:
     )
     worker_addr: str = _opt("", "ZeroMQ address of the worker to drive")
     control_port: int = _opt(0, "gRPC control port (flush, stats, health) (0: a free port)")
+    cache_events_port: int = _opt(
+        0,
+        "ZeroMQ PUB port (on --host) where the radix tree's blocks stored and removed are "
+        "published for the frontends' cache-aware routing (0: a free port, reported in "
+        "GetStats; -1: off)",
+    )
+    cache_event_block_tokens: int = _opt(
+        16, "tokens per block in the cache events (the routers' match granularity)"
+    )
     worker_result_timeout: float = _opt(
         120.0,
         "seconds a connected worker may take to answer one batch before its requests fail "

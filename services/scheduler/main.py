@@ -157,6 +157,7 @@ def _serve(
             ctx, cfg.host, cfg.cache_events_port, loop.sched.events, admit_frontends
         )
         loop.sched.events_port = loop.publisher.port
+        loop.sched.publish_stats()  # GetStats tells the frontends where to subscribe
     token = keys.control_token() if keys else ""
     server, port = start_control_server(loop, cfg.host, cfg.control_port, token)
     extra = ""

@@ -330,6 +330,31 @@ secret key, the scheduler's public key and the control token, never an engine's 
       {{- end }}
 {{- end -}}
 
+{{/* The Secret of the shared KV store (engine.sharedKVStore): the user's or the chart's. */}}
+{{- define "radixserve.kvStoreSecret" -}}
+{{- $s := .Values.engine.sharedKVStore -}}
+{{- if $s.deploy -}}
+{{- printf "%s-kvstore" (include "radixserve.fullname" .) -}}
+{{- else -}}
+{{- required "engine.sharedKVStore.existingSecret is required with engine.sharedKVStore.deploy=false: a Secret with key url (and optionally password)" $s.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The worker's --hicache-storage-url and --hicache-storage-password, from the shared KV
+store's Secret: never in argv (ps shows it) or a ConfigMap. A user's Secret may leave the
+password out (the URL holds it, or the server takes none).
+*/}}
+{{- define "radixserve.kvStoreEnv" -}}
+{{- $name := include "radixserve.kvStoreSecret" . -}}
+- name: RADIXSERVE_HICACHE_STORAGE_URL
+  valueFrom:
+    secretKeyRef: {name: {{ $name }}, key: url}
+- name: RADIXSERVE_HICACHE_STORAGE_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ $name }}, key: password{{ if not .Values.engine.sharedKVStore.deploy }}, optional: true{{ end }}}
+{{- end -}}
+
 {{/* The pod's own IP (downward API): internal ports bind it, not every interface. */}}
 {{- define "radixserve.podIpEnv" -}}
 - name: POD_IP
