@@ -28,6 +28,15 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK_TOKENS = 16
 
 
+def block_tokens_for(asked: int, page_size: int) -> int:
+    """The events' block: --cache-event-block-tokens rounded up to whole KV pages. A block
+    inside a page could end in two nodes at once (two sequences sharing part of a page sit
+    in sibling nodes), and one node's eviction would then unlist what the other holds."""
+    if asked < 1:
+        raise ValueError(f"--cache-event-block-tokens must be >= 1, got {asked}")
+    return -(-asked // page_size) * page_size
+
+
 def route_seed(model_id: str) -> bytes:
     """The chain's seed: what a router needs besides the tokens (one model per frontend)."""
     return f"radixserve-route1|{model_id}".encode()

@@ -33,7 +33,7 @@ from services.scheduler import prompt_logprobs, request_spans
 from services.scheduler.admission import QueueLimits
 from services.scheduler.batch import Item
 from services.scheduler.batch_log import BatchLog
-from services.scheduler.cache_events import TreeEvents, route_seed
+from services.scheduler.cache_events import TreeEvents, block_tokens_for, route_seed
 from services.scheduler.decode import DecodeBuilder
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.kv_manager import KVManager
@@ -71,7 +71,10 @@ class Scheduler:
         self.snapshot = engine_pb2.SchedulerStats()
         # The routers' view of the tree; it outlives the trees of restarted workers.
         self.events = (
-            TreeEvents(cfg.cache_event_block_tokens, route_seed(info.model_id))
+            TreeEvents(
+                block_tokens_for(cfg.cache_event_block_tokens, cfg.page_size),
+                route_seed(info.model_id),
+            )
             if cfg.cache_events_port >= 0
             else None
         )

@@ -23,7 +23,8 @@ def server():
 
 
 def _complete(server: Server, prompt: str) -> httpx.Response:
-    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    # Long enough that the burst arrives while the first ones still hold the queue.
+    body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     url = f"http://127.0.0.1:{server.http_port}/v1/completions"
     return httpx.post(url, json=body, timeout=120)
 

@@ -9,16 +9,16 @@ from hypothesis import settings
 from hypothesis.stateful import invariant
 
 from services.common.page_keys import block_keys, split_keys
-from services.scheduler.cache_events import TreeEvents
+from services.scheduler.cache_events import TreeEvents, block_tokens_for
 from services.scheduler.radix_cache import TreeNode
 from tests.property.test_hicache_property import TieredCacheMachine
 from tests.property.test_radix_cache_property import CacheMachine
 
-BLOCK = 2  # blocks straddle nodes (and, at page size 16, sit inside pages)
+BLOCK = 2  # page size 1: blocks straddle nodes; at page size 16, block_tokens_for -> 16
 SEED = b"test-seed"
 
 
-def tree_keys(root: TreeNode) -> set[bytes]:
+def tree_keys(root: TreeNode, page_size: int) -> set[bytes]:
     """Every block that ends inside a node of the tree, hashed from its path."""
     out: set[bytes] = set()
     for ns, anchor in root.children.items():
@@ -26,8 +26,9 @@ def tree_keys(root: TreeNode) -> set[bytes]:
         while stack:
             node, above = stack.pop()
             path = above + [int(t) for t in node.key]
-            first, last = len(above) // BLOCK, len(path) // BLOCK
-            out |= set(block_keys(SEED, ns, path, first, last, BLOCK))
+            b = block_tokens_for(BLOCK, page_size)
+            first, last = len(above) // b, len(path) // b
+            out |= set(block_keys(SEED, ns, path, first, last, b))
             stack.extend((c, path) for c in node.children.values())
     return out
 
@@ -42,8 +43,8 @@ class _Watched:
         if cache is None:
             return
         if cache.events is None:
-            assert not tree_keys(cache.root), "events attached to a tree that holds blocks"
-            cache.events = TreeEvents(BLOCK, SEED)
+            assert not tree_keys(cache.root, cache.page_size), "attached to a tree with blocks"
+            cache.events = TreeEvents(block_tokens_for(BLOCK, cache.page_size), SEED)
             self.index: set[bytes] = set()
             self.last_seq = 0
         msg = cache.events.take()
@@ -56,7 +57,7 @@ class _Watched:
                 self.index.clear()
             self.index -= removed
             self.index |= stored
-        truth = tree_keys(cache.root)
+        truth = tree_keys(cache.root, cache.page_size)
         assert self.index == truth
         snap = cache.events.snapshot(cache.root)
         assert snap.snapshot and snap.seq == self.last_seq

@@ -108,3 +108,37 @@ def test_block_sizes_below_one_are_refused():
 
     with pytest.raises(ValueError, match="--cache-event-block-tokens"):
         TreeEvents(0, b"x")
+
+
+def test_blocks_are_whole_pages():
+    from services.scheduler.cache_events import block_tokens_for
+
+    assert [block_tokens_for(16, p) for p in (1, 4, 16, 32, 64)] == [16, 16, 16, 32, 64]
+    assert block_tokens_for(20, 16) == 32
+    sched, _ = make(page_size=32)
+    assert sched.events is not None and sched.events.block_tokens == 32
+
+
+def test_evicting_one_of_two_sequences_that_share_part_of_a_page_keeps_the_others_blocks():
+    """At page size 16, [0]*8 + [1]*8 and [0]*32 sit in sibling nodes though they share 8
+    tokens: blocks of whole pages keep the shared half out of both."""
+    from services.scheduler.allocator import KVSlotAllocator
+    from services.scheduler.cache_events import block_tokens_for
+    from services.scheduler.radix_cache import RadixCache
+
+    cache = RadixCache(KVSlotAllocator(256, 16), 16, "lru")
+    cache.events = TreeEvents(block_tokens_for(4, 16), b"seed")
+    index: set[bytes] = set()
+    a, b = [0] * 8 + [1] * 8, [0] * 32
+    for seq in (a, b):
+        slots = cache.allocator.alloc(len(seq))
+        assert slots is not None
+        cache.insert_prefix(seq, slots)
+    msg = cache.events.take()
+    assert msg is not None
+    _apply(index, msg)
+    cache.evict(16)  # a, the older leaf
+    msg = cache.events.take()
+    assert msg is not None
+    _apply(index, msg)
+    assert index == set(block_keys(b"seed", "", b, 0, 2, 16))
