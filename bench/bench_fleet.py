@@ -39,6 +39,7 @@ import grpc  # noqa: E402
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from radixserve.v1 import generation_pb2  # noqa: E402
 from services.bench import serving  # noqa: E402
+from services.common.curve import load_keys  # noqa: E402
 from tests.cluster_util import Cluster, until  # noqa: E402
 from tests.conftest import make_tiny_zen_model  # noqa: E402
 from tests.redis_util import RedisServer  # noqa: E402
@@ -82,22 +83,22 @@ def workload(name: str, urls: list[str], quick: bool) -> argparse.Namespace:
     return parser.parse_args(args + common)
 
 
-def _stats(addr: str) -> engine_pb2.SchedulerStats:
-    with grpc.insecure_channel(addr) as ch:
-        return engine_pb2_grpc.SchedulerControlStub(ch).GetStats(
-            engine_pb2.StatsRequest(), timeout=5
+def _flush(c: Cluster, ip: str) -> None:
+    keys = load_keys(str(c.log_dir / "keys"))
+    assert keys is not None
+    auth = [("authorization", f"Bearer {keys.control_token()}")]
+    with grpc.insecure_channel(f"{ip}:{c.control}") as ch:
+        stub = engine_pb2_grpc.SchedulerControlStub(ch)
+        until(
+            lambda: stub.GetStats(engine_pb2.StatsRequest(), metadata=auth).num_running_reqs == 0,
+            30,
+            "engine idle",
         )
-
-
-def _flush(addr: str) -> None:
-    with grpc.insecure_channel(addr) as ch:
-        reply = engine_pb2_grpc.SchedulerControlStub(ch).FlushCache(
-            engine_pb2.FlushRequest(), timeout=30
-        )
+        reply = stub.FlushCache(engine_pb2.FlushRequest(), metadata=auth, timeout=30)
     assert reply.flushed, reply.message
 
 
-def run_routing(model: Path, quick: bool) -> list[dict]:
+def run_routing(model: Path, quick: bool, policies: list[str], workloads: list[str]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="radixserve-fleet-") as tmp:
         c = Cluster(Path(tmp))
@@ -107,10 +108,11 @@ def run_routing(model: Path, quick: bool) -> list[dict]:
             c.publish(IPS)
             for ip in IPS:
                 c.wait_engine(ip)
-            for name in ("multi-turn", "gsp"):
+            for name in workloads:
                 alone = _run_alone(c, model, name, quick)
                 rows.append({"workload": name, "policy": "one engine", **alone})
-                for policy in POLICIES:
+                print(rows[-1], flush=True)
+                for policy in policies:
                     rows.append(
                         {"workload": name, "policy": policy, **_run(c, model, name, policy, quick)}
                     )
@@ -129,7 +131,7 @@ def _requests_done(c: Cluster) -> dict[str, float]:
 
 def _run(c: Cluster, model: Path, name: str, policy: str, quick: bool) -> dict:
     for ip in IPS:
-        _flush(f"{ip}:{c.control}")
+        _flush(c, ip)
     for proc, _ in c.frontends:
         proc.terminate()
         proc.wait(30)
@@ -216,11 +218,13 @@ def main() -> None:
     p.add_argument("--skip-routing", action="store_true")
     p.add_argument("--skip-reuse", action="store_true")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma separated")
+    p.add_argument("--workloads", default="multi-turn,gsp", help="comma separated")
     ns = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if not ns.skip_routing:
             model = make_tiny_zen_model(Path(tmp) / "routing", **ROUTING_MODEL)
-            rows = run_routing(model, ns.quick)
+            rows = run_routing(model, ns.quick, ns.policies.split(","), ns.workloads.split(","))
             print("| workload | policy | cached tokens | of one engine's | max / mean load "
                   "| requests per engine | wall s |")  # fmt: skip
             print("|---|---|---|---|---|---|---|")

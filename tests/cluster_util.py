@@ -187,4 +187,5 @@ class Cluster:
         self.dns.stop()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.log_dir.iterdir())
+        logs = sorted(self.log_dir.glob("*.log"))
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)

@@ -149,16 +149,26 @@ class Router:
         self, key: bytes, loads: Mapping[str, int], matched: Callable[[str], int]
     ) -> Decision:
         p = self.params
-        if imbalanced(loads, p.balance_abs, p.balance_rel):
-            engine = _least_loaded(key, loads)
-            return Decision(engine, "balance", matched(engine))
+        # The engines the balance rule leaves in: those not so far above the least loaded
+        # that the two would be imbalanced (the least loaded always stays). An overloaded
+        # engine sheds new requests to the best of the rest, not to whoever is emptiest,
+        # so a conversation moves only when its own engine is the overloaded one.
+        low = min(loads.values())
+        fit = {
+            n: v
+            for n, v in loads.items()
+            if not imbalanced({n: v, "": low}, p.balance_abs, p.balance_rel)
+        }
         order = ranking(key, list(loads))
         tokens = {name: matched(name) for name in order}
         # Most matched, then least loaded, then rendezvous order (min is stable: first wins).
         best = min(order, key=lambda n: (-tokens[n], loads[n]))
+        if best not in fit:
+            best = min((n for n in order if n in fit), key=lambda n: (-tokens[n], loads[n]))
+            return Decision(best, "balance", tokens[best])
         if tokens[best] >= max(p.min_match_tokens, 1):
             return Decision(best, "cache_hit", tokens[best])
-        engine = pick(key, loads, p.load_factor)
+        engine = pick(key, fit, p.load_factor)
         return Decision(engine, "fallback", tokens[engine])
 
 

@@ -158,11 +158,17 @@ def _choose(loads: dict[str, int], matched: dict[str, int], key: bytes = b"k", *
     return Router(RoutingParams(**kw)).choose(key, loads, lambda n: matched.get(n, 0))
 
 
-def test_a_balance_goes_to_the_least_loaded_when_both_thresholds_are_passed():
+def test_a_an_overloaded_engine_sheds_to_the_best_of_the_rest():
     matched = {"10.0.0.1": 2048}
-    # 10 - 5 > 4 and 10 > 1.5 x 5: imbalanced, the cache does not count
+    # 10 - 5 > 4 and 10 > 1.5 x 5: .1 is out; of the rest, the least loaded
     d = _choose({"10.0.0.1": 10, "10.0.0.2": 5, "10.0.0.3": 6}, matched)
     assert (d.engine, d.branch) == ("10.0.0.2", "balance")
+    # ... unless another holds some of the prompt: .3 (within the bound of .2) wins by it
+    d = _choose({"10.0.0.1": 10, "10.0.0.2": 5, "10.0.0.3": 6}, {**matched, "10.0.0.3": 256})
+    assert (d.engine, d.branch, d.matched_tokens) == ("10.0.0.3", "balance", 256)
+    # an overloaded engine that holds nothing of the prompt changes nothing
+    d = _choose({"10.0.0.1": 0, "10.0.0.2": 10, "10.0.0.3": 1}, matched)
+    assert (d.engine, d.branch) == ("10.0.0.1", "cache_hit")
     # only the absolute spread: 20 - 15 > 4 but 20 < 1.5 x 15
     d = _choose({"10.0.0.1": 20, "10.0.0.2": 15, "10.0.0.3": 16}, matched)
     assert (d.engine, d.branch) == ("10.0.0.1", "cache_hit")
