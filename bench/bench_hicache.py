@@ -40,14 +40,15 @@ MODEL = dict(
 )
 
 
-def workload_args(base_url: str, quick: bool, workload: str) -> argparse.Namespace:
+def workload_args(base_url: str, quick: bool, workload: str, model: Path) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     serving.add_bench_args(parser)
     common = ["--base-url", base_url, "--ignore-eos", "--seed", "1", "--max-concurrency", "8"]
     if workload == "gsp":  # 32 system prompts of 2,048 tokens: 4x a 16,384-token pool
         groups, per_group = ("8", "2") if quick else ("32", "6")
         return parser.parse_args(
-            common + ["--workload", "generated-shared-prefix", "--gsp-num-groups", groups,
+            common + ["--tokenizer", str(model), "--workload", "generated-shared-prefix",
+                      "--gsp-num-groups", groups,
                       "--gsp-prompts-per-group", per_group, "--gsp-system-prompt-len", "2048",
                       "--gsp-question-len", "64", "--gsp-output-len", "16", "--gsp-interleave"]
         )  # fmt: skip
@@ -60,7 +61,7 @@ def workload_args(base_url: str, quick: bool, workload: str) -> argparse.Namespa
 
 def run_one(model: Path, flags: list[str], quick: bool, workload: str) -> dict[str, float]:
     with Server(*flags, model=model, metrics=True, timeout=600) as s:
-        ns = workload_args(f"http://127.0.0.1:{s.http_port}", quick, workload)
+        ns = workload_args(f"http://127.0.0.1:{s.http_port}", quick, workload, model)
         start = time.perf_counter()
         rep = serving.benchmark(ns)
         wall = time.perf_counter() - start
