@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))  # for tests.* when run as `python bench/...`
 
 import grpc  # noqa: E402
 
+from bench.bench_hicache import MODEL as REUSE_MODEL  # noqa: E402  (the ~25M Llama)
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from radixserve.v1 import generation_pb2  # noqa: E402
 from services.bench import serving  # noqa: E402
@@ -54,14 +55,6 @@ ROUTING_MODEL = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=4096,
-)
-REUSE_MODEL = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=8192,
 )
 
 
