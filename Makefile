@@ -15,12 +15,18 @@ PYTEST_ARGS ?=
 # dev extras. 0.4.10.post2 because its client imports with just those, and its
 # RuntimeEndpoint speaks the same /generate wire as the newest client.
 SGLANG_CLIENT := 'sglang==0.4.10.post2'
+# SGLang's newest frontend language too, beside .venv (git-ignored), for the program tests
+# that also run on it: 0.5.x imports with .venv's packages plus orjson and msgspec, and its
+# client sends what 0.4.10's does not (stop_regex in every gen).
+SGLANG_NEXT       := 'sglang==0.5.23' 'orjson==3.13.0' 'msgspec==0.23.0'
+SGLANG_NEXT_DIR   := .sglang-next
+SGLANG_NEXT_STAMP := $(SGLANG_NEXT_DIR)/.installed
 # The GPU machine's Triton, installed beside .venv for the compile rehearsal (git-ignored).
 DEVICE_TRITON   := 'triton==3.6.*'
 REHEARSAL       := .gpu-rehearsal
 REHEARSAL_STAMP := $(REHEARSAL)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean gpu-rehearsal gpu-wheels system-deps
+.PHONY: setup run test test-fast lint format bench bench-seeds bench-peers protos clean gpu-rehearsal gpu-wheels system-deps sglang-next
 
 setup: $(STAMP) system-deps
 
@@ -44,8 +50,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/radixserve serve --port 30000
 
-test: $(STAMP) $(REHEARSAL_STAMP) system-deps
+test: $(STAMP) $(REHEARSAL_STAMP) $(SGLANG_NEXT_STAMP) system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# An unreachable registry leaves no stamp: the test on the newest client then skips, saying why.
+$(SGLANG_NEXT_STAMP): | $(STAMP)
+	rm -rf $(SGLANG_NEXT_DIR)
+	$(PIP) --no-deps --target $(SGLANG_NEXT_DIR)/site $(SGLANG_NEXT) \
+		&& touch $@ || echo "sglang-next: could not install $(SGLANG_NEXT); its test will skip"
+
+sglang-next: $(SGLANG_NEXT_STAMP)
 
 # The GPU machine's Triton (3.6) beside .venv's, for compiling every kernel the GPU check
 # launches for sm_90 here (bench/gpu_compile.py; tests/unit/test_kernels_compile.py runs it).

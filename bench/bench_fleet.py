@@ -130,8 +130,9 @@ def _run(c: Cluster, model: Path, name: str, policy: str, quick: bool) -> dict:
         proc.wait(30)
     c.frontends.clear()
     c.http_ports.clear()
+    policy_name, *extra = policy.split(":")  # "cache_aware:--routing-balance-abs-threshold=8"
     for _ in range(2):
-        c.start_frontend(f"--routing-policy={policy}", model=model, http=True)
+        c.start_frontend(f"--routing-policy={policy_name}", *extra, model=model, http=True)
     urls = [f"http://127.0.0.1:{p}" for p in c.http_ports]
     for url in urls:
         until(partial(_ready, url), 60, f"frontend {url} ready")
@@ -143,6 +144,7 @@ def _run(c: Cluster, model: Path, name: str, policy: str, quick: bool) -> dict:
     taken = {ip: n - before[ip] for ip, n in _requests_done(c).items()}
     mean = sum(taken.values()) / len(taken)
     return {
+        "branches": _branches(urls),
         "cached": rep["cached_tokens"],
         "prompt": rep["input_tokens"],
         "errors": rep["errors"],
@@ -150,6 +152,22 @@ def _run(c: Cluster, model: Path, name: str, policy: str, quick: bool) -> dict:
         "taken": taken,
         "wall_s": wall,
     }
+
+
+def _branches(urls: list[str]) -> dict[str, int]:
+    """Routing decisions of every frontend, by what decided them."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for url in urls:
+        body = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        for fam in text_string_to_metric_families(body):
+            for s in fam.samples:
+                if s.name == "radixserve:frontend_routing_decisions_total":
+                    out[s.labels["branch"]] = out.get(s.labels["branch"], 0) + int(s.value)
+    return out
 
 
 def _run_alone(c: Cluster, model: Path, name: str, quick: bool) -> dict:
@@ -181,18 +199,35 @@ def run_reuse(model: Path, reps: int) -> dict:
         with Server(*flags, model=model, timeout=600) as a, Server(*flags, model=model) as b:
             for rep in range(reps):
                 doc = [(7 * i + 13 * rep) % 590 + 5 for i in range(4096)]  # the vocabulary: 596
+                # B writes what it computes too (write_through): count from a settled store,
+                # so that A's pages, not B's last ones, are what is waited for.
+                before = _settled_pages(redis)
                 _ttft(a, doc, f"warm-{rep}")  # A computes and writes the pages
-                want = (rep + 1) * 4096 // 64
-                until(partial(_enough_pages, redis, want), 60, "pages stored")
+                until(partial(_enough_pages, redis, before + 4096 // 64), 60, "pages stored")
                 loaded.append(_ttft(b, doc + [11], f"warm-{rep}"))
                 computed.append(_ttft(b, doc + [11], f"cold-{rep}"))
     lo, co = statistics.median(loaded), statistics.median(computed)
     return {"loaded_s": lo, "computed_s": co, "speedup": co / lo}
 
 
-def _enough_pages(redis: RedisServer, want: int) -> bool:
+def _pages(redis: RedisServer) -> int:
     with redis.client() as c:
-        return sum(1 for _ in c.scan_iter(match="radixserve:kv:*", count=1000)) >= want
+        return sum(1 for _ in c.scan_iter(match="radixserve:kv:*", count=1000))
+
+
+def _enough_pages(redis: RedisServer, want: int) -> bool:
+    return _pages(redis) >= want
+
+
+def _settled_pages(redis: RedisServer) -> int:
+    """The page count once no write has landed for half a second."""
+    count = _pages(redis)
+    while True:
+        time.sleep(0.5)
+        now = _pages(redis)
+        if now == count:
+            return count
+        count = now
 
 
 def _ttft(s: Server, ids: list[int], salt: str) -> float:
@@ -211,7 +246,11 @@ def main() -> None:
     p.add_argument("--skip-routing", action="store_true")
     p.add_argument("--skip-reuse", action="store_true")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma separated")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma separated; a policy may carry frontend flags: cache_aware:--flag=v:--flag2=w",
+    )
     p.add_argument("--workloads", default="multi-turn,gsp", help="comma separated")
     ns = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

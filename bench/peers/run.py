@@ -129,7 +129,18 @@ def workloads(model: str, quick: bool) -> list[Workload]:
                  flags("--workload prefill-stall --num-prompts {n} --input-len 288 "
                        "--output-len {o} --ignore-eos --stall-prompts {k} --stall-input-len 1000",
                        n=c.stall_streams, o=c.out_len, k=c.stall_long)),
+        # Issue 38's agent-style run: a 1,500-token system prompt with tool schemas shared
+        # by 16 tasks at once, each 6 turns (5 tool round trips: a 32-token call, then a
+        # 64-token tool result appended to the whole history).
+        Workload("agent", "agent: 16 tasks x 5 tool round trips behind a 1,500-token "
+                 "system prompt, 64-token results, 32-token calls",
+                 flags("--workload multi-turn --num-prompts 16 --num-turns 6 "
+                       "--system-prompt-len 1500 --input-len 64 --output-len 32 "
+                       "--max-concurrency 16 --ignore-eos")),
     ]  # fmt: skip
+
+
+DEFAULT_WORKLOADS = "shared,distinct,decode-16,decode-64,decode-8,stall"
 
 
 # ---- servers --------------------------------------------------------------------------
@@ -343,6 +354,9 @@ def measures(loads: list[Workload]) -> list[Measure]:
         Measure("stall", "decode ITL p50", ("groups", "decode", "itl_ms", "p50"), False, "ms"),
         Measure("stall", "decode ITL p99", ("groups", "decode", "itl_ms", "p99"), False, "ms"),
         Measure("stall", "ITL p99 / p50", ("stall_ratio",), False),
+        Measure("agent", "wall time", ("wall_s",), False, "s"),
+        Measure("agent", "cache hit rate", ("cache_hit_rate",), True),
+        Measure("agent", "TTFT p50", ("ttft_ms", "p50"), False, "ms"),
     ]
     return ms
 
@@ -524,6 +538,11 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
+        "--workloads",
+        default=DEFAULT_WORKLOADS,
+        help="comma separated: shared, distinct, decode-N, stall (issue 18's); agent (issue 38's)",
+    )
+    ap.add_argument(
         "--port-base", type=int, default=31000, help="radixserve gRPC here, HTTP +80, vLLM +180"
     )
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
@@ -563,15 +582,21 @@ def start_servers(servers: dict[str, Server], ns: argparse.Namespace, model_dir:
         warm_up(s, model_dir)
 
 
+def chosen(model: str, quick: bool, names: str) -> list[Workload]:
+    """The workloads named (comma separated), in their usual order."""
+    wanted = set(names.split(","))
+    return [w for w in workloads(model, quick) if w.name in wanted]
+
+
 def run_rounds(servers: dict[str, Server], ns: argparse.Namespace, model_dir: Path) -> list:
-    loads = workloads(ns.model, ns.quick)
+    loads = chosen(ns.model, ns.quick, ns.workloads)
     return [one_round(r, servers, loads, model_dir, ns.seed * 100_000) for r in range(ns.rounds)]
 
 
 def report(saved: dict[str, Any], ns: argparse.Namespace, out_dir: Path) -> None:
     """The table (printed), the plot, and with --write-docs the docs section."""
     model, rounds = saved["model"], saved["rounds"]
-    loads = workloads(model, saved["quick"])
+    loads = chosen(model, saved["quick"], saved.get("workloads", DEFAULT_WORKLOADS))
     table = rows(rounds, loads)
     errors = {s: sum(r[s][w.name]["errors"] for r in rounds for w in loads) for s in SERVERS}
     cfg = json.loads((make(model) / "config.json").read_text())
@@ -592,6 +617,7 @@ def run(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     saved = {
         "model": ns.model,
         "quick": ns.quick,
+        "workloads": ns.workloads,
         "threads": ns.threads,
         "kv_gib": ns.kv_gib,
         "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),

@@ -28,7 +28,9 @@ class GenerateOptions(TypedDict, total=False):
     frequency_penalty: float
     presence_penalty: float
     stop: str | Sequence[str]  # the text is cut before the match
+    stop_regex: str | Sequence[str]  # Python regular expressions; cut as stop strings are
     stop_token_ids: Sequence[int]
+    logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100], added to its logit
     ignore_eos: bool
     logprobs: bool  # the logprob of each chosen token
     top_logprobs: int  # and this many alternatives (implies logprobs)
@@ -37,6 +39,7 @@ class GenerateOptions(TypedDict, total=False):
     regex: str  # the output fully matches this regular expression
     ebnf: str  # the output follows this GBNF grammar (root rule "root")
     json_object: bool  # the output is some JSON object
+    structural_tag: str  # xgrammar structural-tag JSON: free text with constrained tags
     priority: int
     cache_salt: str  # requests with different salts never share cached KV
     request_id: str
@@ -105,7 +108,12 @@ def _sampling(spec: OutputSpec[Any] | None, options: GenerateOptions) -> pb.Samp
     stop = options.get("stop")
     if stop is not None:
         sp.stop.extend([stop] if isinstance(stop, str) else stop)
+    regexes = options.get("stop_regex")
+    if regexes is not None:
+        sp.stop_regex.extend([regexes] if isinstance(regexes, str) else regexes)
     sp.stop_token_ids.extend(options.get("stop_token_ids", ()))
+    bias = options.get("logit_bias", {})
+    sp.logit_bias.extend(pb.LogitBias(token_id=t, bias=b) for t, b in bias.items())
     _set_constraint(sp, spec, options)
     return sp
 
@@ -119,6 +127,7 @@ def _set_constraint(
         "regex": options.get("regex") is not None,
         "ebnf": options.get("ebnf") is not None,
         "json_object": bool(options.get("json_object")),
+        "structural_tag": options.get("structural_tag") is not None,
     }
     chosen = [name for name, on in given.items() if on]
     if len(chosen) > 1:
@@ -131,6 +140,8 @@ def _set_constraint(
         sp.ebnf = ebnf
     elif options.get("json_object"):
         sp.json_object = True
+    elif (tag := options.get("structural_tag")) is not None:
+        sp.structural_tag = tag
 
 
 def _set_prompt(req: pb.GenerateRequest, prompt: Prompt) -> None:

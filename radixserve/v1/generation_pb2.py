@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eradixserve/v1/generation.proto\x12\rradixserve.v1\"\x17\n\x08InputIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.radixserve.v1.ChatMessage\"\xce\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x11 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x12 \x01(\x08H\x00\x12\x17\n\x0fprompt_logprobs\x18\x13 \x01(\x08\x12\"\n\x15prompt_logprobs_start\x18\x14 \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x15 \x01(\x05H\x0c\x88\x01\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x0f\n\r_top_logprobsB\x18\n\x16_prompt_logprobs_startB\r\n\x0b_min_tokens\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\tinput_ids\x18\x03 \x01(\x0b\x32\x17.radixserve.v1.InputIdsH\x00\x12/\n\x08messages\x18\x04 \x01(\x0b\x32\x1b.radixserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.radixserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.radixserve.v1.TopLogprob\"\\\n\x07Timings\x12\x12\n\nqueue_time\x18\x01 \x01(\x01\x12\x14\n\x0cprefill_time\x18\x02 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_time\x18\x03 \x01(\x01\x12\x12\n\ntotal_time\x18\x04 \x01(\x01\"\xad\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.radixserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\x05\x12\'\n\x07timings\x18\n \x01(\x0b\x32\x16.radixserve.v1.Timings\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.radixserve.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x0c \x01(\x05\x12\x41\n\x15\x63\x61\x63hed_tokens_details\x18\r \x01(\x0b\x32\".radixserve.v1.CachedTokensDetails\"D\n\x13\x43\x61\x63hedTokensDetails\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\x05\x12\x0f\n\x07storage\x18\x03 \x01(\x05\"[\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\x08messages\x18\x02 \x01(\x0b\x32\x1b.radixserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xaf\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x1c\n\x14max_total_num_tokens\x18\x05 \x01(\x03\x12\x13\n\x0bnum_engines\x18\x06 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\"$\n\x11\x46lushCacheRequest\x12\x0f\n\x07storage\x18\x01 \x01(\x08\"6\n\x12\x46lushCacheResponse\x12\x0f\n\x07\x66lushed\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd4\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.radixserve.v1.GenerateRequest\x1a\x1f.radixserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.radixserve.v1.TokenizeRequest\x1a\x1f.radixserve.v1.TokenizeResponse\x12W\n\x0cGetModelInfo\x12\".radixserve.v1.GetModelInfoRequest\x1a#.radixserve.v1.GetModelInfoResponse\x12Q\n\nFlushCache\x12 .radixserve.v1.FlushCacheRequest\x1a!.radixserve.v1.FlushCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eradixserve/v1/generation.proto\x12\rradixserve.v1\"\x17\n\x08InputIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.radixserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"`\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.radixserve.v1.ChatMessage\x12\"\n\x05tools\x18\x02 \x03(\x0b\x32\x13.radixserve.v1.Tool\"\xaa\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x11 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x12 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x16 \x01(\tH\x00\x12\x17\n\x0fprompt_logprobs\x18\x13 \x01(\x08\x12\"\n\x15prompt_logprobs_start\x18\x14 \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x15 \x01(\x05H\x0c\x88\x01\x01\x12,\n\nlogit_bias\x18\x17 \x03(\x0b\x32\x18.radixserve.v1.LogitBias\x12\x12\n\nstop_regex\x18\x18 \x03(\tB\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x0f\n\r_top_logprobsB\x18\n\x16_prompt_logprobs_startB\r\n\x0b_min_tokens\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\xff\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\tinput_ids\x18\x03 \x01(\x0b\x32\x17.radixserve.v1.InputIdsH\x00\x12/\n\x08messages\x18\x04 \x01(\x0b\x32\x1b.radixserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.radixserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\x05\x42\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.radixserve.v1.TopLogprob\"\\\n\x07Timings\x12\x12\n\nqueue_time\x18\x01 \x01(\x01\x12\x14\n\x0cprefill_time\x18\x02 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_time\x18\x03 \x01(\x01\x12\x12\n\ntotal_time\x18\x04 \x01(\x01\"\xbc\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.radixserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\x05\x12\'\n\x07timings\x18\n \x01(\x0b\x32\x16.radixserve.v1.Timings\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.radixserve.v1.TokenLogprob\x12\x1d\n\x15prompt_logprobs_start\x18\x0c \x01(\x05\x12\x41\n\x15\x63\x61\x63hed_tokens_details\x18\r \x01(\x0b\x32\".radixserve.v1.CachedTokensDetails\x12\r\n\x05index\x18\x0e \x01(\x05\"D\n\x13\x43\x61\x63hedTokensDetails\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\x05\x12\x0f\n\x07storage\x18\x03 \x01(\x05\"[\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\x08messages\x18\x02 \x01(\x0b\x32\x1b.radixserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xaf\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x1c\n\x14max_total_num_tokens\x18\x05 \x01(\x03\x12\x13\n\x0bnum_engines\x18\x06 \x01(\x05\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\"$\n\x11\x46lushCacheRequest\x12\x0f\n\x07storage\x18\x01 \x01(\x08\"6\n\x12\x46lushCacheResponse\x12\x0f\n\x07\x66lushed\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd4\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.radixserve.v1.GenerateRequest\x1a\x1f.radixserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.radixserve.v1.TokenizeRequest\x1a\x1f.radixserve.v1.TokenizeResponse\x12W\n\x0cGetModelInfo\x12\".radixserve.v1.GetModelInfoRequest\x1a#.radixserve.v1.GetModelInfoResponse\x12Q\n\nFlushCache\x12 .radixserve.v1.FlushCacheRequest\x1a!.radixserve.v1.FlushCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INPUTIDS']._serialized_start=49
   _globals['_INPUTIDS']._serialized_end=72
   _globals['_CHATMESSAGE']._serialized_start=74
-  _globals['_CHATMESSAGE']._serialized_end=118
-  _globals['_CHATMESSAGES']._serialized_start=120
-  _globals['_CHATMESSAGES']._serialized_end=180
-  _globals['_SAMPLINGPARAMS']._serialized_start=183
-  _globals['_SAMPLINGPARAMS']._serialized_end=901
-  _globals['_GENERATEREQUEST']._serialized_start=904
-  _globals['_GENERATEREQUEST']._serialized_end=1148
-  _globals['_TOPLOGPROB']._serialized_start=1150
-  _globals['_TOPLOGPROB']._serialized_end=1197
-  _globals['_TOKENLOGPROB']._serialized_start=1199
-  _globals['_TOKENLOGPROB']._serialized_end=1288
-  _globals['_TIMINGS']._serialized_start=1290
-  _globals['_TIMINGS']._serialized_end=1382
-  _globals['_GENERATERESPONSE']._serialized_start=1385
-  _globals['_GENERATERESPONSE']._serialized_end=1814
-  _globals['_CACHEDTOKENSDETAILS']._serialized_start=1816
-  _globals['_CACHEDTOKENSDETAILS']._serialized_end=1884
-  _globals['_TOKENIZEREQUEST']._serialized_start=1886
-  _globals['_TOKENIZEREQUEST']._serialized_end=1977
-  _globals['_TOKENIZERESPONSE']._serialized_start=1979
-  _globals['_TOKENIZERESPONSE']._serialized_end=2026
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2028
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2049
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2052
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2227
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=2229
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=2265
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=2267
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=2321
-  _globals['_GENERATION']._serialized_start=2324
-  _globals['_GENERATION']._serialized_end=2664
+  _globals['_CHATMESSAGE']._serialized_end=199
+  _globals['_TOOLCALL']._serialized_start=201
+  _globals['_TOOLCALL']._serialized_end=256
+  _globals['_TOOL']._serialized_start=258
+  _globals['_TOOL']._serialized_end=319
+  _globals['_CHATMESSAGES']._serialized_start=321
+  _globals['_CHATMESSAGES']._serialized_end=417
+  _globals['_SAMPLINGPARAMS']._serialized_start=420
+  _globals['_SAMPLINGPARAMS']._serialized_end=1230
+  _globals['_LOGITBIAS']._serialized_start=1232
+  _globals['_LOGITBIAS']._serialized_end=1275
+  _globals['_GENERATEREQUEST']._serialized_start=1278
+  _globals['_GENERATEREQUEST']._serialized_end=1533
+  _globals['_TOPLOGPROB']._serialized_start=1535
+  _globals['_TOPLOGPROB']._serialized_end=1582
+  _globals['_TOKENLOGPROB']._serialized_start=1584
+  _globals['_TOKENLOGPROB']._serialized_end=1673
+  _globals['_TIMINGS']._serialized_start=1675
+  _globals['_TIMINGS']._serialized_end=1767
+  _globals['_GENERATERESPONSE']._serialized_start=1770
+  _globals['_GENERATERESPONSE']._serialized_end=2214
+  _globals['_CACHEDTOKENSDETAILS']._serialized_start=2216
+  _globals['_CACHEDTOKENSDETAILS']._serialized_end=2284
+  _globals['_TOKENIZEREQUEST']._serialized_start=2286
+  _globals['_TOKENIZEREQUEST']._serialized_end=2377
+  _globals['_TOKENIZERESPONSE']._serialized_start=2379
+  _globals['_TOKENIZERESPONSE']._serialized_end=2426
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2428
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2449
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2452
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2627
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=2629
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=2665
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=2667
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=2721
+  _globals['_GENERATION']._serialized_start=2724
+  _globals['_GENERATION']._serialized_end=3064
 # @@protoc_insertion_point(module_scope)

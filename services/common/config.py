@@ -353,10 +353,10 @@ class FrontendConfig:
         "prefixes on one engine longer)",
     )
     routing_balance_abs_threshold: int = _opt(
-        4,
-        "cache_aware: the loads (running + waiting requests) are imbalanced, and a request "
-        "goes to the least loaded engine, when max - min exceeds this and max exceeds "
-        "--routing-balance-rel-threshold x min",
+        8,
+        "cache_aware: an engine whose load (running + waiting requests) exceeds the least "
+        "loaded one's by more than this, and --routing-balance-rel-threshold times it, takes "
+        "no new request",
     )
     routing_balance_rel_threshold: float = _opt(
         1.5, "cache_aware: the relative half of the imbalance test (>= 1)"
@@ -366,7 +366,32 @@ class FrontendConfig:
         "cache_aware: the fewest cached prompt tokens that send a request to the engine "
         "holding the most of them (fewer: prefix_hash decides) (>= 1)",
     )
+    routing_hot_prefix_forks: int = _opt(
+        16,
+        "cache_aware: a prefix that this many different prompts went on from counts as held "
+        "by every engine once one holds it (a shared system prompt: requests behind it spread "
+        "by load, each engine computes it once) (0: off)",
+    )
+    routing_load_cost_tokens: int = _opt(
+        64,
+        "cache_aware: cached prompt tokens one more request in an engine's load is worth; "
+        "an engine is scored by its matched tokens minus this times its load (0: the most "
+        "matched wins whatever the load, short of --routing-balance-*)",
+    )
     max_model_len: int = _opt(0, "context length (0: asked from the engines)")
+    tool_call_parser: str = _opt(
+        "auto",
+        "how the model writes tool calls, read into /v1/chat/completions tool_calls "
+        "(docs/tools.md); auto: from the chat template's own call markup (tools are refused "
+        "when it shows none)",
+        choices="services.frontend.chat_tools:tool_parser_choices",
+    )
+    reasoning_parser: str = _opt(
+        "none",
+        "split a thinking model's <think>...</think> off into reasoning_content "
+        "(docs/tools.md); none: the whole answer is content",
+        choices="services.frontend.chat_tools:reasoning_parser_choices",
+    )
     max_request_bytes: int = _opt(
         8 << 20, "HTTP request bodies larger than this are refused with 413 before parsing"
     )
@@ -406,6 +431,8 @@ class FrontendConfig:
             ("--routing-balance-abs-threshold", self.routing_balance_abs_threshold, 0),
             ("--routing-balance-rel-threshold", self.routing_balance_rel_threshold, 1),
             ("--routing-min-match-tokens", self.routing_min_match_tokens, 1),
+            ("--routing-load-cost-tokens", self.routing_load_cost_tokens, 0),
+            ("--routing-hot-prefix-forks", self.routing_hot_prefix_forks, 0),
         ):
             if not value >= least:  # NaN too
                 raise ValueError(f"{flag} must be >= {least}, got {value}")

@@ -14,6 +14,9 @@ from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 128  # the engine's max_tokens when a request leaves it unset
+# logit_bias: entries at most (each costs the worker a scatter per step), and OpenAI's range.
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_RANGE = 100.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,25 @@ def sampling_bound_problem(sp: Any) -> tuple[str, str] | None:
             "sampling.prompt_logprobs_start",
             f"must be >= 0, got {sp.prompt_logprobs_start}",
         )
-    return None
+    problem = logit_bias_problem(sp.logit_bias)
+    return ("sampling.logit_bias", problem) if problem else None
+
+
+def logit_bias_problem(entries: Any) -> str:
+    """What is wrong with LogitBias entries (the vocabulary aside: each side knows its own)."""
+    if len(entries) > MAX_LOGIT_BIAS:
+        return f"at most {MAX_LOGIT_BIAS} entries, got {len(entries)}"
+    seen: set[int] = set()
+    for e in entries:
+        if not (math.isfinite(e.bias) and abs(e.bias) <= LOGIT_BIAS_RANGE):
+            return (
+                f"the bias of token {e.token_id} must be in "
+                f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {e.bias:g}"
+            )
+        if e.token_id in seen:
+            return f"token {e.token_id} is given twice"
+        seen.add(e.token_id)
+    return ""
 
 
 def _min_tokens_problem(min_tokens: int, max_tokens: int | None) -> str:

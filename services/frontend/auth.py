@@ -4,8 +4,9 @@ With ``--api-key`` set, every HTTP request needs ``Authorization: Bearer <key>``
 OpenAI routes, /generate, /flush_cache, /metrics, /docs, /openapi.json, anything added
 later) and every gRPC call the same as metadata, except health probes: a route is open only
 when it is listed here, so a new route is protected by default. Admin routes and RPCs (cache
-flush) take ``--admin-api-key`` when that is set. The HTTP check is plain ASGI, so a
-streamed answer passes through untouched (starlette's BaseHTTPMiddleware would buffer it).
+flush, SGLang's /abort_request) take ``--admin-api-key`` when that is set. The HTTP check is
+plain ASGI, so a streamed answer passes through untouched (starlette's BaseHTTPMiddleware
+would buffer it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 READY_PATHS = ("/health", "/healthz", "/ready", "/readyz", "/readiness")
 LIVE_PATHS = ("/livez", "/live", "/liveness")
 HEALTH_PATHS = frozenset(READY_PATHS + LIVE_PATHS)
-ADMIN_PATHS = frozenset({"/flush_cache"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})  # it aborts others' requests
 ADMIN_RPCS = frozenset({f"/{SERVICE_NAME}/FlushCache"})
 METRICS_PATH = "/metrics"
 

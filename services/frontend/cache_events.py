@@ -17,7 +17,9 @@ subscriber keeps the index equal to the tree by these rules:
   asked wait in the socket's queue, so none is lost and none applies twice;
 - on connecting, a snapshot at once (the stream only says what changes);
 - silence for EVENTS_SILENT_S (five heartbeats missed): what the index says is no longer
-  known, so it empties until the stream speaks again.
+  known, so it empties until the stream speaks again;
+- every message carries the engine's load (running + waiting requests), whatever its seq:
+  it goes to ``on_load`` at once, fresher than the GetStats probes.
 
 Nothing is unpickled: every frame is parsed as a CacheEvents (transport.decode) and checked
 (whole keys), and a malformed one is counted and logged at most every few seconds, then
@@ -71,8 +73,9 @@ class EventFollower:
     """The stream's bookkeeping, without sockets: which messages apply and when the index
     needs a snapshot (``wanted``: why; None while it does not)."""
 
-    def __init__(self, index: CacheIndex) -> None:
+    def __init__(self, index: CacheIndex, on_load: Callable[[int], None] | None = None) -> None:
         self.index = index
+        self.on_load = on_load
         self.instance: str | None = None
         self.seq = 0
         self.synced = False
@@ -80,6 +83,8 @@ class EventFollower:
 
     def on_message(self, msg: engine_pb2.CacheEvents) -> None:
         """One checked message of the stream (check_events)."""
+        if self.on_load is not None and msg.HasField("num_requests"):
+            self.on_load(msg.num_requests)
         index = self.index
         regeared = msg.block_tokens and (msg.block_tokens, msg.seed) != (
             index.block_tokens,
@@ -131,9 +136,10 @@ class CacheSubscriber:
         setup: SocketSetup | None = None,
         name: str = "",
         on_resync: Callable[[str], None] | None = None,
+        on_load: Callable[[int], None] | None = None,
     ) -> None:
         self.addr, self.name = addr, name
-        self.follower = EventFollower(index)
+        self.follower = EventFollower(index, on_load)
         self.drops = transport.DropLog(f"cache events of engine {name}")
         self.resyncs = 0
         self._snapshot, self._on_resync = snapshot, on_resync

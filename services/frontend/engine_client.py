@@ -13,11 +13,13 @@ keep the pool true to the world:
   replaced, so nothing queued for it is delivered late; when it answers again it serves again.
 
 Routing (router.py, ``--routing-policy``) is cache-aware and load-aware. An engine's load is
-the larger of this frontend's requests on it and the running + waiting requests it reported
-last (which counts the other frontends' too). With cache_aware, each engine that reports a
+the running + waiting requests it counted last (every frontend's: its cache events carry
+the count, else GetStats) plus what this frontend sent it since, never less than this
+frontend's own requests there. With cache_aware, each engine that reports a
 ``cache_events_port`` is followed (cache_events.py) into a CacheIndex of the blocks its tree
 holds, so a prompt goes where most of it is already cached; the index also holds what this
-frontend sent the engine in the last few seconds, until the events confirm it.
+frontend sent the engine in the last few seconds, until the events confirm it, and
+hot_prefixes.py tells which prefixes count as held everywhere.
 
 The frontend is ready while at least one replica serves (readiness); it stays alive
 regardless (liveness is the process itself, see main.py).
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -40,9 +44,15 @@ from services.common import transport
 from services.common.bearer import aio_channel
 from services.common.curve import InternalKeys, connect_securely
 from services.common.grpc_util import DRAINING, MAX_MESSAGE_BYTES
-from services.frontend.cache_events import SNAPSHOT_TIMEOUT_S, CacheSubscriber, host_of
+from services.frontend.cache_events import (
+    EVENTS_SILENT_S,
+    SNAPSHOT_TIMEOUT_S,
+    CacheSubscriber,
+    host_of,
+)
 from services.frontend.cache_index import CacheIndex, PromptKeys
 from services.frontend.engine_discovery import Endpoint, Resolver
+from services.frontend.hot_prefixes import HotPrefixes
 from services.frontend.metrics import RoutingMetrics
 from services.frontend.router import Router, RoutingParams, prefix_key, ranking
 
@@ -95,6 +105,11 @@ class _Engine:
         self.stats: engine_pb2.SchedulerStats | None = None
         self.misses = 0
         self.rids: set[str] = set()
+        # The engine's own count of its requests (its cache events, else GetStats), and
+        # ours sent to it since: those may not have reached it when it counted.
+        self.reported = 0
+        self.sent_since: set[str] = set()
+        self.events_load_at = -math.inf
         self.index = CacheIndex()  # what its tree holds, by its CacheEvents
         self.events: CacheSubscriber | None = None
         self.events_port = 0  # the port ``events`` follows (0: none)
@@ -109,8 +124,27 @@ class _Engine:
 
     @property
     def load(self) -> int:
-        reported = self.stats.num_running_reqs + self.stats.num_queue_reqs if self.stats else 0
-        return max(len(self.rids), reported)
+        """Running + waiting requests, from every frontend (the engine's count) and ours."""
+        return max(len(self.rids), self.reported + len(self.sent_since))
+
+    def on_reported(self, load: int, from_events: bool) -> None:
+        """The engine counted its requests; GetStats only counts while events are silent
+        (a probe answers up to a second late, the events a step after a change)."""
+        now = time.monotonic()
+        if from_events:
+            self.events_load_at = now
+        elif now - self.events_load_at < EVENTS_SILENT_S:
+            return
+        self.reported = load
+        self.sent_since.clear()
+
+    def sent(self, rid: str) -> None:
+        self.rids.add(rid)
+        self.sent_since.add(rid)
+
+    def done(self, rid: str) -> None:
+        self.rids.discard(rid)
+        self.sent_since.discard(rid)
 
 
 @dataclass
@@ -123,6 +157,7 @@ class _Pending:
     queue: asyncio.Queue[engine_pb2.TokenDelta]
     engine: _Engine | None = None
     answered: bool = False
+    pin: str | None = None  # the replica it must go to while that one takes requests
 
 
 class EngineClient:
@@ -142,6 +177,7 @@ class EngineClient:
         self._max_model_len = max_model_len
         self._on_health = on_health
         self._router = Router(routing)
+        self._hot = HotPrefixes(self._router.params.hot_prefix_forks)
         self._metrics = metrics
         self._ctx = zmq.asyncio.Context()
         self._name = f"frontend-{uuid.uuid4().hex[:12]}"
@@ -188,15 +224,18 @@ class EngineClient:
     # ---- requests ----------------------------------------------------------------
 
     def submit(
-        self, req: engine_pb2.TokenizedRequest, input_ids: Sequence[int]
+        self, req: engine_pb2.TokenizedRequest, input_ids: Sequence[int], pin: str | None = None
     ) -> asyncio.Queue[engine_pb2.TokenDelta]:
-        """Sends the request to its engine; returns the queue its TokenDeltas arrive on."""
+        """Sends the request to its engine; returns the queue its TokenDeltas arrive on.
+        ``pin``: the replica (by name) to send it to, bypassing routing while that one takes
+        requests (the samples of a prompt follow its prefill: parallel_sampling.py)."""
         if req.rid in self._requests:
             raise DuplicateRequestError(req.rid)
         queue: asyncio.Queue[engine_pb2.TokenDelta] = asyncio.Queue()
         # The ids as the scheduler gets them (its tree's keys hash exactly these).
         prompt = PromptKeys(req.cache_salt, transport.unpack_i32(req.input_ids))
-        pending = _Pending(req, prefix_key(req.cache_salt, input_ids), prompt, queue)
+        key = prefix_key(req.cache_salt, input_ids)
+        pending = _Pending(req, key, prompt, queue, pin=pin)
         self._requests[req.rid] = pending
         self._dispatch(pending)
         return queue
@@ -208,12 +247,21 @@ class EngineClient:
             abort = engine_pb2.AbortRequest(rid=rid, reason=reason)
             self._send(pending.engine, engine_pb2.FrontendToScheduler(abort=abort))
 
+    def engine_of(self, rid: str) -> str | None:
+        """The replica a request in flight was sent to (None if unknown or not sent)."""
+        pending = self._requests.get(rid)
+        return pending.engine.name if pending is not None and pending.engine else None
+
+    def in_flight(self) -> list[str]:
+        """The rids submitted and not released yet (SGLang's /abort_request looks in them)."""
+        return list(self._requests)
+
     def release(self, rid: str) -> None:
         """Forgets a finished request; later deltas for it are dropped."""
         pending = self._requests.pop(rid, None)
         if pending is not None and pending.engine is not None:
             engine = pending.engine
-            engine.rids.discard(rid)
+            engine.done(rid)
             if engine.draining and not engine.rids:  # its last request: close it now
                 task = asyncio.get_running_loop().create_task(self._remove(engine))
                 self._closers.add(task)  # the loop keeps only a weak reference
@@ -224,18 +272,40 @@ class EngineClient:
         if not engines:
             self._fail(pending, "no engine is serving; retry shortly")
             return
+        if pending.pin in engines:
+            self._send_to(engines[pending.pin], pending)
+            return
         loads = {name: e.load for name, e in engines.items()}
+        blocks = self._hot_blocks(engines.values(), pending.prompt)
         decision = self._router.choose(
-            pending.key, loads, lambda name: engines[name].index.match_prompt(pending.prompt)
+            pending.key,
+            loads,
+            lambda name: engines[name].index.match_prompt(pending.prompt),
+            blocks[0],
         )
         engine = engines[decision.engine]
         if self._router.params.cache_aware:
             engine.index.note_sent(pending.prompt)  # holds it soon: the next of a burst follows
+            self._hot.note(blocks[1])
         if self._metrics is not None:
             self._metrics.on_decision(decision.branch)
+        self._send_to(engine, pending)
+
+    def _send_to(self, engine: _Engine, pending: _Pending) -> None:
         pending.engine = engine
-        engine.rids.add(pending.req.rid)
+        engine.sent(pending.req.rid)
         self._send(engine, engine_pb2.FrontendToScheduler(generate=pending.req))
+
+    def _hot_blocks(
+        self, engines: Iterable[_Engine], prompt: PromptKeys
+    ) -> tuple[int, list[bytes]]:
+        """Tokens of the prompt's hot prefix, and its block keys in the engines' geometry
+        (that of the first with one: one model's engines share it)."""
+        index = next((e.index for e in engines if e.index.block_tokens), None)
+        if index is None or not self._router.params.cache_aware:
+            return 0, []
+        keys = prompt.keys(index.seed, index.block_tokens)
+        return self._hot.hot_blocks(keys) * index.block_tokens, keys
 
     def _fail(self, pending: _Pending, message: str) -> None:
         pending.engine = None
@@ -311,6 +381,7 @@ class EngineClient:
                 pending.engine = None
                 self._dispatch(pending)
         engine.rids.clear()
+        engine.sent_since.clear()
 
     async def _reconcile(self, endpoints: list[Endpoint] | None) -> None:
         if endpoints is None:  # the lookup failed: keep what we have
@@ -363,6 +434,7 @@ class EngineClient:
 
     def _on_stats(self, engine: _Engine, stats: engine_pb2.SchedulerStats) -> None:
         engine.stats, engine.misses, engine.stopping = stats, 0, False
+        engine.on_reported(stats.num_running_reqs + stats.num_queue_reqs, from_events=False)
         if not engine.serving:
             engine.serving = True
             if engine.sock is None and not engine.draining:
@@ -416,6 +488,7 @@ class EngineClient:
             setup=self._zmq_setup,
             name=engine.name,
             on_resync=self._metrics.on_resync if self._metrics is not None else None,
+            on_load=lambda load: engine.on_reported(load, from_events=True),
         )
         engine.events_port = port
         log.info("engine %s: following its cache events at %s", engine.name, addr)
@@ -425,6 +498,7 @@ class EngineClient:
             engine.events.close()
             engine.events = None
         engine.events_port = 0
+        engine.events_load_at = -math.inf  # GetStats tells the load again
         engine.index.clear()
 
     async def _refresh(self) -> None:

@@ -29,7 +29,8 @@ _SAMPLING_OPTIONAL = (
 
 
 def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:
-    """The engine's copy of validated public sampling params (stop strings excluded)."""
+    """The engine's copy of validated public sampling params (stop strings and stop regexes
+    excluded: the engine sees no text)."""
     out = engine_pb2.SamplingParams(
         stop_token_ids=sp.stop_token_ids,
         ignore_eos=sp.ignore_eos,
@@ -39,6 +40,9 @@ def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:
     for name in _SAMPLING_OPTIONAL:
         if sp.HasField(name):
             setattr(out, name, getattr(sp, name))
+    out.logit_bias.extend(
+        engine_pb2.LogitBias(token_id=e.token_id, bias=e.bias) for e in sp.logit_bias
+    )
     kind = sp.WhichOneof("constraint")
     if kind is not None:  # the same oneof member names on both sides
         setattr(out.constraint, kind, getattr(sp, kind))

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.frontend.auth import LIVE_PATHS, READY_PATHS, ApiKeyAuth, ApiKeys
+from services.frontend.chat_tools import ChatParsers
 from services.frontend.http_completion import complete
 from services.frontend.http_limits import BodyLimit
 from services.frontend.http_native import native_routes
@@ -35,6 +36,7 @@ from services.frontend.openai_protocol import (
     ModelCard,
     ModelList,
     body_error,
+    chat_plan,
     chat_to_request,
     check_model,
     check_unserved,
@@ -43,14 +45,15 @@ from services.frontend.openai_protocol import (
 from services.frontend.pipeline import Frontend
 
 
-def create_app(frontend: Frontend) -> FastAPI:
-    """The HTTP app of one Frontend; errors anywhere below a route answer in OpenAI's shape."""
+def create_app(frontend: Frontend, parsers: ChatParsers | None = None) -> FastAPI:
+    """The HTTP app of one Frontend; errors anywhere below a route answer in OpenAI's shape.
+    ``parsers``: what chat answers are read for (tool calls, reasoning); none by default."""
     app = FastAPI(title="radixserve", description="OpenAI-compatible API of radixserve")
     app.exception_handler(ApiError)(_on_api_error)
     app.exception_handler(RequestValidationError)(_on_bad_body)
     app.exception_handler(StarletteHTTPException)(_on_http_error)
     app.include_router(_service_routes(frontend))
-    app.include_router(_openai_routes(frontend))
+    app.include_router(_openai_routes(frontend, parsers or ChatParsers()))
     app.include_router(native_routes(frontend))  # SGLang's /generate etc. (http_native.py)
     return app
 
@@ -107,7 +110,7 @@ def _service_routes(frontend: Frontend) -> APIRouter:
     return router
 
 
-def _openai_routes(frontend: Frontend) -> APIRouter:
+def _openai_routes(frontend: Frontend, parsers: ChatParsers) -> APIRouter:
     """OpenAI's routes; both generating ones differ only in body conversion and answer shape."""
     router = APIRouter()
 
@@ -127,8 +130,9 @@ def _openai_routes(frontend: Frontend) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, frontend.model_id)
         check_unserved(body)
-        shape = ChatShape(frontend.tokenizer, frontend.model_id, body.include_usage)
-        return await complete(frontend, chat_to_request(body), shape, http, body.stream)
+        plan = chat_plan(body, parsers)
+        shape = ChatShape(frontend.tokenizer, frontend.model_id, body.include_usage, plan.output())
+        return await complete(frontend, chat_to_request(body, plan), shape, http, body.stream)
 
     return router
 
@@ -150,10 +154,11 @@ class HttpServer:
         max_request_bytes: int = 8 << 20,
         body_timeout_s: float = 30.0,
         keys: ApiKeys | None = None,
+        parsers: ChatParsers | None = None,
     ) -> None:
         # The API key is checked first (auth.py), then bodies are bounded in size and time
         # before FastAPI parses them (http_limits.py).
-        limited = BodyLimit(create_app(frontend), max_request_bytes, body_timeout_s)
+        limited = BodyLimit(create_app(frontend, parsers), max_request_bytes, body_timeout_s)
         self._app = ApiKeyAuth(limited, keys or ApiKeys())
         self._host, self._port = host, port
         self._server: _UvicornInLoop | None = None

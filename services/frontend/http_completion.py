@@ -5,7 +5,9 @@ answers; everything else is done here the same way for every route: the request 
 on the Frontend (the same pipeline as gRPC) under the caller's trace context, then either
 streamed as server-sent events (the Renderer's chunks, ``data: [DONE]`` last) or collected
 into one JSON answer. OpenAI's completions and chat use it; SGLang's native ``/generate``
-needs only its own Renderer.
+needs only its own Renderer. A request for n samples (GenerateRequest.n) has one Renderer
+fork per sample, fed the responses of its index; the first Renderer then closes the stream
+(usage of all) or combines the forks' answers into one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +28,7 @@ from services.frontend.pipeline import Frontend, FrontendError
 from services.frontend.spans import carrier_from
 
 Responses = AsyncGenerator[pb.GenerateResponse, None]
+Collected = tuple[str, list[pb.TokenLogprob], pb.GenerateResponse]  # what whole() takes
 # How often a non-streaming request checks that its client is still connected.
 DISCONNECT_POLL_S = 0.5
 
@@ -54,6 +57,19 @@ class Renderer(Protocol):
         generation (see _collect)."""
         ...
 
+    def fork(self, index: int) -> Renderer:
+        """The renderer of sample ``index`` of the same answer (n > 1): state of its own,
+        no usage of its own (``closing`` and ``combine`` count every sample)."""
+        ...
+
+    def closing(self, finals: Sequence[pb.GenerateResponse]) -> list[BaseModel]:
+        """Chunks a stream of n samples ends with, once every one has ended."""
+        ...
+
+    def combine(self, answers: Sequence[BaseModel], wholes: Sequence[pb.GenerateResponse]) -> Any:
+        """The JSON answer to n samples from the forks' ``whole`` answers, by index."""
+        ...
+
 
 async def complete(
     frontend: Frontend, req: pb.GenerateRequest, renderer: Renderer, http: Request, stream: bool
@@ -65,20 +81,26 @@ async def complete(
     event, as OpenAI's clients expect.
     """
     responses = await _open(frontend, req, renderer.input_param, http)
+    n = max(req.n, 1)
+    forks = [renderer.fork(i) for i in range(n)] if n > 1 else [renderer]
     if stream:
-        return StreamingResponse(_events(responses, renderer), media_type="text/event-stream")
-    collected = await _collect_while_connected(responses, renderer.input_param, http)
+        events = _events(responses, renderer, forks)
+        return StreamingResponse(events, media_type="text/event-stream")
+    collected = await _collect_while_connected(responses, renderer.input_param, http, n)
     if collected is None:  # nobody is left to read it
         return Response(status_code=499)
-    return JSONResponse(sse.payload(renderer.whole(*collected)))
+    if n == 1:
+        return JSONResponse(sse.payload(renderer.whole(*collected[0])))
+    answers = [fork.whole(*c) for fork, c in zip(forks, collected, strict=True)]
+    return JSONResponse(renderer.combine(answers, [c[2] for c in collected]))
 
 
 async def _collect_while_connected(
-    responses: Responses, input_param: str, http: Request
-) -> tuple[str, list[pb.TokenLogprob], pb.GenerateResponse] | None:
+    responses: Responses, input_param: str, http: Request, n: int = 1
+) -> list[Collected] | None:
     """_collect, unless the client hangs up first: then the request is aborted (its KV freed
     at once, not after generating max_tokens for nobody) and None is returned."""
-    task = asyncio.ensure_future(_collect(responses, input_param))
+    task = asyncio.ensure_future(_collect(responses, input_param, n))
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
@@ -101,41 +123,65 @@ async def _open(
         raise api_error(e, input_param) from e
 
 
+class _Gathered:
+    """One sample's responses so far, merged (see _collect)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.lps: list[pb.TokenLogprob] = []
+        self.whole = pb.GenerateResponse()
+        self.seen = False
+
+    def add(self, resp: pb.GenerateResponse) -> None:
+        self.seen = True
+        self.text.append(resp.text)
+        self.lps.extend(resp.logprobs)
+        self.whole.MergeFrom(resp)
+
+    def result(self) -> Collected:
+        self.whole.text = "".join(self.text)
+        return self.whole.text, self.lps, self.whole
+
+
 async def _collect(
-    responses: AsyncIterator[pb.GenerateResponse], input_param: str
-) -> tuple[str, list[pb.TokenLogprob], pb.GenerateResponse]:
-    """Runs a request to its end: its text, its token logprobs and the whole generation as
-    one response (every token id, logprob and prompt logprob, with the last response's
-    finish reason, counts and timings: repeated fields append, later scalars win)."""
-    text: list[str] = []
-    lps: list[pb.TokenLogprob] = []
-    whole = pb.GenerateResponse()
-    seen = False
+    responses: AsyncIterator[pb.GenerateResponse], input_param: str, n: int = 1
+) -> list[Collected]:
+    """Runs a request to its end: per sample (by index), its text, its token logprobs and
+    the whole generation as one response (every token id, logprob and prompt logprob, with
+    the last response's finish reason, counts and timings: repeated fields append, later
+    scalars win)."""
+    samples = [_Gathered() for _ in range(n)]
     try:
         async for resp in responses:
-            seen = True
-            text.append(resp.text)
-            lps.extend(resp.logprobs)
-            whole.MergeFrom(resp)
+            samples[resp.index].add(resp)
     except FrontendError as e:
         raise api_error(e, input_param) from e
-    if not seen:  # the pipeline always ends with a response or an error
+    if not all(s.seen for s in samples):  # the pipeline always ends with a response or an error
         raise ApiError(500, "the generation ended without a response", kind="server_error")
-    whole.text = "".join(text)
-    return whole.text, lps, whole
+    return [s.result() for s in samples]
 
 
-async def _events(responses: Responses, renderer: Renderer) -> AsyncIterator[str]:
-    """Server-sent events: the renderer's chunks, an error as the last one, then [DONE]."""
+async def _events(
+    responses: Responses, renderer: Renderer, forks: Sequence[Renderer]
+) -> AsyncIterator[str]:
+    """Server-sent events: the renderer's chunks, an error as the last one, then [DONE].
+    With n samples, each response goes to the fork of its index, as it comes."""
+    finals: list[pb.GenerateResponse] = []
     try:
-        opening = sse.events(renderer.opening())
+        opening = "".join(sse.events(fork.opening()) for fork in forks)
         if opening:
             yield opening
         async for resp in responses:
             # A response's chunks (text, then usage after the last) go out in one write.
-            text = renderer.events(resp)
+            text = forks[resp.index].events(resp)
             if text:
                 yield text
+            if resp.finish_reason:
+                finals.append(resp)
+        if len(forks) > 1:
+            closing = sse.events(renderer.closing(sorted(finals, key=lambda f: f.index)))
+            if closing:
+                yield closing
     except FrontendError as e:
         yield sse.data_event(api_error(e, renderer.input_param).body())
     finally:

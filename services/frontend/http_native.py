@@ -7,11 +7,15 @@ answers ``{"text", "output_ids", "meta_info"}`` per prompt, a list for a list. E
 becomes the same public GenerateRequest a gRPC client sends and runs through the shared
 completion path (http_completion.py) with ``NativeShape`` as its Renderer, so the pipeline,
 the validation and the radix cache are the OpenAI routes' and gRPC's. Beside it:
-``/get_model_info``, ``/server_info`` (and ``/get_server_info``) and ``/flush_cache``.
+``/get_model_info``, ``/server_info`` (and ``/get_server_info``), ``/flush_cache`` and
+``/abort_request`` (a running request by its rid, or all of them).
+
+``sampling_params.n`` > 1 answers with a list of n outputs (prompt by prompt in a batch), as
+SGLang does; a stream's events then carry their sample's ``index``.
 
 Where radixserve differs from SGLang, it says so instead of pretending (docs/sglang.md):
-a parameter SGLang knows but radixserve cannot honour (``n`` > 1,
-``skip_special_tokens: false``, images, LoRA, ...) is a 400 naming it, never ignored.
+a parameter SGLang knows but radixserve cannot honour (``skip_special_tokens: false``,
+images, LoRA, ...) is a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
@@ -25,13 +29,20 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from radixserve.v1 import generation_pb2 as pb
 from services.common.sampling_limits import MAX_TOP_LOGPROBS
 from services.frontend import sse
 from services.frontend.http_completion import complete
-from services.frontend.openai_protocol import ApiError
+from services.frontend.openai_protocol import ApiError, logit_bias_entries
 from services.frontend.pipeline import Frontend
 from services.frontend.tokenizer import Tokenizer
 
@@ -81,14 +92,20 @@ class NativeSampling(BaseModel):
     regex: str | None = None
     json_schema: str | dict[str, Any] | bool | None = None
     ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None  # xgrammar's JSON, as text or object
     sampling_seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
     stream_interval: Int32 | None = None  # a pacing hint: radixserve streams every step
+    stop_regex: str | list[str] | None = None  # SGLang's client sends [] for none
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     # Known to SGLang, not served by radixserve: refused unless left at their defaults.
-    stop_regex: str | list[str] | None = None
-    structural_tag: str | None = None
     no_stop_trim: bool | None = None
     custom_params: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        logit_bias_entries(bias)  # ValueError for a key that is not a token id
+        return bias
 
     @model_validator(mode="after")
     def _served(self) -> NativeSampling:
@@ -98,22 +115,24 @@ class NativeSampling(BaseModel):
         return self
 
 
+_CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+
 def _unserved_sampling(sp: NativeSampling) -> str | None:
     """Why a parameter SGLang knows cannot be honoured here, or None."""
-    if sp.n not in (None, 1):
-        return f"n must be 1 (got {sp.n}); send the prompt n times in a list instead"
+    if sp.n is not None and sp.n < 1:  # the upper bound is validation's (MAX_SAMPLES)
+        return f"n must be at least 1, got {sp.n}"
     if sp.top_k == 0:
         return "top_k must be -1 (off) or >= 1, got 0"
     if sp.skip_special_tokens is False:
         return "skip_special_tokens: radixserve always leaves special tokens out of the text"
     if sp.no_stop_trim:
         return "no_stop_trim: radixserve always cuts the text before a stop string"
-    for name in ("stop_regex", "structural_tag", "custom_params", "logit_bias"):
-        if getattr(sp, name) is not None:
-            return f"{name} is not supported by radixserve"
-    constraints = [c for c in ("regex", "json_schema", "ebnf") if getattr(sp, c) is not None]
+    if sp.custom_params is not None:
+        return "custom_params is not supported by radixserve"
+    constraints = [c for c in _CONSTRAINTS if getattr(sp, c) is not None]
     if len(constraints) > 1:
-        return f"at most one of regex, json_schema, ebnf; got {' and '.join(constraints)}"
+        return f"at most one of {', '.join(_CONSTRAINTS)}; got {' and '.join(constraints)}"
     return None
 
 
@@ -318,6 +337,8 @@ def _request(
         stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop or []),
         stop_token_ids=sp.stop_token_ids or [],
         ignore_eos=bool(sp.ignore_eos),
+        stop_regex=[sp.stop_regex] if isinstance(sp.stop_regex, str) else sp.stop_regex or [],
+        logit_bias=logit_bias_entries(sp.logit_bias),
     )
     for name in (*_FLOATS, "repetition_penalty"):
         value = getattr(sp, name)
@@ -338,13 +359,16 @@ def _request(
     elif sp.json_schema is not None:
         schema = sp.json_schema
         out.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+    elif sp.structural_tag is not None:
+        tag = sp.structural_tag
+        out.structural_tag = tag if isinstance(tag, str) else json.dumps(tag)
     if ask.return_logprob:
         out.logprobs = True
         out.top_logprobs = ask.top_logprobs_num
     if ask.prompt:
         out.prompt_logprobs = True
         out.prompt_logprobs_start = max(ask.logprob_start_len, 1)  # position 0 has no logit
-    req = pb.GenerateRequest(request_id=rid, sampling=out)
+    req = pb.GenerateRequest(request_id=rid, sampling=out, n=sp.n or 1)
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -360,6 +384,7 @@ _NATIVE_NAMES = (
     ("sampling.prompt_logprobs_start", "logprob_start_len"),
     ("sampling.seed", "sampling_params.sampling_seed"),
     ("sampling.", "sampling_params."),
+    ("n: ", "sampling_params.n: "),
     ("input_ids.ids", "input_ids"),
     ("request_id", "rid"),
 )
@@ -387,6 +412,7 @@ class NativeOutput(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
+    index: int | None = None  # the sample's, with n > 1 (set only then, as SGLang does)
 
 
 Entry = list[Any]  # [logprob or null, token id, token text or null]
@@ -403,8 +429,10 @@ class NativeShape:
         self.input_param = item.input_param
         self._tok = tokenizer
         self._ask = item.ask
-        self._stops = set(item.req.sampling.stop)
+        self._stops = {*item.req.sampling.stop, *item.req.sampling.stop_regex}
         self._first_id = first_id  # prompt token 0, for its null entry (start 0 only)
+        self._item = item
+        self._index: int | None = None  # a fork's sample (n > 1)
         self._text = ""
         self._ids: list[int] = []
         self._out_lps: list[pb.TokenLogprob] = []
@@ -412,6 +440,20 @@ class NativeShape:
 
     def opening(self) -> list[BaseModel]:
         return []
+
+    def fork(self, index: int) -> NativeShape:
+        shape = NativeShape(self._tok, self._item, self._first_id)
+        shape._index = index
+        return shape
+
+    def closing(self, finals: Sequence[pb.GenerateResponse]) -> list[BaseModel]:
+        return []
+
+    def combine(
+        self, answers: Sequence[BaseModel], wholes: Sequence[pb.GenerateResponse]
+    ) -> list[dict[str, Any]]:
+        """n samples: a list of n outputs, as SGLang answers them."""
+        return [sse.payload(a) for a in answers]
 
     def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
         self._add(resp)
@@ -453,7 +495,10 @@ class NativeShape:
                 "storage": d.storage,
             }  # fmt: skip
             meta["e2e_latency"] = resp.timings.total_time
-        return NativeOutput(text=self._text, output_ids=list(self._ids), meta_info=meta)
+        out = NativeOutput(text=self._text, output_ids=list(self._ids), meta_info=meta)
+        if self._index is not None:
+            out.index = self._index
+        return out
 
     def _finish(self, resp: pb.GenerateResponse) -> dict[str, Any]:
         """SGLang's finish reasons: a matched stop string as text, a stop token as its id."""
@@ -503,6 +548,27 @@ class NativeShape:
         if self._ask.return_text_in_logprobs:
             text = self._tok.decode([token_id], skip_special_tokens=False)
         return [logprob, token_id, text]
+
+
+# ---- /abort_request ------------------------------------------------------------------------
+
+
+def parse_abort(body: Any) -> str | None:
+    """SGLang's AbortReq: the rid to abort, or None for ``abort_all``. A batch's prompts
+    sent under one rid go with it (rid_0, rid_1, ...); unlike SGLang, which aborts every rid
+    that starts with the one given, no other request does."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise _bad("abort_all", "must be true or false")
+    if not isinstance(rid, str):
+        raise _bad("rid", "must be a string")
+    if abort_all:
+        return None
+    if not rid:
+        raise _bad("rid", "give the rid of the request to abort, or abort_all: true")
+    return rid
 
 
 # ---- the routes --------------------------------------------------------------------------
@@ -557,7 +623,11 @@ async def _batch(frontend: Frontend, body: NativeBody, http: Request) -> Respons
             raise r
         if r.status_code != 200:  # 499: the client went away
             return r
-        answers.append(json.loads(bytes(r.body)))
+        answer = json.loads(bytes(r.body))
+        if isinstance(answer, list):  # a prompt's n samples: its outputs in a row (SGLang)
+            answers.extend(answer)
+        else:
+            answers.append(answer)
     return JSONResponse(answers)
 
 
@@ -604,6 +674,12 @@ def native_routes(frontend: Frontend) -> APIRouter:
             "version": _version(),
         }
         return JSONResponse(body)
+
+    @router.post("/abort_request")
+    async def abort_request(http: Request) -> JSONResponse:
+        rid = parse_abort(await _read_json(http))
+        aborted = frontend.abort(rid, "aborted by /abort_request")
+        return JSONResponse({"aborted": aborted})
 
     @router.get("/flush_cache")
     async def flush_cache_get(storage: bool = False) -> JSONResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ from services.common.config import FrontendConfig
 from services.common.curve import InsecureLink, InternalKeys, check_link, load_keys
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, aset_serving, bind
 from services.frontend.auth import ApiKeys
+from services.frontend.chat_tools import ChatParsers
 from services.frontend.engine_client import EngineClient
 from services.frontend.engine_discovery import make_resolver
 from services.frontend.grpc_parse import ParseRequests
@@ -52,7 +54,22 @@ def routing_params(cfg: FrontendConfig) -> RoutingParams:
         balance_abs=cfg.routing_balance_abs_threshold,
         balance_rel=cfg.routing_balance_rel_threshold,
         min_match_tokens=cfg.routing_min_match_tokens,
+        load_cost_tokens=cfg.routing_load_cost_tokens,
+        hot_prefix_forks=cfg.routing_hot_prefix_forks,
     )
+
+
+def chat_parsers(cfg: FrontendConfig, tokenizer: Tokenizer) -> ChatParsers:
+    """--tool-call-parser (auto: from the template that renders tools) and --reasoning-parser."""
+    template = None
+    if tokenizer.hf.chat_template is not None:
+        # A tokenizer may keep several named templates; this is the one tools render with.
+        with contextlib.suppress(ValueError):  # several, none the default: chat fails anyway
+            template = tokenizer.hf.get_chat_template(tools=[{}])
+    parsers = ChatParsers.from_flags(cfg.tool_call_parser, cfg.reasoning_parser, template)
+    tool = parsers.tool_parser.name if parsers.tool_parser else "none (tools are refused)"
+    log.info("frontend: tool-call parser %s, reasoning parser %s", tool, cfg.reasoning_parser)
+    return parsers
 
 
 class FrontendServer:
@@ -113,6 +130,7 @@ class FrontendServer:
                 max_request_bytes=cfg.max_request_bytes,
                 body_timeout_s=cfg.request_body_timeout,
                 keys=keys,
+                parsers=chat_parsers(cfg, tokenizer),
             )
             self.http_port = await self._http.start()
         http = f"{cfg.host}:{self.http_port}" if self._http else "off"

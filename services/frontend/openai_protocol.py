@@ -10,6 +10,7 @@ OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -24,8 +25,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from radixserve.v1 import generation_pb2 as pb
 from services.frontend import sse
+from services.frontend.chat_tools import (
+    ChatOutput,
+    ChatParsers,
+    ChatPlan,
+    MessageToolCall,
+    ToolChoice,
+    ToolSpec,
+)
 from services.frontend.pipeline import FrontendError
 from services.frontend.tokenizer import Tokenizer
+from services.frontend.tool_grammar import ToolGrammarError
+from services.frontend.validation import MAX_SAMPLES
 
 # ---- errors -------------------------------------------------------------------------
 
@@ -75,6 +86,8 @@ def _param_of(field: str | None, input_param: str) -> str | None:
     """The OpenAI parameter behind a GenerateRequest field path (``sampling.top_p``)."""
     if field is None:
         return None
+    if field.startswith("messages.tools"):
+        return "tools"
     head = field.split(".", 1)[0].split("[", 1)[0]
     if head in ("input", "text", "input_ids", "messages"):
         return input_param
@@ -85,7 +98,11 @@ def _param_of(field: str | None, input_param: str) -> str | None:
 
 
 # Constraint fields of SamplingParams -> the body parameter that set them.
-_CONSTRAINT_PARAMS = {"json_schema": "response_format", "json_object": "response_format"}
+_CONSTRAINT_PARAMS = {
+    "json_schema": "response_format",
+    "json_object": "response_format",
+    "structural_tag": "response_format",
+}
 
 
 def api_error(e: FrontendError, input_param: str) -> ApiError:
@@ -209,9 +226,9 @@ def check_model(requested: str | None, served: str) -> None:
 # Fields outside OpenAI's API are accepted and ignored (clients add their own); the OpenAI
 # fields below are not served yet, so anything but their "not asked for" values is a 400
 # naming the field: dropping them would answer another question than the one asked.
-# ``user`` and ``metadata`` are accepted and not used (they change no output).
+# ``user`` and ``metadata`` are accepted and not used (they change no output). Chat declares
+# tools and tool_choice (chat_tools.py); on /v1/completions they stay refused here.
 _UNSERVED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -228,16 +245,23 @@ _UNSERVED: dict[str, tuple[Any, ...]] = {
 }
 
 
+# OpenAI's deprecated forms of tool calling -> what replaces them.
+_DEPRECATED = {"functions": "tools", "function_call": "tool_choice"}
+
+
 def check_unserved(body: BaseModel) -> None:
     """400 for an OpenAI field radixserve would otherwise have to drop."""
     for name, value in (body.model_extra or {}).items():
         if name in _UNSERVED and not any(
             value == ok and type(value) is type(ok) for ok in _UNSERVED[name]
         ):
+            instead = (
+                f"use {_DEPRECATED[name]} (OpenAI deprecated {name})"
+                if name in _DEPRECATED and isinstance(body, ChatCompletionRequest)
+                else "leave it out"
+            )
             raise ApiError(
-                400,
-                f"{name} is not supported by radixserve (got {_shown(value)}); leave it out",
-                name,
+                400, f"{name} is not supported by radixserve (got {_shown(value)}); {instead}", name
             )
 
 
@@ -258,8 +282,13 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: str = "text"  # text | json_object | json_schema
+    type: str = "text"  # text | json_object | json_schema | structural_tag
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag (as vLLM and SGLang take it): xgrammar's "format", or the older
+    # "structures" ({begin, schema, end} each) with the "triggers" that open them.
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 # Integers the protobuf fields behind them hold: a larger one is a 400 naming the field, not
@@ -307,8 +336,10 @@ class _SamplingBody(BaseModel):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     user: str | None = None
     # Beyond OpenAI (as vLLM and SGLang accept them).
+    stop_regex: str | list[str] | None = None  # SGLang's: stop where the text matches one
     top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -332,6 +363,8 @@ class _SamplingBody(BaseModel):
 
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    # Samples generated, of which the n of highest cumulative logprob are returned (>= n).
+    best_of: Int32 | None = None
     logprobs: Int32 | None = Field(default=None, description="top alternatives per token, [0, 20]")
     # The prompt leads the choice's text (and, with logprobs, its lists); with max_tokens 0
     # the answer scores the prompt alone (as lm-eval's loglikelihood does).
@@ -343,6 +376,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, fed back
+    tool_call_id: str | None = None  # role "tool": the call this result answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -350,6 +386,10 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
+    # Tool calling (chat_tools.py, docs/tools.md).
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---- OpenAI body -> GenerateRequest --------------------------------------------------
@@ -357,8 +397,8 @@ class ChatCompletionRequest(_SamplingBody):
 
 def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
     """The public SamplingParams; only the limits the proto cannot state are checked here."""
-    if body.n != 1:
-        raise ApiError(400, f"n must be 1 (got {body.n}); send one request per completion", "n")
+    if body.n < 1:  # the upper bound (MAX_SAMPLES) is validation's
+        raise ApiError(400, f"n must be at least 1, got {body.n}", "n")
     if body.seed is not None and not 0 <= body.seed < 2**64:
         raise ApiError(400, f"seed must be in [0, 2^64), got {body.seed}", "seed")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -380,16 +420,40 @@ def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
     for name, value in optional.items():
         if value is not None:  # unset stays unset: the engine applies its own default
             setattr(sp, name, value)
+    regexes = body.stop_regex
+    sp.stop_regex.extend([regexes] if isinstance(regexes, str) else regexes or [])
+    try:
+        sp.logit_bias.extend(logit_bias_entries(body.logit_bias))
+    except ValueError as e:
+        raise ApiError(400, f"logit_bias: {e}", "logit_bias") from None
     _constrain(body, sp)
     return sp
 
 
-def _constrain(body: _SamplingBody, sp: pb.SamplingParams) -> None:
-    """response_format / regex / ebnf -> the one constraint of SamplingParams."""
+def logit_bias_entries(bias: Mapping[str, float] | None) -> list[pb.LogitBias]:
+    """OpenAI's ``{"token id": bias}`` as LogitBias entries; ValueError for a key that is not
+    a token id. The limits (the vocabulary, [-100, 100], how many) are validation's."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
+            raise ValueError(f"the keys are token ids (decimal strings), got {key!r}")
+        out.append(pb.LogitBias(token_id=int(key), bias=value))
+    return out
+
+
+def _constraints_given(body: _SamplingBody) -> list[str]:
+    """The body fields that constrain the output: response_format, regex, ebnf."""
     given = [p for p in ("regex", "ebnf") if getattr(body, p) is not None]
     rf = body.response_format
     if rf is not None and rf.type != "text":
         given.insert(0, "response_format")
+    return given
+
+
+def _constrain(body: _SamplingBody, sp: pb.SamplingParams) -> None:
+    """response_format / regex / ebnf -> the one constraint of SamplingParams."""
+    given = _constraints_given(body)
+    rf = body.response_format
     if len(given) > 1:
         raise ApiError(
             400, f"at most one constraint per request, got {' and '.join(given)}", given[1]
@@ -411,10 +475,20 @@ def _response_format(rf: ResponseFormat, sp: pb.SamplingParams) -> None:
                 400, "response_format json_schema needs json_schema.schema", "response_format"
             )
         sp.json_schema = json.dumps(rf.json_schema.schema_)
+    elif rf.type == "structural_tag":
+        if rf.format is None and rf.structures is None:
+            raise ApiError(
+                400,
+                "response_format structural_tag needs format (or structures and triggers)",
+                "response_format",
+            )
+        # The response_format object is the structural tag itself ({"type", "format"}).
+        sp.structural_tag = json.dumps(rf.model_dump(exclude_none=True))
     elif rf.type != "text":
         raise ApiError(
             400,
-            f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
+            "response_format.type must be text, json_object, json_schema or structural_tag,"
+            f" got {rf.type!r}",
             "response_format",
         )
 
@@ -425,6 +499,7 @@ def _request(body: _SamplingBody, sp: pb.SamplingParams) -> pb.GenerateRequest:
         sampling=sp,
         priority=body.priority,
         cache_salt=body.cache_salt or "",
+        n=body.n,
     )
 
 
@@ -455,12 +530,29 @@ def completion_to_request(body: CompletionRequest) -> pb.GenerateRequest:
         req.sampling.logprobs = True
         req.sampling.top_logprobs = body.logprobs
         req.sampling.prompt_logprobs = body.echo
+    req.n = _best_of(body)
+    if req.n > body.n:
+        req.sampling.logprobs = True  # the samples are ranked by their cumulative logprob
     prompt = _one_prompt(body.prompt)
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.input_ids.ids.extend(prompt)
     return req
+
+
+def _best_of(body: CompletionRequest) -> int:
+    """The samples to generate: best_of (>= n; the n best are returned), else n."""
+    if body.best_of is None or body.best_of == body.n:
+        return body.n
+    if body.best_of < body.n:
+        raise ApiError(400, f"best_of must be >= n ({body.n}), got {body.best_of}", "best_of")
+    if body.best_of > MAX_SAMPLES:
+        raise ApiError(400, f"best_of must be at most {MAX_SAMPLES}, got {body.best_of}", "best_of")
+    if body.stream:
+        why = "best_of > n cannot be streamed: the best are known at the end"
+        raise ApiError(400, why, "best_of")
+    return body.best_of
 
 
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -477,8 +569,24 @@ def _content_text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def chat_to_request(body: ChatCompletionRequest) -> pb.GenerateRequest:
-    """A chat body as the public request: messages, which the frontend's chat template renders.
+def chat_plan(body: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
+    """What the body's tools (and the server's parsers) ask of the output: the constraint,
+    and how the answer is read. 400 naming the field at fault."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    given = _constraints_given(body)
+    try:
+        return parsers.plan(
+            tools, body.tool_choice, body.parallel_tool_calls, given[0] if given else None
+        )
+    except ToolGrammarError as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
+def chat_to_request(
+    body: ChatCompletionRequest, plan: ChatPlan | None = None
+) -> pb.GenerateRequest:
+    """A chat body as the public request: messages and tools, which the frontend's chat
+    template renders, and the constraint of ``plan`` (chat_plan) if it has one.
 
     ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``.
     """
@@ -493,7 +601,19 @@ def chat_to_request(body: ChatCompletionRequest) -> pb.GenerateRequest:
         req.sampling.top_logprobs = body.top_logprobs
     req.messages.SetInParent()  # an empty list stays "messages", which validation refuses
     for m in body.messages:
-        req.messages.messages.add(role=m.role, content=_content_text(m.content))
+        msg = req.messages.messages.add(role=m.role, content=_content_text(m.content))
+        msg.tool_call_id, msg.name = m.tool_call_id or "", m.name or ""
+        for c in m.tool_calls or []:
+            msg.tool_calls.add(id=c.id, name=c.function.name, arguments=c.arguments_json())
+    for t in body.tools or []:
+        params = t.function.parameters
+        req.messages.tools.add(
+            name=t.function.name,
+            description=t.function.description or "",
+            parameters="" if params is None else json.dumps(params, ensure_ascii=False),
+        )
+    if plan is not None and plan.structural_tag is not None:
+        req.sampling.structural_tag = plan.structural_tag
     return req
 
 
@@ -534,6 +654,16 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def total(cls, finals: Sequence[pb.GenerateResponse]) -> Usage:
+        """n samples of one prompt: the prompt counted once (as OpenAI does; each sample
+        says the same cached_tokens), every sample's tokens counted, best_of's unreturned
+        ones too (they were generated)."""
+        usage = cls.of(finals[0])
+        usage.completion_tokens = sum(f.completion_tokens for f in finals)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return usage
 
     @classmethod
     def of(cls, final: pb.GenerateResponse) -> Usage:
@@ -592,7 +722,10 @@ class CompletionChoice(BaseModel):
 
 class ChatDelta(BaseModel):
     role: str | None = None  # on the first chunk only
-    content: str
+    content: str | None = None
+    # With the parsers (chat_tools.py): the thinking, and calls as OpenAI's delta items.
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -602,9 +735,22 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None
 
 
+class CalledFunctionOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str = "function"
+    function: CalledFunctionOut
+
+
 class AssistantMessage(BaseModel):
     role: str
-    content: str
+    content: str | None  # null when the answer is calls only
+    reasoning_content: str | None = None  # set with --reasoning-parser
+    tool_calls: list[ToolCallOut] | None = None  # set when calls were made
 
 
 class ChatChoice(BaseModel):
@@ -697,7 +843,8 @@ class _OpenAIShape(ABC):
     """One OpenAI answer in the making: the id and creation time all its chunks share.
 
     It is a Renderer (http_completion.py): the shared completion path asks it for the
-    chunks of a stream or for the whole answer.
+    chunks of a stream or for the whole answer. With n samples, each is rendered by a fork
+    (choice ``index``) and this one sends the usage of all.
     """
 
     input_param: str  # the body field blamed for a bad prompt
@@ -711,9 +858,40 @@ class _OpenAIShape(ABC):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.index = 0  # the choice this renders
 
     def opening(self) -> list[BaseModel]:
         return []
+
+    def fork(self, index: int) -> _OpenAIShape:
+        """Choice ``index`` of the same answer: a copy of this one as it is before any
+        response (so with state of its own) that shares the tokenizer."""
+        clone = copy.deepcopy(self, {id(self._tokenizer): self._tokenizer})
+        clone.__dict__.pop("_text_template", None)  # it holds choice 0's index
+        clone.index, clone._include_usage = index, False
+        return clone
+
+    def closing(self, finals: Sequence[pb.GenerateResponse]) -> list[BaseModel]:
+        if not self._include_usage:
+            return []
+        usage = Usage.total(finals)
+        return [self.chunk_model(**self._meta(self.chunk_object), choices=[], usage=usage)]
+
+    def combine(
+        self, answers: Sequence[BaseModel], wholes: Sequence[pb.GenerateResponse]
+    ) -> dict[str, Any]:
+        """The forks' answers as one: their choices in order, the usage of all."""
+        body = sse.payload(answers[0])
+        body["choices"] = []
+        for new_index, i in enumerate(self._returned(wholes)):
+            choice = sse.payload(answers[i])["choices"][0]
+            body["choices"].append({**choice, "index": new_index})
+        body["usage"] = Usage.total(wholes).model_dump()
+        return body
+
+    def _returned(self, wholes: Sequence[pb.GenerateResponse]) -> list[int]:
+        """The samples the answer returns, in its order: all of them."""
+        return list(range(len(wholes)))
 
     def events(self, resp: pb.GenerateResponse) -> str:
         """The events of chunks(resp); a chunk of new text alone (nearly every one) is
@@ -775,11 +953,23 @@ class CompletionShape(_OpenAIShape):
         super().__init__(tokenizer, model, include_usage)
         self._echo = echo  # the prompt still to echo; None when not asked or done
         self._lead: tuple[str, CompletionLogprobs | None] | None = None
+        self._keep = 0  # best_of: the samples returned (0: all)
+        self._show_logprobs = True  # False where only best_of asked for them
 
     @classmethod
     def of(cls, body: CompletionRequest, tokenizer: Tokenizer, model: str) -> CompletionShape:
         echo = _one_prompt(body.prompt) if body.echo else None
-        return cls(tokenizer, model, body.include_usage, echo)
+        shape = cls(tokenizer, model, body.include_usage, echo)
+        shape._keep, shape._show_logprobs = body.n, body.logprobs is not None
+        return shape
+
+    def _returned(self, wholes: Sequence[pb.GenerateResponse]) -> list[int]:
+        """best_of: the n samples of highest cumulative logprob, best first."""
+        order = list(range(len(wholes)))
+        if not 0 < self._keep < len(wholes):
+            return order
+        score = [sum(lp.logprob for lp in whole.logprobs) for whole in wholes]
+        return sorted(order, key=lambda i: -score[i])[: self._keep]
 
     def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
         self._take_echo(resp)  # the first response carries the prompt logprobs
@@ -807,23 +997,66 @@ class CompletionShape(_OpenAIShape):
             text = lead_text + text
             if lead_lps is not None:
                 logprobs = lead_lps + logprobs if logprobs is not None else lead_lps
-        choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)
+        choice = CompletionChoice(
+            index=self.index, text=text, logprobs=logprobs, finish_reason=finish
+        )
         return Completion(**self._meta(self.chunk_object), choices=[choice])
 
     def whole(
         self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
     ) -> Completion:
         self._take_echo(final)  # the merged responses: the prompt logprobs included
-        answer = self._chunk(text, final.finish_reason, lps)
+        answer = self._chunk(text, final.finish_reason, lps if self._show_logprobs else ())
         answer.usage = Usage.of(final)
         return answer
 
 
 class ChatShape(_OpenAIShape):
-    """``/v1/chat/completions``: a stream opens with the role, then carries content deltas."""
+    """``/v1/chat/completions``: a stream opens with the role, then carries content deltas.
+
+    With ``output`` (chat_tools.ChatPlan.output) the text is read first: a stream carries
+    one chunk per reasoning, content or tool-call delta and ends with an empty delta that
+    holds the finish reason; "stop" becomes "tool_calls" when calls were made."""
 
     input_param, id_prefix = "messages", "chatcmpl"
     chunk_object, chunk_model = "chat.completion.chunk", ChatCompletionChunk
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model: str,
+        include_usage: bool,
+        output: ChatOutput | None = None,
+    ) -> None:
+        super().__init__(tokenizer, model, include_usage)
+        self._output = output
+
+    def _plain(self) -> bool:
+        return self._output is None
+
+    def chunks(self, resp: pb.GenerateResponse) -> list[BaseModel]:
+        if self._output is None:
+            return super().chunks(resp)
+        deltas = self._output.feed(resp.text)
+        if resp.finish_reason:
+            deltas += self._output.finish()
+        logprobs = chat_logprobs(self._tokenizer, resp.logprobs)
+        out: list[BaseModel] = []
+        for delta in deltas or ([{}] if logprobs else []):  # logprobs need a chunk
+            out.append(self._delta_chunk(ChatDelta(**delta), None, logprobs))
+            logprobs = None
+        if resp.finish_reason:
+            out.append(self._delta_chunk(ChatDelta(), self._finish(resp.finish_reason), None))
+            if self._include_usage:
+                usage = Usage.of(resp)
+                out.append(
+                    self.chunk_model(**self._meta(self.chunk_object), choices=[], usage=usage)
+                )
+        return out
+
+    def _finish(self, reason: str) -> str:
+        called = self._output is not None and self._output.tool_calls
+        return "tool_calls" if called and reason == "stop" else reason
 
     def opening(self) -> list[BaseModel]:
         return [self._delta_chunk(ChatDelta(role="assistant", content=""), None, None)]
@@ -837,17 +1070,34 @@ class ChatShape(_OpenAIShape):
     def _delta_chunk(
         self, delta: ChatDelta, finish: str | None, logprobs: ChatLogprobs | None
     ) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
+        choice = ChatChunkChoice(
+            index=self.index, delta=delta, logprobs=logprobs, finish_reason=finish
+        )
         return ChatCompletionChunk(**self._meta(self.chunk_object), choices=[choice])
 
     def whole(
         self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
     ) -> ChatCompletion:
+        message = self._message(text)  # first: the finish reason depends on its calls
         choice = ChatChoice(
-            index=0,
-            message=AssistantMessage(role="assistant", content=text),
+            index=self.index,
+            message=message,
             logprobs=chat_logprobs(self._tokenizer, lps),
-            finish_reason=final.finish_reason,
+            finish_reason=self._finish(final.finish_reason),
         )
         meta = self._meta("chat.completion")
         return ChatCompletion(**meta, choices=[choice], usage=Usage.of(final))
+
+    def _message(self, text: str) -> AssistantMessage:
+        if self._output is None:
+            return AssistantMessage(role="assistant", content=text)
+        parsed = self._output.whole(text)
+        message = AssistantMessage(
+            role="assistant",
+            content=None if parsed.tool_calls and not parsed.content.strip() else parsed.content,
+        )
+        if parsed.reasoning is not None:
+            message.reasoning_content = parsed.reasoning or None
+        if parsed.tool_calls:
+            message.tool_calls = [ToolCallOut(**c.to_openai()) for c in parsed.tool_calls]
+        return message

@@ -9,11 +9,15 @@ scheduler at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -28,14 +32,16 @@ from services.frontend.engine_messages import (
     sampling_to_engine,
 )
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.parallel_sampling import interleave, prefill_request, sample_requests
 from services.frontend.spans import RequestSpan
-from services.frontend.stop_strings import StopStringMatcher, feed_tokens
-from services.frontend.tokenizer import Tokenizer
+from services.frontend.stop_strings import StopRegexTimeout, StopStringMatcher, feed_tokens
+from services.frontend.tokenizer import ChatToolsError, Tokenizer
 from services.frontend.validation import (
     ValidationError,
     validate_input,
     validate_length,
     validate_request,
+    validate_samples,
     validate_text_size,
 )
 
@@ -108,6 +114,7 @@ class _InFlight:
 
     treq: engine_pb2.TokenizedRequest
     stop: list[str]  # stop strings: the engine never sees text, so the frontend applies them
+    stop_regex: list[str]  # and stop regexes
     ids: list[int]  # the prompt
     queue: _Deltas
     arrival: float
@@ -157,8 +164,11 @@ class Frontend:
             return list(req.input_ids.ids)
         if kind == "text":
             return self.tokenizer.encode(req.text)
+        messages, tools = template_chat(req.messages)
         try:
-            return self.tokenizer.encode_chat([(m.role, m.content) for m in req.messages.messages])
+            return self.tokenizer.encode_chat(messages, tools)
+        except ChatToolsError as e:
+            raise ValidationError(e.field, str(e)) from e
         except Exception as e:  # a template may raise on a conversation it does not accept
             raise ValidationError("messages", f"the chat template refused them: {e}") from e
 
@@ -174,6 +184,20 @@ class Frontend:
     async def flush_cache(self, storage: bool = False) -> pb.FlushCacheResponse:
         return flush_to_public(await self.engines.flush_cache(storage))
 
+    def abort(self, rid: str | None, reason: str) -> list[str]:
+        """Aborts requests in flight: ``rid`` and the prompts of a batch sent under it
+        (``rid_0``, ``rid_1``, ...) and their samples (``rid_0_3``, ``rid_0_prefill``), or
+        all of them for None. Each ends as a cancel does (its engine frees its KV at once),
+        its stream with finish_reason "abort". Returns their rids; an unknown rid aborts
+        nothing."""
+        batch = re.compile(re.escape(rid) + r"(_\d+)*(_prefill)?") if rid is not None else None
+        rids = [
+            r for r in self.engines.in_flight() if batch is None or r == rid or batch.fullmatch(r)
+        ]
+        for r in rids:
+            self.engines.abort(r, reason)
+        return rids
+
     def _require_ready(self) -> EngineInfo:
         """What the engines said about themselves; refuses while they have not answered."""
         info = self.engines.info
@@ -188,12 +212,14 @@ class Frontend:
     def _prepare(
         self, req: pb.GenerateRequest, arrival: float
     ) -> tuple[engine_pb2.TokenizedRequest, list[int]]:
-        self._require_ready()
+        info = self._require_ready()
         try:
             validate_request(req, self.vocab_size)
             validate_text_size(req, self.max_model_len)  # before paying for tokenizing it
             ids = self._encode(req)
             validate_length(len(ids), req.sampling, self.max_model_len)
+            pool = info.max_total_num_tokens
+            validate_samples(req.n, len(ids), req.sampling, self.max_model_len, pool)
         except ValidationError as e:
             raise _invalid(e) from e
         treq = engine_pb2.TokenizedRequest(
@@ -215,7 +241,9 @@ class Frontend:
         The caller must iterate the stream (or ``aclose`` it): its end releases the request.
         ``caller_trace`` is the caller's W3C context (traceparent, tracestate), if any.
         Tokenizing (and the chat template) runs on a worker thread: a huge prompt must not
-        stall every other stream on the event loop.
+        stall every other stream on the event loop. With ``n`` > 1 the prompt is prefilled
+        first (submitting includes waiting for it) and the stream interleaves the samples'
+        responses, each with its ``index``.
         """
         arrival = time.time()
         span = RequestSpan(self.model_id, caller_trace)
@@ -223,16 +251,22 @@ class Frontend:
             with span.child("tokenize"):
                 treq, ids = await asyncio.to_thread(self._prepare, req, arrival)
             treq.trace_context.update(span.carrier())
+            if req.n > 1:
+                return await self._open_samples(req, treq, ids, span)
             queue = self._submit(treq, ids)
         except FrontendError as e:
             self.metrics.on_error(e.code.name)
             span.finish(req.request_id, None, e.code.name)
             raise
-        return self._run(_InFlight(treq, list(req.sampling.stop), ids, queue, arrival), span)
+        sp = req.sampling
+        job = _InFlight(treq, list(sp.stop), list(sp.stop_regex), ids, queue, arrival)
+        return self._run(job, span)
 
-    def _submit(self, treq: engine_pb2.TokenizedRequest, ids: list[int]) -> _Deltas:
+    def _submit(
+        self, treq: engine_pb2.TokenizedRequest, ids: list[int], pin: str | None = None
+    ) -> _Deltas:
         try:
-            return self.engines.submit(treq, ids)
+            return self.engines.submit(treq, ids, pin) if pin else self.engines.submit(treq, ids)
         except DuplicateRequestError as e:
             raise FrontendError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {treq.rid!r} is already in flight"
@@ -246,8 +280,9 @@ class Frontend:
             yield resp
 
     async def _run(
-        self, job: _InFlight, span: RequestSpan
+        self, job: _InFlight, span: RequestSpan, own_span: bool = True
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """``own_span``: the request's span ends with this stream (not with one sample's)."""
         final: pb.GenerateResponse | None = None
         error = "CANCELLED"
         last_t: float | None = None
@@ -271,13 +306,90 @@ class Frontend:
             if final is None:  # cancelled, disconnected or failed: free the engine's work now
                 self.engines.abort(job.treq.rid, "cancelled by the client")
             self.engines.release(job.treq.rid)
-            span.finish(job.treq.rid, final, error)
+            if own_span:
+                span.finish(job.treq.rid, final, error)
+
+    # ---- n samples of one prompt (parallel_sampling.py) ------------------------------
+
+    async def _open_samples(
+        self,
+        req: pb.GenerateRequest,
+        treq: engine_pb2.TokenizedRequest,
+        ids: list[int],
+        span: RequestSpan,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Prefills the prompt, then submits the n samples to the engine that holds it."""
+        prefill, engine = await self._prefill(prefill_request(treq), ids)
+        sp = req.sampling
+        jobs: list[_InFlight] = []
+        try:
+            for sample in sample_requests(treq, req.n):
+                queue = self._submit(sample, ids, engine)
+                stops = list(sp.stop), list(sp.stop_regex)
+                jobs.append(_InFlight(sample, *stops, ids, queue, treq.arrival_time))
+        except FrontendError:
+            for job in jobs:
+                self._drop(job.treq.rid)
+            raise
+        return self._samples(treq.rid, jobs, span, prefill)
+
+    async def _prefill(
+        self, treq: engine_pb2.TokenizedRequest, ids: list[int]
+    ) -> tuple[engine_pb2.TokenDelta, str | None]:
+        """Runs the prompt alone to its end: its last delta (the counts) and its engine."""
+        queue = self._submit(treq, ids)
+        done = False
+        try:
+            while not ((delta := await queue.get()).finish_reason or delta.error_code):
+                pass
+            if delta.error_code:
+                raise _engine_error(delta, treq.sampling)
+            if delta.finish_reason == "abort":
+                why = delta.finish_message or "aborted"
+                raise FrontendError(grpc.StatusCode.CANCELLED, f"the prompt's prefill: {why}")
+            done = True
+            return delta, self.engines.engine_of(treq.rid)
+        finally:
+            if not done:
+                self.engines.abort(treq.rid, "cancelled by the client")
+            self.engines.release(treq.rid)
+
+    async def _samples(
+        self, rid: str, jobs: list[_InFlight], span: RequestSpan, prefill: engine_pb2.TokenDelta
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The samples' responses as they come, each with its index. A sample's last one
+        says as cached_tokens what the cache held before the request (its prefill's): the
+        samples' reuse of the prefill is the request's own."""
+        finals: list[pb.GenerateResponse] = []
+        error = "CANCELLED"
+        try:
+            streams = [self._run(job, span, own_span=False) for job in jobs]
+            async with contextlib.aclosing(interleave(streams)) as merged:
+                async for i, resp in merged:
+                    resp.index = i
+                    if resp.finish_reason:
+                        _cached_as(resp, prefill)
+                        finals.append(resp)
+                    yield resp
+            error = ""
+        except FrontendError as e:
+            error = e.code.name
+            raise
+        finally:
+            for job in jobs:  # a sample closed before it started still holds its entry
+                self._drop(job.treq.rid)
+            span.finish(rid, _summary(finals) if not error else None, error)
+
+    def _drop(self, rid: str) -> None:
+        """Aborts and forgets a request if it is still in flight (else nothing happens)."""
+        self.engines.abort(rid, "cancelled by the client")
+        self.engines.release(rid)
 
     async def _stream(self, job: _InFlight) -> AsyncIterator[pb.GenerateResponse]:
         treq, ids, queue, arrival = job.treq, job.ids, job.queue, job.arrival
         sp = treq.sampling
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
-        stops = StopStringMatcher(job.stop)
+        stops = StopStringMatcher(job.stop, job.stop_regex)
         progress = _Progress()
         while True:
             delta: engine_pb2.TokenDelta = await queue.get()
@@ -286,10 +398,7 @@ class Frontend:
             progress.delivered += len(delta.token_ids)
             progress.note(delta)
             done = progress.delivered - len(delta.token_ids)
-            text = feed_tokens(stops, detok.add, delta.token_ids, done, sp.min_tokens)
-            if delta.finish_reason and stops.matched is None:
-                text += stops.feed(detok.flush())
-                text += stops.flush()
+            text = _stopped_text(stops, detok, delta, done, sp.min_tokens)
             resp = pb.GenerateResponse(request_id=treq.rid, token_ids=delta.token_ids, text=text)
             if sp.logprobs:
                 resp.logprobs.extend(logprobs_to_public(delta.logprobs))
@@ -359,6 +468,78 @@ class Frontend:
                 total_time=time.time() - arrival,
             )
         )
+
+
+def _cached_as(resp: pb.GenerateResponse, prefill: engine_pb2.TokenDelta) -> None:
+    host, storage = prefill.cached_host_tokens, prefill.cached_storage_tokens
+    resp.cached_tokens = prefill.cached_tokens
+    resp.cached_tokens_details.CopyFrom(
+        pb.CachedTokensDetails(
+            device=prefill.cached_tokens - host - storage, host=host, storage=storage
+        )
+    )
+
+
+def _summary(finals: list[pb.GenerateResponse]) -> pb.GenerateResponse:
+    """The last messages of n samples as one, for the request's span: the prompt once."""
+    out = pb.GenerateResponse()
+    if finals:
+        out.CopyFrom(finals[-1])
+        out.completion_tokens = sum(f.completion_tokens for f in finals)
+    return out
+
+
+def template_chat(chat: pb.ChatMessages) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The messages and tools as chat templates take them (OpenAI's shapes). A call's
+    arguments become an object, as vLLM hands them: templates write ``arguments | tojson``.
+    Validation has checked that every JSON text here parses to an object."""
+    messages = []
+    for m in chat.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
+    return messages, [_template_tool(t) for t in chat.tools]
+
+
+def _template_tool(tool: pb.Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    # No parameters: OpenAI's empty parameter list.
+    no_params = {"type": "object", "properties": {}}
+    function["parameters"] = json.loads(tool.parameters) if tool.parameters else no_params
+    return {"type": "function", "function": function}
+
+
+def _stopped_text(
+    stops: StopStringMatcher,
+    detok: IncrementalDetokenizer,
+    delta: engine_pb2.TokenDelta,
+    done: int,
+    min_tokens: int,
+) -> str:
+    """The delta's text through the stop strings and regexes (all of it, on the last)."""
+    try:
+        text = feed_tokens(stops, detok.add, delta.token_ids, done, min_tokens)
+        if delta.finish_reason and stops.matched is None:
+            text += stops.feed(detok.flush())
+            text += stops.flush()
+    except StopRegexTimeout as e:
+        field = f"sampling.stop_regex[{e.index}]"
+        raise FrontendError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}", field) from e
+    return text
 
 
 async def _final_delta(queue: _Deltas) -> engine_pb2.TokenDelta | None:

@@ -6,15 +6,17 @@ prompt tokens each engine's radix tree holds (cache_index.py, fed by the engines
 CacheEvents). Frontends do not talk to each other: two that see the same loads and events
 decide the same, so every tie is broken by rendezvous order, never by arrival or dict order.
 
-cache_aware (the default), in this order:
+cache_aware (the default; docs/routing.md has the why of each rule):
 
-(a) balance: if the fleet is imbalanced, max load - min load > ``balance_abs`` AND max load
-    > ``balance_rel`` x min load (SGLang's router semantics), the least loaded engine (ties:
-    rendezvous order). Caching is worth little while one replica queues and another idles.
-(b) cache_hit: else, if the engine holding the longest prefix of the prompt holds at least
-    ``min_match_tokens`` of it, the engine with the most matched tokens (ties: the lower
-    load, then rendezvous order, so equal copies of a hot prefix share its requests).
-(c) fallback: else (no engine holds a useful prefix), prefix_hash below, so requests that
+(a) an engine overloaded against the least loaded one (load - least > ``balance_abs`` AND
+    load > ``balance_rel`` x least: SGLang's router's tests) takes no new request;
+(b) among the rest, if one holds at least ``min_match_tokens`` of the prompt, the engine
+    of the best score: matched tokens - ``load_cost_tokens`` x load (ties: the lower load,
+    then rendezvous order). A hot prefix (one that many prompts fork after: a shared system
+    prompt, hot_prefixes.py) counts as held by every engine once one holds it, so new
+    conversations spread by load and each engine computes it once; a conversation's own
+    history is not hot, and outweighs a few requests more;
+(c) else (no engine holds a useful prefix), prefix_hash below over them, so requests that
     share a new prefix still converge on one engine, the same one from every frontend,
     which then caches it for (b).
 
@@ -101,9 +103,11 @@ class RoutingParams:
 
     policy: str = "cache_aware"
     load_factor: float = DEFAULT_LOAD_FACTOR
-    balance_abs: int = 4
+    balance_abs: int = 8
     balance_rel: float = 1.5
     min_match_tokens: int = 32
+    load_cost_tokens: int = 64
+    hot_prefix_forks: int = 16
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -117,7 +121,9 @@ class RoutingParams:
 @dataclass(frozen=True)
 class Decision:
     engine: str
-    branch: str  # cache_hit | balance | fallback (cache_aware), else the policy's name
+    # cache_aware: cache_hit (the engine holding the most), balance (one holding less, for
+    # its load), fallback (none holds min_match_tokens); else the policy's name.
+    branch: str
     matched_tokens: int = 0  # cache_aware: the chosen engine's, when asked
 
 
@@ -129,10 +135,15 @@ class Router:
         self._turn = itertools.count()
 
     def choose(
-        self, key: bytes, loads: Mapping[str, int], matched: Callable[[str], int] | None = None
+        self,
+        key: bytes,
+        loads: Mapping[str, int],
+        matched: Callable[[str], int] | None = None,
+        hot_tokens: int = 0,
     ) -> Decision:
         """``key``: prefix_key of the request; ``loads``: every routable engine's;
-        ``matched(name)``: tokens of the prompt that engine holds (cache_aware only)."""
+        ``matched(name)``: tokens of the prompt that engine holds; ``hot_tokens``: its
+        leading tokens that count as held everywhere (hot_prefixes.py) (cache_aware only)."""
         if not loads:
             raise ValueError("no engine to route to")
         p = self.params
@@ -143,10 +154,10 @@ class Router:
             return Decision(names[next(self._turn) % len(names)], p.policy)
         if p.policy == "least_load":
             return Decision(_least_loaded(key, loads), p.policy)
-        return self._cache_aware(key, loads, matched or (lambda name: 0))
+        return self._cache_aware(key, loads, matched or (lambda name: 0), hot_tokens)
 
     def _cache_aware(
-        self, key: bytes, loads: Mapping[str, int], matched: Callable[[str], int]
+        self, key: bytes, loads: Mapping[str, int], matched: Callable[[str], int], hot: int
     ) -> Decision:
         p = self.params
         # The engines the balance rule leaves in: those not so far above the least loaded
@@ -161,15 +172,17 @@ class Router:
         }
         order = ranking(key, list(loads))
         tokens = {name: matched(name) for name in order}
-        # Most matched, then least loaded, then rendezvous order (min is stable: first wins).
-        best = min(order, key=lambda n: (-tokens[n], loads[n]))
-        if best not in fit:
-            best = min((n for n in order if n in fit), key=lambda n: (-tokens[n], loads[n]))
-            return Decision(best, "balance", tokens[best])
-        if tokens[best] >= max(p.min_match_tokens, 1):
-            return Decision(best, "cache_hit", tokens[best])
-        engine = pick(key, fit, p.load_factor)
-        return Decision(engine, "fallback", tokens[engine])
+        most, least = max(tokens.values()), max(p.min_match_tokens, 1)
+        # A hot prefix some engine holds counts as held by all: it is worth a copy on each.
+        shared = min(hot, most)
+        held = {n: max(tokens[n], shared) for n in order if n in fit}
+        held = {n: v if v >= least else 0 for n, v in held.items()}
+        if not any(held.values()) and most < least:
+            engine = pick(key, fit, p.load_factor)
+            return Decision(engine, "fallback", tokens[engine])
+        # Best score, then least loaded, then rendezvous order (min is stable: first wins).
+        best = min(held, key=lambda n: (p.load_cost_tokens * loads[n] - held[n], loads[n]))
+        return Decision(best, "cache_hit" if tokens[best] == most else "balance", tokens[best])
 
 
 def _least_loaded(key: bytes, loads: Mapping[str, int]) -> str:

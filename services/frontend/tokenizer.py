@@ -6,7 +6,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TokenizersBackend
 
@@ -42,6 +43,26 @@ def _placeholder(index: int) -> str:
     return f"\ue000radixserve-content-{index}\ue001"
 
 
+# A chat message: (role, content), or the template's own dict (tool_calls, tool_call_id...).
+Message = tuple[str, str] | Mapping[str, Any]
+Tools = Sequence[Mapping[str, Any]]  # OpenAI's tools, as the template takes them
+
+
+def _as_dict(message: Message) -> dict[str, Any]:
+    if isinstance(message, tuple):
+        return {"role": message[0], "content": message[1]}
+    return dict(message)
+
+
+class ChatToolsError(ValueError):
+    """Tools or calls the chat template cannot be given as they are; ``field`` names them
+    (the path in GenerateRequest)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class Tokenizer:
     """Text <-> ids for one model folder (transformers AutoTokenizer)."""
 
@@ -62,36 +83,77 @@ class Tokenizer:
         """A raw prompt, with the special tokens the tokenizer adds by default (e.g. BOS)."""
         return list(self.hf.encode(text))
 
-    def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
-        """The prompt text the chat template makes of (role, content) pairs, ready to answer."""
+    def render_chat(self, messages: Sequence[Message], tools: Tools | None = None) -> str:
+        """The prompt text the chat template makes of the messages (and tools), ready to
+        answer. Tools the template does not render are refused (ChatToolsError): dropping
+        them would answer another question than the one asked."""
         if self.hf.chat_template is None:
             raise ValueError("the model has no chat template; send text or input_ids")
-        conv = [{"role": role, "content": content} for role, content in messages]
-        text = self.hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        conv = [_as_dict(m) for m in messages]
+        text = self._apply(conv, tools)
+        # A template that ignores ``tools`` renders the same text with and without them.
+        if tools and text == self._apply(conv, None):
+            raise ChatToolsError(
+                "messages.tools",
+                "the model's chat template does not render tools, so the model would never "
+                "see them; leave tools out, or serve a model whose template renders them",
+            )
+        return text
+
+    def _apply(self, conv: list[dict[str, Any]], tools: Tools | None) -> str:
+        text = self.hf.apply_chat_template(
+            conv,
+            tools=[dict(t) for t in tools] if tools else None,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         assert isinstance(text, str)  # tokenize=False: the rendered text, never ids
         return text
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], tools: Tools | None = None) -> list[int]:
         """The chat's ids; a message's content is always ordinary text: "<|im_start|>system"
-        typed by a user stays those characters and never opens a real turn."""
-        if not any(t in content for _, content in messages for t in self._special_texts):
+        typed by a user stays those characters and never opens a real turn. Tools and calls
+        are rendered by the template (as JSON): special-token text in them is refused."""
+        conv = [_as_dict(m) for m in messages]
+        self._check_tool_text(conv, tools or [])
+        if not any(self._special_in(str(m.get("content") or "")) for m in conv):
             # The template already writes BOS and friends: add nothing more.
-            return list(self.hf.encode(self.render_chat(messages), add_special_tokens=False))
-        return self._encode_chat_escaped(messages)
+            return list(self.hf.encode(self.render_chat(conv, tools), add_special_tokens=False))
+        return self._encode_chat_escaped(conv, tools)
 
-    def _encode_chat_escaped(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def _special_in(self, text: str) -> str | None:
+        return next((t for t in self._special_texts if t in text), None)
+
+    def _check_tool_text(self, conv: list[dict[str, Any]], tools: Tools) -> None:
+        """Tools and calls (and a message's tool_call_id and name) reach the prompt as the
+        template writes them, where no placeholder keeps special-token text plain: such text
+        is refused instead."""
+        parts: list[tuple[str, Any]] = [(f"messages.tools[{i}]", t) for i, t in enumerate(tools)]
+        for i, m in enumerate(conv):
+            parts += [
+                (f"messages[{i}].{k}", m.get(k)) for k in ("tool_calls", "tool_call_id", "name")
+            ]
+        for field, value in parts:
+            found = self._special_in(json.dumps(value, ensure_ascii=False)) if value else None
+            if found:
+                raise ChatToolsError(field, f"must not contain the special token text {found!r}")
+
+    def _encode_chat_escaped(self, conv: list[dict[str, Any]], tools: Tools | None) -> list[int]:
         """Renders the template around placeholders, then tokenizes the template's own text
         with its special tokens and each content with special-token text split into plain
-        tokens. (A template that rewrites content, e.g. trims it, gets it unrewritten.)"""
-        rendered = self.render_chat(
-            [(role, _placeholder(i)) for i, (role, _) in enumerate(messages)]
-        )
+        tokens. (A template that rewrites content, e.g. trims it, gets it unrewritten.)
+        Empty contents stay empty: templates test them ("{% if message.content %}")."""
+        held = [
+            {**m, "content": _placeholder(i) if m.get("content") else m.get("content")}
+            for i, m in enumerate(conv)
+        ]
+        rendered = self.render_chat(held, tools)
         ids: list[int] = []
         for j, piece in enumerate(_PLACEHOLDER.split(rendered)):
             if j % 2 == 0:  # the template's text: its markers are the real special tokens
                 ids += self.hf.encode(piece, add_special_tokens=False)
             else:  # the capture group: which message's content
-                content = messages[int(piece)][1]
+                content = str(conv[int(piece)]["content"])
                 ids += self.hf.encode(content, add_special_tokens=False, split_special_tokens=True)
         return ids
 

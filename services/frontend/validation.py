@@ -8,12 +8,16 @@ the OpenAI parameter.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from radixserve.v1 import generation_pb2 as pb
 from services.common.sampling_limits import (
+    DEFAULT_MAX_TOKENS,
     prompt_logprobs_start_problem,
     sampling_bound_problem,
 )
+from services.frontend.stop_strings import compile_stop_regex
+from services.frontend.tool_grammar import MAX_TOOLS, TOOL_NAME
 
 MAX_STOP_STRINGS = 16
 # A token is rarely more than a few characters; one of more than this many would be
@@ -23,7 +27,12 @@ MAX_CHARS_PER_TOKEN = 64
 MAX_STOP_STRING_CHARS = 1024  # stop strings are matched against every streamed chunk
 MAX_CACHE_SALT_CHARS = 1024  # salts are kept in the radix tree, one per cached branch
 MAX_STOP_TOKEN_IDS = 64
+# Stop regexes (SGLang's limits): each is searched in up to ~2k characters per piece.
+MAX_STOP_REGEX = 32
+MAX_STOP_REGEX_CHARS = 256
 MAX_REQUEST_ID_LEN = 256
+# Samples of one prompt (GenerateRequest.n) at most: each is a request in the engine.
+MAX_SAMPLES = 128
 # A constraint's text at most (characters): past it a schema or grammar is refused before
 # the engine spends a compile on it.
 MAX_CONSTRAINT_CHARS = 128 * 1024
@@ -65,7 +74,31 @@ def validate_sampling(sp: pb.SamplingParams, vocab_size: int) -> None:
             f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}",
         )
     _check_token_ids("sampling.stop_token_ids", sp.stop_token_ids, vocab_size)
+    _check_stop_regex(sp.stop_regex)
+    for e in sp.logit_bias:  # the count, the range and repeats: sampling_bound_problem
+        if not 0 <= e.token_id < vocab_size:
+            raise ValidationError(
+                "sampling.logit_bias",
+                f"token id {e.token_id} is outside the vocabulary [0, {vocab_size})",
+            )
     validate_constraint(sp)
+
+
+def _check_stop_regex(patterns: Sequence[str]) -> None:
+    if len(patterns) > MAX_STOP_REGEX:
+        raise ValidationError(
+            "sampling.stop_regex", f"at most {MAX_STOP_REGEX} patterns, got {len(patterns)}"
+        )
+    for i, p in enumerate(patterns):
+        if len(p) > MAX_STOP_REGEX_CHARS:
+            raise ValidationError(
+                f"sampling.stop_regex[{i}]",
+                f"at most {MAX_STOP_REGEX_CHARS} characters, got {len(p)}",
+            )
+        try:
+            compile_stop_regex(p)
+        except ValueError as e:
+            raise ValidationError(f"sampling.stop_regex[{i}]", str(e)) from None
 
 
 def validate_constraint(sp: pb.SamplingParams) -> None:
@@ -86,17 +119,32 @@ def validate_constraint(sp: pb.SamplingParams) -> None:
         raise ValidationError(field, f"at most {MAX_CONSTRAINT_CHARS} characters, got {len(text)}")
     if kind == "json_schema":
         _check_schema_json(field, text)
+    elif kind == "structural_tag":
+        _check_structural_tag_json(field, text)
+
+
+def _json(field: str, text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValidationError(field, f"is not valid JSON: {e}") from None
 
 
 def _check_schema_json(field: str, text: str) -> None:
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValidationError(field, f"is not valid JSON: {e}") from None
+    schema = _json(field, text)
     if not isinstance(schema, dict | bool):
         raise ValidationError(
             field, f"a JSON Schema is an object or a boolean, got {type(schema).__name__}"
         )
+
+
+def _check_structural_tag_json(field: str, text: str) -> None:
+    """Its shape only; what the formats inside mean is the grammar compiler's to judge."""
+    tag = _json(field, text)
+    if not isinstance(tag, dict):
+        raise ValidationError(field, f"a structural tag is a JSON object, got {type(tag).__name__}")
+    if "format" not in tag and "structures" not in tag:
+        raise ValidationError(field, 'needs "format" (or the older "structures" and "triggers")')
 
 
 def validate_input(req: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int) -> None:
@@ -117,6 +165,43 @@ def validate_input(req: pb.GenerateRequest | pb.TokenizeRequest, vocab_size: int
                 raise ValidationError(
                     f"messages[{i}].role", f"unknown role {m.role!r}; one of {sorted(CHAT_ROLES)}"
                 )
+            _check_tool_calls(f"messages[{i}]", m)
+        _check_tools(req.messages.tools)
+
+
+def _check_tool_calls(where: str, m: pb.ChatMessage) -> None:
+    if m.tool_calls and m.role != "assistant":
+        raise ValidationError(
+            f"{where}.tool_calls", f"only assistant messages make calls, not {m.role!r}"
+        )
+    for j, call in enumerate(m.tool_calls):
+        field = f"{where}.tool_calls[{j}]"
+        if not call.name:
+            raise ValidationError(f"{field}.name", "the function's name is required")
+        _json_object(f"{field}.arguments", call.arguments)
+
+
+def _check_tools(tools: Sequence[pb.Tool]) -> None:
+    """The rules of tool_grammar.function_schemas, for callers that skip the HTTP layer."""
+    if len(tools) > MAX_TOOLS:
+        raise ValidationError("messages.tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        field = f"messages.tools[{i}]"
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise ValidationError(
+                f"{field}.name", f"must be 1 to 64 of a-z, A-Z, 0-9, _, ., -; got {tool.name!r}"
+            )
+        if tool.name in seen:
+            raise ValidationError(f"{field}.name", f"function {tool.name!r} is given twice")
+        seen.add(tool.name)
+        if tool.parameters:
+            _json_object(f"{field}.parameters", tool.parameters)
+
+
+def _json_object(field: str, text: str) -> None:
+    if not isinstance(_json(field, text), dict):
+        raise ValidationError(field, "must be a JSON object")
 
 
 def validate_request(req: pb.GenerateRequest, vocab_size: int) -> None:
@@ -127,6 +212,8 @@ def validate_request(req: pb.GenerateRequest, vocab_size: int) -> None:
         raise ValidationError(
             "cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(req.cache_salt)}"
         )
+    if not 0 <= req.n <= MAX_SAMPLES:
+        raise ValidationError("n", f"must be in [1, {MAX_SAMPLES}], got {req.n}")
     validate_input(req, vocab_size)
     validate_sampling(req.sampling, vocab_size)
 
@@ -154,6 +241,25 @@ def validate_length(prompt_len: int, sp: pb.SamplingParams, max_model_len: int) 
         )
 
 
+def validate_samples(
+    n: int, prompt_len: int, sp: pb.SamplingParams, max_model_len: int, pool_tokens: int
+) -> None:
+    """n samples run side by side on one engine: the prompt's KV (shared) and each one's
+    max_tokens must fit its pool at once. 0 for a limit not known yet: not checked."""
+    if n <= 1 or pool_tokens <= 0:
+        return
+    each = sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_model_len > 0:
+        each = min(each, max_model_len - prompt_len)  # the context ends a sample there
+    need = prompt_len + n * each
+    if need > pool_tokens:
+        raise ValidationError(
+            "n",
+            f"{n} samples of up to {each} tokens after the prompt ({prompt_len} tokens) need "
+            f"{need} KV slots; the engine's pool holds {pool_tokens}",
+        )
+
+
 def validate_text_size(req: pb.GenerateRequest | pb.TokenizeRequest, max_model_len: int) -> None:
     """Text (or chat content) too long to fit the context at any plausible token length."""
     if max_model_len <= 0:
@@ -162,7 +268,7 @@ def validate_text_size(req: pb.GenerateRequest | pb.TokenizeRequest, max_model_l
     if kind == "text":
         size, field = len(req.text), "text"
     elif kind == "messages":
-        size, field = sum(len(m.content) for m in req.messages.messages), "messages"
+        size, field = _chat_size(req.messages), "messages"
     else:
         return
     limit = max_model_len * MAX_CHARS_PER_TOKEN
@@ -172,3 +278,10 @@ def validate_text_size(req: pb.GenerateRequest | pb.TokenizeRequest, max_model_l
             f"{size} characters cannot fit max_model_len {max_model_len} tokens "
             f"(at most {limit} characters are tokenized)",
         )
+
+
+def _chat_size(chat: pb.ChatMessages) -> int:
+    """Characters of the chat that the template renders: contents, calls and tools."""
+    calls = sum(len(c.name) + len(c.arguments) for m in chat.messages for c in m.tool_calls)
+    tools = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
+    return sum(len(m.content) for m in chat.messages) + calls + tools

@@ -86,7 +86,7 @@ class EngineLoop:
             worked = self._await_worker() if self.worker_down else self._step()
             self.sched.flush_outbox(frontends)
             if self.publisher is not None:
-                self.publisher.publish()
+                self.publisher.publish(self.sched.num_requests())
             if worked:
                 last_work = time.monotonic()
             else:

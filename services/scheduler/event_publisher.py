@@ -1,6 +1,7 @@
 """The scheduler's PUB socket of CacheEvents (cache_events.py): one message per step that
-changed the tree, a heartbeat with the current seq every HEARTBEAT_S, so a router notices a
-lost last message as a gap and asks for CacheSnapshot."""
+changed the tree or the load (running + waiting requests), a heartbeat with the current seq
+every HEARTBEAT_S, so a router notices a lost last message as a gap and asks for
+CacheSnapshot. Every message carries the load: routers see it a step after it changes."""
 
 from __future__ import annotations
 
@@ -46,26 +47,31 @@ class EventPublisher:
         endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.port = int(endpoint.rsplit(":", 1)[1])
         self._last_sent = 0.0
+        self._load = -1
 
-    def publish(self) -> None:
-        """The step's changes, or a heartbeat when none were sent for HEARTBEAT_S."""
+    def publish(self, load: int) -> None:
+        """The step's changes; else the load if it changed, or a heartbeat when nothing was
+        sent for HEARTBEAT_S (both repeat the seq)."""
         msg = self.events.take()
         now = time.monotonic()
         if msg is None:
-            if now - self._last_sent < HEARTBEAT_S:
+            if load == self._load and now - self._last_sent < HEARTBEAT_S:
                 return
             msg = self.events.heartbeat()
-        self._send(msg)
+        self._send(msg, load)
         self._last_sent = now
 
-    def snapshot(self, root: TreeNode) -> engine_pb2.CacheEvents:
+    def snapshot(self, root: TreeNode, load: int) -> engine_pb2.CacheEvents:
         """Publishes what is pending first, so the snapshot's seq covers everything sent."""
         msg = self.events.take()
         if msg is not None:
-            self._send(msg)
-        return self.events.snapshot(root)
+            self._send(msg, load)
+        snap = self.events.snapshot(root)
+        snap.num_requests = load
+        return snap
 
-    def _send(self, msg: engine_pb2.CacheEvents) -> None:
+    def _send(self, msg: engine_pb2.CacheEvents, load: int) -> None:
+        msg.num_requests = self._load = load
         try:
             transport.send(self.sock, msg, flags=zmq.NOBLOCK)
         except zmq.Again:  # no room for some subscriber: it sees the gap and resyncs

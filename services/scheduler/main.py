@@ -72,7 +72,9 @@ class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "cache events are off (--cache-events-port -1)"
             )
             return None
-        return self.sched.call(lambda: pub.snapshot(self.sched.kv.cache.root))
+        return self.sched.call(
+            lambda: pub.snapshot(self.sched.kv.cache.root, self.sched.num_requests())
+        )
 
 
 def wait_for_worker(conn: WorkerConn, stop: threading.Event) -> engine_pb2.WorkerInfo | None:

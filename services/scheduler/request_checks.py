@@ -40,5 +40,10 @@ def request_problem(msg: engine_pb2.TokenizedRequest, ids: np.ndarray, vocab_siz
         or token_problem(
             np.asarray(msg.sampling.stop_token_ids, dtype=np.int64), vocab_size, "stop_token_ids"
         )
+        or token_problem(
+            np.asarray([e.token_id for e in msg.sampling.logit_bias], dtype=np.int64),
+            vocab_size,
+            "logit_bias",
+        )
         or sampling_problem(msg.sampling, len(ids))
     )

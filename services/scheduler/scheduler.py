@@ -210,6 +210,10 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.queues.running or self.queues.waiting)
 
+    def num_requests(self) -> int:
+        """Running + waiting: the load routers balance on (as GetStats reports it)."""
+        return len(self.queues.running) + len(self.queues.waiting)
+
     # ------------------------------------------------------------------ admission --
     def add_request(self, identity: bytes, msg: engine_pb2.TokenizedRequest) -> None:
         req = self._new_req(identity, msg)

@@ -19,8 +19,8 @@ from services.worker.sampling import SamplingSpec
 class Constraint:
     """A grammar the request's tokens must follow; the key of the compiled-grammar cache."""
 
-    kind: str  # "json_schema" | "regex" | "ebnf" | "json_object"
-    text: str  # the schema, regex or grammar ("" for json_object)
+    kind: str  # "json_schema" | "regex" | "ebnf" | "json_object" | "structural_tag"
+    text: str  # the schema, regex, grammar or structural tag ("" for json_object)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Order applied to each row's float32 logits:
 
-    allowed-token mask -> min_tokens mask -> penalties -> (greedy: argmax)
+    allowed-token mask -> min_tokens mask -> penalties -> logit_bias -> (greedy: argmax)
                           -> temperature -> top-k -> top-p -> min-p -> draw
 
 Choices (documented because clients see them):
@@ -11,6 +11,10 @@ Choices (documented because clients see them):
   counting the prompt would make the output depend on what the radix cache held.
   Repetition divides positive logits / multiplies negative ones by the penalty (as HF);
   frequency subtracts penalty * count; presence subtracts penalty once a token appeared.
+- logit_bias (OpenAI's) is added after the penalties, so a repetition penalty never scales
+  it, and after the masks, so -inf stays -inf: a bias cannot revive a token a grammar or
+  min_tokens forbids. Slots with a bias are kept in a dict of their (ids, biases); a batch
+  without one pays a dict test, a batch with some one scatter-add of their pairs.
 - Logprobs are "raw": log_softmax of the model's logits before any processing, for the
   chosen token and the top-n alternatives (best first).
 - Draws are batched: every sampled row gets a 63-bit key, and its Exp(1) noise over the
@@ -58,6 +62,7 @@ class SamplingSpec:
     top_logprobs: int = 0
     min_tokens: int = 0
     min_tokens_ban: tuple[int, ...] = ()  # token ids masked until min_tokens are generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
 
     @property
     def greedy(self) -> bool:
@@ -158,6 +163,9 @@ class Sampler:
         # Slots below their min_tokens (one may linger after its request ends early, until
         # the slot is reused: it costs a set test per batch, never a wrong mask).
         self.below_min: set[int] = set()
+        # Slots with a logit_bias: their token ids and biases (host arrays, sent per step;
+        # one lingers after its request ends, until the slot is reused).
+        self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def reset_slot(self, slot: int, spec: SamplingSpec, output_ids: np.ndarray) -> None:
         """A request (new, or back after a retraction) takes ``slot``."""
@@ -166,6 +174,12 @@ class Sampler:
         self.below_min.discard(slot)
         if spec.min_tokens_ban and self.num_generated[slot] < spec.min_tokens:
             self.below_min.add(slot)
+        self.biases.pop(slot, None)
+        if spec.logit_bias:
+            self.biases[slot] = (
+                np.array([t for t, _ in spec.logit_bias], np.int64),
+                np.array([b for _, b in spec.logit_bias], np.float32),
+            )
         self.params[slot] = torch.tensor(_param_row(spec, self.vocab_size))
         self.counts[slot].zero_()
         if len(output_ids):
@@ -202,6 +216,8 @@ class Sampler:
             logits = self._min_tokens_masked(logits, slots, specs)
         if any(sp.has_penalty for sp in specs):
             logits = self._penalized(logits, idx, params)
+        if self.biases and not self.biases.keys().isdisjoint(slots):
+            logits = self._biased(logits, slots)
         token_ids = torch.argmax(logits, dim=-1)  # the greedy choice of every row
         if not all(sp.greedy for sp in specs):
             probs = self._processed_probs(logits, params, specs)
@@ -245,6 +261,21 @@ class Sampler:
         masked = logits.index_put((rows, cols), torch.full_like(saved, float("-inf")))  # [N, V]
         dead = torch.isneginf(masked.amax(dim=-1))  # [N]
         return masked.index_put_((rows, cols), torch.where(dead[rows], saved, float("-inf")))
+
+    def _biased(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """A copy of ``logits`` with each biased row's biases added: the (row, token) pairs
+        and their values in two small host-to-device copies, one scatter-add."""
+        rows, cols, values = [], [], []
+        for j, s in enumerate(slots):
+            if s in self.biases:
+                ids, vals = self.biases[s]
+                rows.append(np.full(len(ids), j, np.int64))
+                cols.append(ids)
+                values.append(vals)
+        rc = torch.from_numpy(np.stack([np.concatenate(rows), np.concatenate(cols)]))
+        rc = rc.to(self.device, non_blocking=True)  # [2, K]
+        add = torch.from_numpy(np.concatenate(values)).to(self.device, non_blocking=True)
+        return logits.index_put((rc[0], rc[1]), add, accumulate=True)  # [N, V]
 
     def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Repetition / frequency / presence penalties from each slot's generated tokens."""

@@ -20,7 +20,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from radixserve.internal.v1 import engine_pb2
-from services.common.sampling_limits import MAX_TOP_LOGPROBS
+from services.common.sampling_limits import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS
 from services.common.transport import unpack_i32
 from services.worker.batch import (
     Batch,
@@ -221,6 +221,15 @@ def _check_request(req: ReqInput, is_decode: bool, limits: Limits) -> None:
         raise ValueError(
             f"{where}: min_tokens masks a token outside the vocabulary [0, {limits.vocab_size})"
         )
+    bias = req.start.sampling.logit_bias if req.start is not None else ()
+    if not all(0 <= t < limits.vocab_size for t, _ in bias):
+        raise ValueError(
+            f"{where}: logit_bias names a token outside the vocabulary [0, {limits.vocab_size})"
+        )
+    if not all(abs(b) <= LOGIT_BIAS_RANGE for _, b in bias):  # NaN fails too
+        raise ValueError(
+            f"{where}: a logit_bias is outside [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+        )
 
 
 def check_batch(batch: Batch, limits: Limits) -> None:
@@ -263,6 +272,7 @@ def sampling_spec(
         top_logprobs=top_logprobs,
         min_tokens=get("min_tokens", 0),
         min_tokens_ban=min_tokens_ban(p, eos_token_ids),
+        logit_bias=tuple((e.token_id, e.bias) for e in p.logit_bias),
     )
 
 

@@ -6,15 +6,18 @@ client; bad constraints; mixed batches; retraction; cache hits."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import jsonschema
 import openai
 import pytest
 from openai import OpenAI
 
 from radixserve.v1 import generation_pb2 as pb
+from services.frontend.tool_grammar import CallMarkup, tool_call_format, tool_structural_tag
 from tests.e2e.constrained_cases import ALL, EBNFS, REGEXES, SCHEMAS, Case, large_schema
 from tests.server_util import Server, greedy
 
@@ -140,6 +143,8 @@ BAD_GRPC = [
     ("ebnf", "root ::= root", "accepts no finite string"),
     ("ebnf", "root ::= a\na ::= root", "rules 'root', 'a' never end"),
     ("ebnf", 'root ::= "a" root', "accepts no finite string"),
+    ("structural_tag", "{bad", "not valid JSON"),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', "nope"),
 ]
 
 
@@ -177,6 +182,11 @@ def test_json_object_false_is_refused(server):
             "json_schema.schema",
         ),
         ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+            "response_format",
+            "nope",
+        ),
         ({"ebnf": "root ::= root"}, "ebnf", "accepts no finite string"),
         (
             {
@@ -207,6 +217,63 @@ def test_http_bad_constraint_is_400_naming_the_param(server, client, extra, para
         .choices[0]
         .text
     )
+
+
+HERMES = CallMarkup(
+    "<tool_call>", '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now"}},
+]
+CALL = re.compile(
+    r'<tool_call>\n\{"name": "(get_weather|now)", "arguments": (.*?)\}\n</tool_call>', re.S
+)
+
+
+def _check_calls(text: str, names: tuple[str, ...]) -> None:
+    """``text`` is calls only, each of one of ``names`` with arguments its schema accepts."""
+    calls = CALL.findall(text)
+    assert calls and "\n".join(m.group(0) for m in CALL.finditer(text)) == text, text
+    for name, args in calls:
+        assert name in names
+        jsonschema.validate(json.loads(args), WEATHER if name == "get_weather" else {"const": {}})
+
+
+def test_structural_tag_tool_calls_over_native_generate_and_openai(server, client):
+    """tool_grammar's tags through the real path: /generate's sampling_params.structural_tag
+    (tool_choice required) and OpenAI's response_format (a named function)."""
+    import httpx
+
+    tag = tool_structural_tag(TOOLS, "required", True, HERMES)
+    stopped = 0
+    for seed in SEEDS:
+        sp = {"max_new_tokens": MAX_TOKENS, "temperature": 1.0, "sampling_seed": seed}
+        body = {"text": PROMPT, "sampling_params": {**sp, "structural_tag": tag}}
+        r = httpx.post(f"http://127.0.0.1:{server.http_port}/generate", json=body, timeout=120)
+        out = r.json()
+        assert r.status_code == 200, out
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            stopped += 1
+            _check_calls(out["text"], ("get_weather", "now"))
+    assert stopped >= 2, f"only {stopped}/{len(SEEDS)} finished by their grammar"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    fmt = tool_call_format(TOOLS, named, False, HERMES)
+    done = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=2,
+        response_format={"type": "structural_tag", "format": fmt},
+    )
+    assert done.choices[0].finish_reason == "stop"
+    _check_calls(done.choices[0].message.content or "", ("get_weather",))
 
 
 def test_native_generate_refuses_a_grammar_that_never_ends(server):

@@ -58,6 +58,19 @@ def test_http_streaming_chat_and_usage(server, client):
     assert usage is not None and usage.completion_tokens >= 1
 
 
+def test_logit_bias_forces_a_token_through_http(server, client):
+    (nested,) = server.stub.Tokenize(generation_pb2.TokenizeRequest(text=" nested")).ids
+    model = client.models.list().data[0].id
+    done = client.completions.create(
+        model=model,
+        prompt="Beautiful is better than",  # greedily " ugly."
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(nested): 100},
+    )
+    assert done.choices[0].text == " nested nested nested"
+
+
 def test_http_bad_parameter_names_it(client):
     import openai
 

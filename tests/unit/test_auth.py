@@ -106,6 +106,9 @@ def test_admin_routes_take_the_admin_key_only(frontend):
     with httpx.Client(base_url=frontend.http_base) as http:
         _assert_401(http.post("/flush_cache", headers=_auth(KEY)), "invalid")
         assert http.post("/flush_cache", headers=_auth(ADMIN)).status_code in (200, 400)
+        abort = {"json": {"rid": "nobody"}}  # SGLang's: it can abort anyone's requests
+        _assert_401(http.post("/abort_request", headers=_auth(KEY), **abort), "invalid")
+        assert http.post("/abort_request", headers=_auth(ADMIN), **abort).status_code == 200
         # and the admin key is no key for the other routes
         _assert_401(http.get("/v1/models", headers=_auth(ADMIN)), "invalid")
 

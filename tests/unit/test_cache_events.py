@@ -68,24 +68,29 @@ def test_the_publisher_sends_changes_heartbeats_and_snapshots_in_order(monkeypat
     try:
         deadline = time.monotonic() + 10
         while not sub.poll(50):  # a slow joiner: heartbeats until the subscription is in
-            pub.publish()
+            pub.publish(0)
             time.sleep(0.06)
             assert time.monotonic() < deadline
         beat = transport.recv(sub, engine_pb2.CacheEvents)
         assert beat.seq == 0 and not beat.stored and beat.instance_id == sched.events.instance_id
         submit(sched, "a", list(range(1, 50)), 2)
         run(sched)
-        pub.publish()
+        pub.publish(0)
         msg = transport.recv(sub, engine_pb2.CacheEvents)
         while msg.seq == 0:  # heartbeats sent before
             msg = transport.recv(sub, engine_pb2.CacheEvents)
         assert msg.seq == 1 and len(split_keys(msg.stored)) == 49 // sched.events.block_tokens
         submit(sched, "b", list(range(100, 150)), 2)
         run(sched)
-        snap = pub.snapshot(sched.kv.cache.root)  # sends b's keys first
+        snap = pub.snapshot(sched.kv.cache.root, 0)  # sends b's keys first
         assert snap.snapshot and snap.seq == 2
         assert len(split_keys(snap.stored)) == 2 * (49 // sched.events.block_tokens)
         assert transport.recv(sub, engine_pb2.CacheEvents).seq == 2
+        pub.publish(3)  # the load alone changed: its message repeats the seq
+        load = transport.recv(sub, engine_pb2.CacheEvents)
+        assert (load.seq, load.num_requests, load.stored, load.removed) == (2, 3, b"", b"")
+        pub.publish(3)
+        assert not sub.poll(20)  # unchanged: nothing until the heartbeat
     finally:
         sub.close(0)
         pub.close()

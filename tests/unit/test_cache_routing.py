@@ -160,25 +160,76 @@ def _choose(loads: dict[str, int], matched: dict[str, int], key: bytes = b"k", *
 
 def test_a_an_overloaded_engine_sheds_to_the_best_of_the_rest():
     matched = {"10.0.0.1": 2048}
+    kw = {"balance_abs": 4, "load_cost_tokens": 0}  # the balance rule alone
     # 10 - 5 > 4 and 10 > 1.5 x 5: .1 is out; of the rest, the least loaded
-    d = _choose({"10.0.0.1": 10, "10.0.0.2": 5, "10.0.0.3": 6}, matched)
+    d = _choose({"10.0.0.1": 10, "10.0.0.2": 5, "10.0.0.3": 6}, matched, **kw)
     assert (d.engine, d.branch) == ("10.0.0.2", "balance")
     # ... unless another holds some of the prompt: .3 (within the bound of .2) wins by it
-    d = _choose({"10.0.0.1": 10, "10.0.0.2": 5, "10.0.0.3": 6}, {**matched, "10.0.0.3": 256})
+    d = _choose({"10.0.0.1": 10, "10.0.0.2": 5, "10.0.0.3": 6}, {**matched, "10.0.0.3": 256}, **kw)
     assert (d.engine, d.branch, d.matched_tokens) == ("10.0.0.3", "balance", 256)
     # an overloaded engine that holds nothing of the prompt changes nothing
-    d = _choose({"10.0.0.1": 0, "10.0.0.2": 10, "10.0.0.3": 1}, matched)
+    d = _choose({"10.0.0.1": 0, "10.0.0.2": 10, "10.0.0.3": 1}, matched, **kw)
     assert (d.engine, d.branch) == ("10.0.0.1", "cache_hit")
     # only the absolute spread: 20 - 15 > 4 but 20 < 1.5 x 15
-    d = _choose({"10.0.0.1": 20, "10.0.0.2": 15, "10.0.0.3": 16}, matched)
+    d = _choose({"10.0.0.1": 20, "10.0.0.2": 15, "10.0.0.3": 16}, matched, **kw)
     assert (d.engine, d.branch) == ("10.0.0.1", "cache_hit")
     # only the relative one: 4 > 1.5 x 0 but 4 - 0 is not > 4
-    d = _choose({"10.0.0.1": 4, "10.0.0.2": 0, "10.0.0.3": 0}, matched)
+    d = _choose({"10.0.0.1": 4, "10.0.0.2": 0, "10.0.0.3": 0}, matched, **kw)
     assert d.branch == "cache_hit"
     # equally least loaded: rendezvous order of the prefix decides, the same everywhere
     key = prefix_key("", _ids(9))
-    d = _choose({"10.0.0.1": 9, "10.0.0.2": 0, "10.0.0.3": 0}, {}, key)
+    d = _choose({"10.0.0.1": 9, "10.0.0.2": 0, "10.0.0.3": 0}, {}, key, **kw)
     assert d.engine == next(n for n in ranking(key, NAMES) if n != "10.0.0.1")
+
+
+def test_b_matched_tokens_are_weighed_against_load():
+    # 64 tokens a request: a 512-token lead outweighs 7 requests more, not 8 (a tie on
+    # score goes to the lower load) or 9
+    matched = {"10.0.0.1": 1024, "10.0.0.2": 512}
+    d = _choose({"10.0.0.1": 7, "10.0.0.2": 0, "10.0.0.3": 0}, matched, balance_abs=100)
+    assert (d.engine, d.branch) == ("10.0.0.1", "cache_hit")
+    d = _choose({"10.0.0.1": 8, "10.0.0.2": 0, "10.0.0.3": 0}, matched, balance_abs=100)
+    assert d.engine == "10.0.0.2"
+    d = _choose({"10.0.0.1": 9, "10.0.0.2": 0, "10.0.0.3": 0}, matched, balance_abs=100)
+    assert (d.engine, d.branch, d.matched_tokens) == ("10.0.0.2", "balance", 512)
+
+
+def test_b_a_hot_prefix_counts_as_held_by_every_engine():
+    # Only .1 holds the 1,024-token system prompt; hot, it spreads by load...
+    loads = {"10.0.0.1": 3, "10.0.0.2": 1, "10.0.0.3": 2}
+    router = Router(RoutingParams())
+    d = router.choose(b"k", loads, lambda n: 1024 if n == "10.0.0.1" else 0, hot_tokens=1024)
+    assert (d.engine, d.branch) == ("10.0.0.2", "balance")
+    # ... only as far as some engine holds it: cold everywhere, prefix_hash decides
+    d = router.choose(b"k", loads, lambda n: 0, hot_tokens=1024)
+    assert d.branch == "fallback"
+    # a conversation's history beyond the hot prefix keeps it on its engine
+    d = router.choose(b"k", loads, lambda n: 1536 if n == "10.0.0.1" else 0, hot_tokens=1024)
+    assert (d.engine, d.branch) == ("10.0.0.1", "cache_hit")
+    # cold (not hot), the holder keeps it
+    d = router.choose(b"k", loads, lambda n: 1024 if n == "10.0.0.1" else 0)
+    assert (d.engine, d.branch) == ("10.0.0.1", "cache_hit")
+
+
+def test_hot_prefixes_are_where_prompts_fork():
+    from services.frontend.hot_prefixes import HotPrefixes
+
+    hot = HotPrefixes(forks=3, max_keys=1000)
+    system = [b"s%d" % i for i in range(4)]
+    conversation = system + [b"c0", b"c1"]
+    for turn in range(5):  # one conversation's turns only extend it: never hot
+        hot.note(conversation + [b"t%d" % turn])
+        conversation = conversation + [b"t%d" % turn]
+    assert hot.hot_blocks(conversation) == 0
+    for other in ("a", "b"):  # two more continuations after the system prompt: 3 forks
+        hot.note(system + [other.encode()])
+    assert hot.hot_blocks(conversation) == len(system)
+    assert hot.hot_blocks([b"s0", b"x"]) == 0
+    hot = HotPrefixes(forks=2, max_keys=2)  # bounded: an old generation is dropped
+    hot.note([b"a", b"b", b"c", b"d"])
+    hot.note([b"e", b"f", b"g", b"h"])
+    hot.note([b"a", b"z"])
+    assert hot.hot_blocks([b"a"]) == 0  # "a -> b" was forgotten two generations ago
 
 
 def test_b_the_most_matched_engine_wins_ties_by_load_then_rendezvous():
@@ -588,7 +639,7 @@ def test_the_real_schedulers_events_index_its_prompts(monkeypatch):
     pub = EventPublisher(ctx, "127.0.0.1", 0, sched.events)
 
     async def snapshot() -> engine_pb2.CacheEvents:
-        return pub.snapshot(sched.kv.cache.root)
+        return pub.snapshot(sched.kv.cache.root, 0)
 
     def matches() -> dict[str, int]:
         return {rid: index.match_prompt(PromptKeys(ns, ids)) for rid, (ns, ids) in prompts.items()}
@@ -597,17 +648,17 @@ def test_the_real_schedulers_events_index_its_prompts(monkeypatch):
         actx = zmq.asyncio.Context()
         sub = CacheSubscriber(actx, f"tcp://127.0.0.1:{pub.port}", index, snapshot, name="s")
         try:
-            await _until(lambda: sub.follower.synced, pub.publish)
+            await _until(lambda: sub.follower.synced, lambda: pub.publish(0))
             for rid, (ns, ids) in prompts.items():
                 submit(sched, rid, ids, 3, cache_salt=ns)
             run(sched)
-            pub.publish()
+            pub.publish(0)
             want = {rid: len(ids) // BT * BT for rid, (_, ids) in prompts.items()}
-            await _until(lambda: matches() == want, pub.publish)
+            await _until(lambda: matches() == want, lambda: pub.publish(0))
             assert index.seed == sched.events.seed and index.block_tokens == BT
             assert sched.flush_cache().flushed
-            pub.publish()
-            await _until(lambda: not index.keys, pub.publish)
+            pub.publish(0)
+            await _until(lambda: not index.keys, lambda: pub.publish(0))
             assert matches() == {rid: 0 for rid in prompts}
         finally:
             sub.close()
@@ -736,3 +787,25 @@ def test_a_routing_decision_is_cheap_at_ten_thousand_pages_per_engine():
         times.append(time.perf_counter() - t0)
     assert d.engine == NAMES[1] and d.matched_tokens == 2048  # 100 blocks, then pending
     assert statistics.median(times) < 0.005  # generous: 2 shared cores; typically ~0.1 ms
+
+
+def test_an_engines_load_is_its_latest_count_plus_what_was_sent_since():
+    from services.frontend.engine_client import _Engine
+    from services.frontend.engine_discovery import Endpoint
+
+    e = _Engine(Endpoint("a", "tcp://127.0.0.1:1", ""))
+    e.sent("r1")
+    e.sent("r2")
+    assert e.load == 2
+    e.on_reported(7, from_events=True)  # other frontends' requests too; r1, r2 among them
+    assert e.load == 7
+    e.sent("r3")  # not yet in the engine's count
+    assert e.load == 8
+    e.on_reported(1, from_events=False)  # a probe while the events speak: older, ignored
+    assert e.load == 8
+    e.done("r3")
+    e.on_reported(5, from_events=True)
+    assert e.load == 5
+    e.events_load_at -= 60  # the events fell silent: the probes count again
+    e.on_reported(1, from_events=False)
+    assert e.load == 2  # never below our own requests in flight (r1, r2)

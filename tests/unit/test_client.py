@@ -276,6 +276,7 @@ def test_request_prompt_kinds_and_sampling():
         (None, {"regex": r"\d+"}, "regex", r"\d+"),
         (None, {"ebnf": 'root ::= "a"'}, "ebnf", 'root ::= "a"'),
         (None, {"json_object": True}, "json_object", True),
+        (None, {"structural_tag": '{"format": {}}'}, "structural_tag", '{"format": {}}'),
     ],
 )
 def test_request_constraint_kinds(spec, options, field, value):

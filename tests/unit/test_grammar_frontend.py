@@ -36,6 +36,10 @@ from services.frontend.validation import (
         ({"ebnf": " \n"}, "sampling.ebnf", "empty"),
         ({"json_object": False}, "sampling.json_object", "must be true"),
         ({"regex": "a" * (MAX_CONSTRAINT_CHARS + 1)}, "sampling.regex", "at most"),
+        ({"structural_tag": ""}, "sampling.structural_tag", "empty"),
+        ({"structural_tag": "{oops"}, "sampling.structural_tag", "not valid JSON"),
+        ({"structural_tag": "[]"}, "sampling.structural_tag", "JSON object, got list"),
+        ({"structural_tag": '{"type": "structural_tag"}'}, "sampling.structural_tag", "format"),
     ],
 )
 def test_constraint_validation_names_the_field(kw, field, needle):
@@ -51,6 +55,7 @@ def test_valid_constraints_pass_and_reach_the_engine():
         {"regex": r"\d+"},
         {"ebnf": 'root ::= "a"'},
         {"json_object": True},
+        {"structural_tag": '{"type": "structural_tag", "format": {"type": "any_text"}}'},
     ):
         sp = pb.SamplingParams(**kw)
         validate_sampling(sp, vocab_size=100)
@@ -82,6 +87,15 @@ def test_response_format_json_schema_and_object():
     assert completion_to_request(body).sampling.WhichOneof("constraint") is None
 
 
+def test_response_format_structural_tag_is_the_tag_itself():
+    fmt = {"type": "triggered_tags", "triggers": ["<f"], "tags": []}
+    legacy = {"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<f"]}
+    for given in ({"format": fmt}, legacy):
+        rf = {"type": "structural_tag", **given}
+        body = CompletionRequest.model_validate({"prompt": "x", "response_format": rf})
+        assert json.loads(completion_to_request(body).sampling.structural_tag) == rf
+
+
 def test_regex_and_ebnf_extra_body():
     req = completion_to_request(CompletionRequest.model_validate({"prompt": "x", "regex": "a+"}))
     assert req.sampling.regex == "a+"
@@ -98,6 +112,12 @@ def test_regex_and_ebnf_extra_body():
         ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "at most one"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
         ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "needs format"),
+        (
+            {"response_format": {"type": "structural_tag", "format": {}}, "ebnf": "x"},
+            "ebnf",
+            "at most one",
+        ),
     ],
 )
 def test_bad_constraint_bodies_are_400_naming_the_param(extra, param, needle):
@@ -119,6 +139,8 @@ def test_engine_refusal_names_the_constraint_field_and_maps_to_the_param():
     assert http.status == 400 and http.param == "response_format"
     sp.constraint.regex = "["
     assert api_error(_engine_error(delta, sp), "prompt").param == "regex"
+    sp.constraint.structural_tag = "{}"
+    assert api_error(_engine_error(delta, sp), "prompt").param == "response_format"
     timeout = engine_pb2.TokenDelta(error_code="DEADLINE_EXCEEDED", finish_message="too slow")
     err = _engine_error(timeout, sp)
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.field is None

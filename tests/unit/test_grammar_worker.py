@@ -109,6 +109,10 @@ def _text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def _tag(fmt: dict) -> str:
+    return json.dumps({"type": "structural_tag", "format": fmt})
+
+
 def test_regex_output_matches_and_terminates(runner, tokenizer):
     d = Driver(runner)
     c = engine_pb2.Constraint(regex=r"[A-Z]{2}-\d{3}")
@@ -142,6 +146,50 @@ def test_json_schema_output_validates(runner, tokenizer):
         jsonschema.validate(json.loads(_text(tokenizer, ids)), schema)
 
 
+def test_structural_tag_output_is_a_call_with_valid_arguments(runner, tokenizer):
+    """Calls only (at least one, no text around them): each is begin, arguments valid against
+    the schema, end."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+    }
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    call = {"type": "tag", "begin": "<f>", "content": content, "end": "</f>"}
+    fmt = {"type": "tags_with_separator", "tags": [call], "separator": ";", "at_least_one": True}
+    c = engine_pb2.Constraint(structural_tag=_tag(fmt))
+    assert Driver(runner).compile("st", c).error == ""
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    for seed in range(3):
+        sp = engine_pb2.SamplingParams(temperature=1.0, seed=seed, constraint=c)
+        ids, _, err = Driver(runner).generate(prompt, sp, 160)
+        text = _text(tokenizer, ids)
+        assert err == "" and re.fullmatch(r"<f>(.*?)</f>(;<f>(.*?)</f>)*", text, re.S), text
+        for args in re.findall(r"<f>(.*?)</f>", text, re.S):
+            jsonschema.validate(json.loads(args), schema)
+
+
+def test_structural_tag_in_the_older_form_and_json_safe_strings(runner):
+    """vLLM's / SGLang's {"structures", "triggers"} compiles as triggered tags; strings with
+    maxLength inside refuse control characters, as in json_schema."""
+    import xgrammar as xgr
+
+    legacy = {
+        "structures": [
+            {"begin": "<f>", "schema": {"type": "string", "maxLength": 4}, "end": "</f>"}
+        ],
+        "triggers": ["<f"],
+    }
+    compiled = (
+        runner.grammars.build()
+        .compiler.submit(Constraint("structural_tag", json.dumps(legacy)))
+        .result(30)
+    )
+    ok, bad = xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(compiled)
+    assert ok.accept_string('text <f>"ab"</f> more')
+    assert not bad.accept_string('<f>"a\x01')
+
+
 @pytest.mark.parametrize(
     ("constraint", "needle"),
     [
@@ -153,6 +201,16 @@ def test_json_schema_output_validates(runner, tokenizer):
         (engine_pb2.Constraint(json_schema='{"type": "objec"}'), "objec"),
         (engine_pb2.Constraint(json_schema='{"not": {"type": "string"}}'), "'not'"),
         (engine_pb2.Constraint(json_schema='{"$ref": "#/$defs/missing"}'), "missing"),
+        (engine_pb2.Constraint(structural_tag="{bad"), "not valid JSON"),
+        (engine_pb2.Constraint(structural_tag=_tag({"type": "nope"})), "nope"),
+        (engine_pb2.Constraint(structural_tag=_tag({"type": "or", "elements": []})), "element"),
+        (
+            engine_pb2.Constraint(
+                structural_tag=_tag({"type": "json_schema", "json_schema": {"not": {}}})
+            ),
+            "format.json_schema: keyword 'not'",
+        ),
+        (engine_pb2.Constraint(structural_tag='{"structures": []}'), "structures must be"),
     ],
 )
 def test_refused_constraints_name_the_problem(runner, constraint, needle):
@@ -291,6 +349,12 @@ def test_length_bounded_json_strings_refuse_control_characters(runner, tokenizer
         (engine_pb2.Constraint(ebnf="root ::= a\na ::= root"), "rules 'root', 'a' never end"),
         (engine_pb2.Constraint(ebnf='root ::= "a" root'), "rule 'root' never ends"),
         (engine_pb2.Constraint(ebnf='root ::= x{2,3}\nx ::= "q" x'), "never end"),
+        (
+            engine_pb2.Constraint(
+                structural_tag=_tag({"type": "grammar", "grammar": 'root ::= "a" root'})
+            ),
+            "never end",
+        ),
         (
             engine_pb2.Constraint(
                 json_schema='{"type": "object", "properties": {"a": {"$ref": "#"}}, '

@@ -111,7 +111,7 @@ def test_chat_stream(client, tok):
     ("kw", "param"),
     [
         (dict(top_p=2.0), "top_p"),
-        (dict(n=2), "n"),
+        (dict(n=129), "n"),
         (dict(max_tokens=1000), "max_tokens"),
         (dict(presence_penalty=-3), "presence_penalty"),
         (dict(stop=[""]), "stop"),

@@ -4,6 +4,7 @@ shape alone, then the routes on the real frontend against a scripted scheduler."
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -17,6 +18,7 @@ from services.frontend.http_native import (
     parse_generate,
 )
 from services.frontend.openai_protocol import ApiError
+from services.frontend.pipeline import Frontend
 from services.frontend.tokenizer import Tokenizer
 from tests.fake_scheduler import (
     EOS_ID,
@@ -93,6 +95,15 @@ def test_every_sampling_name_maps_to_the_public_field():
     assert json.loads(sp.req.sampling.json_schema) == schema
 
 
+def test_structural_tag_is_served_as_text_or_object():
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
+    for given in (tag, json.dumps(tag)):
+        body = {"text": "x", "sampling_params": {"structural_tag": given}}
+        assert json.loads(parse_generate(body).items[0].req.sampling.structural_tag) == tag
+    with pytest.raises(ApiError, match="at most one"):
+        parse_generate({"text": "x", "sampling_params": {"regex": "a", "structural_tag": "{}"}})
+
+
 @pytest.mark.parametrize(
     ("start", "engine_start"), [(0, 1), (1, 1), (5, 5)]
 )  # position 0 has no logit: the engine starts at 1 and the answer adds a null entry
@@ -160,12 +171,13 @@ BAD_BODIES = [
         "sampling_params.min_new_tokens",
         "2147483647",
     ),
-    ({"sampling_params": {"n": 2}}, "n must be 1", "n must be 1"),
+    ({"sampling_params": {"n": 0}}, "n must be at least 1", "n must be at least 1"),
     ({"sampling_params": {"top_k": 0}}, "top_k", "-1 (off) or >= 1"),
     ({"sampling_params": {"skip_special_tokens": False}}, "skip_special_tokens", "always"),
     ({"sampling_params": {"regex": "a", "ebnf": "b"}}, "regex and ebnf", "at most one"),
-    ({"sampling_params": {"logit_bias": {"1": 2.0}}}, "logit_bias", "not supported"),
-    ({"sampling_params": {"stop_regex": "a+"}}, "stop_regex", "not supported"),
+    ({"sampling_params": {"logit_bias": {"x": 2.0}}}, "sampling_params.logit_bias", "token ids"),
+    ({"sampling_params": {"logit_bias": [1]}}, "sampling_params.logit_bias", "dictionary"),
+    ({"sampling_params": {"stop_regex": 5}}, "sampling_params.stop_regex", "string"),
     ({"sampling_params": [{}]}, "sampling_params", "must be an object"),
     ({"image_data": "cat.png"}, "image_data", "not supported"),
     ({"lora_path": "adapter"}, "lora_path", "not supported"),
@@ -489,3 +501,78 @@ def test_sglang_client_with_an_api_key(tok, fake):
         assert fake.requests[-1].sampling.max_tokens == 0
     finally:
         fe.stop()
+
+
+# ---- stop_regex and /abort_request, on the real frontend --------------------------------
+
+
+def test_generate_stops_at_a_regex_and_tells_the_engine(base, fake):
+    body = {
+        "text": "hi",
+        "rid": "regex-stop",
+        "sampling_params": {**CLIENT_DEFAULTS, "stop_regex": [r"S\w+P", r"\d"]},
+    }
+    r = httpx.post(base + "/generate", json=body, timeout=20)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["text"] == SCRIPT_TEXT[: SCRIPT_TEXT.index("STOP")]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"S\w+P"}
+    assert ("regex-stop", "stop string matched") in [(a.rid, a.reason) for a, _ in fake.aborts]
+
+
+def test_abort_request_ends_a_running_request_and_frees_it_at_its_engine(base, fake):
+    # The fake runs a "slow" request until it is aborted; the OpenAI body can set the salt.
+    body = {"prompt": "hi", "max_tokens": 200, "cache_salt": "slow", "request_id": "to-abort"}
+    with httpx.Client(base_url=base, timeout=20) as http:
+        done: dict = {}
+        reader = threading.Thread(
+            target=lambda: done.update(http.post("/v1/completions", json=body).json())
+        )
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not any(r.rid == "to-abort" for r in fake.requests):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = http.post("/abort_request", json={"rid": "to-abort"})
+        reader.join(20)
+        assert r.status_code == 200 and r.json() == {"aborted": ["to-abort"]}
+        assert done["choices"][0]["finish_reason"] == "abort", done
+        assert ("to-abort", "aborted by /abort_request") in [
+            (a.rid, a.reason) for a, _ in fake.aborts
+        ]
+        assert http.post("/abort_request", json={"rid": "nobody"}).json() == {"aborted": []}
+        for bad, field in [({}, "rid"), ({"rid": 5}, "rid"), ({"abort_all": "yes"}, "abort_all")]:
+            r = http.post("/abort_request", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+class _Engines:
+    """What Frontend.abort uses of EngineClient."""
+
+    def __init__(self, rids: list[str]) -> None:
+        self.rids, self.aborted = rids, []
+
+    def in_flight(self) -> list[str]:
+        return list(self.rids)
+
+    def abort(self, rid: str, reason: str) -> None:
+        self.aborted.append(rid)
+
+
+RIDS = ["b", "b_0", "b_1", "b_10", "bc", "b_x", "b_1_0"]
+
+
+@pytest.mark.parametrize(
+    ("rid", "want"),
+    [
+        # a batch's prompts go with the rid they had, and their samples (n > 1)
+        ("b", ["b", "b_0", "b_1", "b_10", "b_1_0"]),
+        ("b_1", ["b_1", "b_1_0"]),  # not b_10, which SGLang's prefix rule would take
+        ("x", []),
+        (None, RIDS),  # abort_all
+    ],
+)
+def test_abort_takes_the_rid_and_its_batch_only(rid, want):
+    fe = Frontend.__new__(Frontend)  # only its engines are used
+    fe.engines = engines = _Engines(RIDS)  # type: ignore[assignment]
+    assert fe.abort(rid, "test") == engines.aborted == want

@@ -81,18 +81,17 @@ def test_a_chat_message_without_role_names_its_position(base):
 @pytest.mark.parametrize(
     "route, field, value",
     [
-        ("/v1/completions", "logit_bias", {"540": -100}),
-        ("/v1/completions", "best_of", 3),
+        ("/v1/chat/completions", "best_of", 3),  # /v1/completions serves it
         ("/v1/completions", "suffix", "tail"),
         ("/v1/chat/completions", "functions", [{"name": "f"}]),
         ("/v1/chat/completions", "function_call", "auto"),
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("/v1/chat/completions", "tool_choice", "required"),
+        # Chat serves tools (test_tool_calling_http.py); completions has none to serve.
+        ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/completions", "tool_choice", "required"),
         ("/v1/chat/completions", "modalities", ["text", "audio"]),
         ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
         ("/v1/chat/completions", "service_tier", "flex"),
         ("/v1/chat/completions", "store", True),
-        ("/v1/chat/completions", "logit_bias", {"1": 5}),
     ],
 )
 def test_unserved_openai_fields_are_refused_by_name(base, route, field, value):

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "constraint", "prompt_logprobs", "prompt_logprobs_start", "min_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "constraint", "prompt_logprobs", "prompt_logprobs_start", "min_tokens", "logit_bias")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class SamplingParams(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -43,19 +44,30 @@ class SamplingParams(_message.Message):
     prompt_logprobs: bool
     prompt_logprobs_start: int
     min_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_start: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ...) -> None: ...
+
+class LogitBias(_message.Message):
+    __slots__ = ("token_id", "bias")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    bias: float
+    def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "regex", "ebnf", "json_object")
+    __slots__ = ("json_schema", "regex", "ebnf", "json_object", "structural_tag")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     EBNF_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     regex: str
     ebnf: str
     json_object: bool
-    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
+    structural_tag: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -380,7 +392,7 @@ class WorkerToScheduler(_message.Message):
     def __init__(self, result: _Optional[_Union[ForwardResult, _Mapping]] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class CacheEvents(_message.Message):
-    __slots__ = ("instance_id", "seq", "block_tokens", "seed", "cleared", "stored", "removed", "snapshot")
+    __slots__ = ("instance_id", "seq", "block_tokens", "seed", "cleared", "stored", "removed", "snapshot", "num_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +401,7 @@ class CacheEvents(_message.Message):
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     block_tokens: int
@@ -397,7 +410,8 @@ class CacheEvents(_message.Message):
     stored: bytes
     removed: bytes
     snapshot: bool
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., block_tokens: _Optional[int] = ..., seed: _Optional[bytes] = ..., cleared: _Optional[bool] = ..., stored: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    num_requests: int
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., block_tokens: _Optional[int] = ..., seed: _Optional[bytes] = ..., cleared: _Optional[bool] = ..., stored: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., snapshot: _Optional[bool] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class CacheSnapshotRequest(_message.Message):
     __slots__ = ()

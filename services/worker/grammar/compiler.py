@@ -18,6 +18,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import xgrammar as xgr
 
@@ -27,7 +28,7 @@ from services.worker.grammar.schema_support import unsupported_keyword
 
 log = logging.getLogger(__name__)
 
-KINDS = ("json_schema", "regex", "ebnf", "json_object")
+KINDS = ("json_schema", "regex", "ebnf", "json_object", "structural_tag")
 MAX_MESSAGE_CHARS = 600
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: " and sometimes an
 # internal "Check failed: (...) is false: ": neither helps the person who wrote the schema.
@@ -172,6 +173,13 @@ def _compile_with(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledG
         return compiler.compile_regex(c.text)
     if c.kind == "ebnf":
         return compiler.compile_grammar(c.text)
+    if c.kind == "structural_tag":
+        # compile_structural_tag, not Grammar.from_structural_tag: a "token" format names
+        # a token by its text, which only the compiler's tokenizer info resolves.
+        compiled = compiler.compile_structural_tag(structural_tag_text(c.text))
+        grammar = compiled.grammar  # a new wrapper each time it is read
+        fixed = json_safe(grammar)
+        return compiled if fixed is grammar else compiler.compile_grammar(fixed)
     raise GrammarError(f"unknown constraint kind {c.kind!r}; one of {', '.join(KINDS)}")
 
 
@@ -196,3 +204,73 @@ def _check_schema(text: str) -> None:
         raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
     if problem := unsupported_keyword(schema):
         raise GrammarError(problem)
+
+
+def structural_tag_text(text: str) -> str:
+    """The structural tag as xgrammar's current format takes it: the older
+    {"structures", "triggers"} form (vLLM and SGLang still accept it) converted, and every
+    JSON Schema inside checked as a json_schema constraint is."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"the structural tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise GrammarError(f"a structural tag is a JSON object, got {type(tag).__name__}")
+    if "structures" in tag:
+        tag = _from_legacy(tag)
+    if problem := _unsupported_in_format(tag.get("format"), "format"):
+        raise GrammarError(problem)
+    return json.dumps(tag)
+
+
+def _from_legacy(tag: dict[str, Any]) -> dict[str, Any]:
+    """{"structures": [{"begin", "schema", "end"}], "triggers": [...]} as triggered tags:
+    free text until a trigger, then the structure whose begin it starts."""
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError("structures must be a non-empty list of {begin, schema, end}")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError("triggers must be a list of non-empty strings")
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": triggers,
+            "tags": [_legacy_tag(s, i) for i, s in enumerate(structures)],
+        },
+    }
+
+
+def _legacy_tag(s: Any, i: int) -> dict[str, Any]:
+    if not isinstance(s, dict):
+        raise GrammarError(f"structures[{i}] must be an object with begin, schema and end")
+    for key in ("begin", "end"):
+        if not isinstance(s.get(key), str):
+            raise GrammarError(f"structures[{i}].{key} must be a string")
+    schema = s.get("schema", True)  # no schema: any JSON value, as xgrammar's legacy form
+    if not isinstance(schema, dict | bool):
+        raise GrammarError(f"structures[{i}].schema must be a JSON Schema object")
+    content = {"type": "json_schema", "json_schema": schema}
+    return {"type": "tag", "begin": s["begin"], "content": content, "end": s["end"]}
+
+
+# Formats whose "json_schema" member is a JSON Schema (xgrammar 0.2.9's names).
+_SCHEMA_FORMATS = ("json_schema", "qwen_xml_parameter")
+
+
+def _unsupported_in_format(fmt: Any, where: str) -> str:
+    """The first JSON Schema keyword inside the format that xgrammar would ignore, or ''."""
+    if isinstance(fmt, list):
+        for i, item in enumerate(fmt):
+            if problem := _unsupported_in_format(item, f"{where}[{i}]"):
+                return problem
+        return ""
+    if not isinstance(fmt, dict):
+        return ""
+    if fmt.get("type") in _SCHEMA_FORMATS:
+        problem = unsupported_keyword(fmt.get("json_schema"))
+        return f"{where}.json_schema: {problem}" if problem else ""
+    for key, value in fmt.items():
+        if problem := _unsupported_in_format(value, f"{where}.{key}"):
+            return problem
+    return ""
