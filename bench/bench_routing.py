@@ -5,7 +5,8 @@ the chains of a few shared system prompts, spread over the engines); each reques
 --prompt-tokens prompt, half of them behind one of those system prompts. Per request it
 times what EngineClient.submit and _dispatch do: the routing key, the prompt's block keys
 (hashed once, from the request's packed ids), every engine's match, the decision
-(services/frontend/router.py) and recording the keys as sent to the chosen engine.
+(services/frontend/router.py) with the prompt's hot prefix (hot_prefixes.py), and recording
+the keys as sent to the chosen engine and as routed.
 Prints p50/p99 in microseconds.
 
     .venv/bin/python bench/bench_routing.py [--engines 3] [--pages 10000] [--prompt-tokens 2048]
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python b
 from services.common import transport  # noqa: E402
 from services.common.page_keys import block_keys  # noqa: E402
 from services.frontend.cache_index import CacheIndex, PromptKeys  # noqa: E402
+from services.frontend.hot_prefixes import HotPrefixes  # noqa: E402
 from services.frontend.router import Router, RoutingParams, prefix_key  # noqa: E402
 
 SEED = b"bench-model"
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     rng = random.Random(args.seed)
     indexes, systems = build(args, rng)
     router = Router(RoutingParams("cache_aware"))
+    hot = HotPrefixes()
     times, branches = [], {"cache_hit": 0, "balance": 0, "fallback": 0}
     for _ in range(args.requests):
         head = rng.choice(systems) if rng.random() < 0.5 else []
@@ -67,10 +70,15 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         loads = {name: rng.randrange(6) for name in indexes}
         t0 = time.perf_counter()
         prompt = PromptKeys("", transport.unpack_i32(wire))
+        keys = prompt.keys(SEED, args.block_tokens)
         decision = router.choose(
-            prefix_key("", ids), loads, lambda name, p=prompt: indexes[name].match_prompt(p)
+            prefix_key("", ids),
+            loads,
+            lambda name, p=prompt: indexes[name].match_prompt(p),
+            hot.hot_blocks(keys) * args.block_tokens,
         )
         indexes[decision.engine].note_sent(prompt)
+        hot.note(keys)
         times.append(time.perf_counter() - t0)
         branches[decision.branch] += 1
     times.sort()

@@ -14,6 +14,7 @@ from services.common.config import (
     ServeConfig,
     WorkerConfig,
     add_dataclass_args,
+    exit_usage,
     from_args,
 )
 
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(ns)
     try:
         cfg = from_args(SERVICES[ns.command], ns)
-    except ValueError as e:  # a flag out of its range (the configs check their own)
-        raise SystemExit(f"radixserve {ns.command}: {e}") from None
+    except ValueError as e:  # a flag or RADIXSERVE_* variable out of its range
+        exit_usage(f"radixserve {ns.command}", e)
     _service_main(ns.command, cfg)(cfg)
     return 0
 

@@ -32,11 +32,13 @@ from services.common.config import (
     SchedulerConfig,
     ServeConfig,
     WorkerConfig,
+    exit_usage,
     from_args,
     secret_env,
     to_argv,
 )
 from services.common.curve import ephemeral_keys
+from services.common.hostport import host_port
 from services.common.transport import new_ipc_addr
 
 STOP_GRACE_S = 10.0  # beyond the children's own --shutdown-grace-period (their drain)
@@ -108,7 +110,7 @@ def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, Fronten
         FrontendConfig,
         ns,
         scheduler_addrs=[sched.scheduler_addr],
-        scheduler_control_addrs=[f"{host}:{sched.control_port}"],
+        scheduler_control_addrs=[host_port(host, sched.control_port)],
     )
     return worker, sched, front
 
@@ -221,8 +223,8 @@ def _interrupt(signum, frame) -> None:
 def serve(ns: argparse.Namespace) -> int:
     try:
         policy = from_args(ServeConfig, ns)
-    except ValueError as e:
-        raise SystemExit(f"radixserve serve: {e}") from None
+    except ValueError as e:  # a flag or RADIXSERVE_* variable out of its range
+        exit_usage("radixserve serve", e)
     # tcp:// links between the children get fresh CURVE keys unless keys were given, and so
     # does a public API behind a key: the scheduler's control port (FlushCache) would
     # otherwise answer any local user without one.
@@ -236,8 +238,8 @@ def serve(ns: argparse.Namespace) -> int:
         ns.internal_keys_dir = own_keys
     try:
         worker, sched, front = plan(ns)
-    except ValueError as e:  # a flag out of its range (the configs check their own)
-        raise SystemExit(f"radixserve serve: {e}") from None
+    except ValueError as e:
+        exit_usage("radixserve serve", e)
     host = ns.host
     children: list[Child] = []
     # SIGINT too: a shell starting `radixserve serve &` from a script makes SIGINT ignored.
@@ -245,22 +247,22 @@ def serve(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     try:
         children.append(
-            Child("worker", spawn("worker", worker), f"{host}:{worker.worker_grpc_port}")
+            Child("worker", spawn("worker", worker), host_port(host, worker.worker_grpc_port))
         )
         children.append(
-            Child("scheduler", spawn("scheduler", sched), f"{host}:{sched.control_port}")
+            Child("scheduler", spawn("scheduler", sched), host_port(host, sched.control_port))
         )
-        children.append(Child("frontend", spawn("frontend", front), f"{host}:{front.port}"))
+        children.append(Child("frontend", spawn("frontend", front), host_port(host, front.port)))
         dead = wait_healthy(children, ns.startup_timeout)
         if dead is None:
             http = (
-                f", HTTP (OpenAI API) on http://{host}:{front.http_port}"
+                f", HTTP (OpenAI API) on http://{host_port(host, front.http_port)}"
                 if front.http_port > 0
                 else ""
             )
             print(
                 f"radixserve: serving {front.served_model_name or front.model_path} - gRPC on "
-                f"{host}:{front.port}{http}. Ctrl-C stops.",
+                f"{host_port(host, front.port)}{http}. Ctrl-C stops.",
                 flush=True,
             )
             configs = {"worker": worker, "scheduler": sched, "frontend": front}

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,8 +27,11 @@ DEFAULT_MODEL_PATH = str(Path(__file__).resolve().parent / "default_model" / "ra
 ENV_PREFIX = "RADIXSERVE_"
 
 
-def _opt(default, help: str, **kw):
-    """A config field with its help text (shown by --help)."""
+def _opt(default, help: str, *, ge: float | None = None, gt: float | None = None, **kw):
+    """A config field with its help text (shown by --help) and, for a number, its bounds:
+    ``ge`` (>=) or ``gt`` (>), held by the flag, RADIXSERVE_<NAME> and the constructor alike
+    (``field_error``)."""
+    kw |= {k: v for k, v in (("ge", ge), ("gt", gt)) if v is not None}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -98,11 +102,13 @@ class WorkerConfig:
     hicache_storage_ttl: int = _opt(
         86400,
         "seconds a page stays in --hicache-storage-url's server after it is written (0: no expiry)",
+        ge=0,
     )
     hicache_storage_timeout_ms: int = _opt(
         50,
         "connect and read timeout of --hicache-storage-url's server: a server down or slow "
         "costs a batch at most about this long, and its pages are misses",
+        ge=1,
     )
     hicache_storage_page_tokens: int = _opt(
         64, "tokens per page of the storage tier (a multiple of --page-size)"
@@ -173,14 +179,7 @@ class WorkerConfig:
             raise ValueError(f"--hicache-storage-url must start redis:// or rediss://, got {got}")
         if self.hicache_storage_tls_ca and scheme != "rediss":
             raise ValueError("--hicache-storage-tls-ca needs a rediss:// --hicache-storage-url")
-        if self.hicache_storage_ttl < 0:
-            raise ValueError(
-                f"--hicache-storage-ttl must be >= 0 (0: no expiry), got {self.hicache_storage_ttl}"
-            )
-        if self.hicache_storage_timeout_ms < 1:
-            raise ValueError(
-                f"--hicache-storage-timeout-ms must be >= 1, got {self.hicache_storage_timeout_ms}"
-            )
+        check_bounds(self)
 
 
 @dataclass(frozen=True)
@@ -203,12 +202,14 @@ class SchedulerConfig:
         0,
         "new tokens in one prefill batch at most (0: 8192 on a GPU worker, 2048 on a CPU one, "
         "where a batch's first tokens leave only when all of it is computed, seconds later)",
+        ge=0,  # 0 already means "the default": a negative is a typo
     )
     mixed_prefill_tokens: int = _opt(
         128,
         "while requests decode, each batch carries every decoding request's next token plus "
         "at most this many prefill tokens (mixed batches), so prefill never stalls decoding "
         "(0, or --chunked-prefill-size -1: a prefill batch runs alone, before any decode step)",
+        ge=0,
     )
     mixed_burst_tokens: int = _opt(
         2048,
@@ -222,6 +223,7 @@ class SchedulerConfig:
         "outside bursts, a mixed batch also carries no more prefill tokens than keep it within "
         "about this many decode steps' time, by the worker's measured forward times (a large "
         "model on a CPU gets fewer than --mixed-prefill-tokens a step; 0: that fixed budget)",
+        ge=0,
     )
     max_running_requests: int = _opt(
         64, "requests decoded at once (rows of the request-slot table)"
@@ -240,16 +242,19 @@ class SchedulerConfig:
         "requests waiting for admission beyond which a new one is refused at once (HTTP 429 "
         "with Retry-After / gRPC RESOURCE_EXHAUSTED) (0: 8 x --max-running-requests; -1: no "
         "limit)",
+        ge=-1,
     )
     max_total_queued_tokens: int = _opt(
         0,
         "prompt tokens waiting for admission beyond which a new request is refused as "
         "overloaded (0: 4 x the KV pool; -1: no limit)",
+        ge=-1,
     )
     max_queue_time: float = _opt(
         0.0,
         "seconds a request may wait for admission before it fails DEADLINE_EXCEEDED (HTTP "
         "504) (0: no limit)",
+        ge=0,
     )
     scheduler_addr: str = _opt(
         "", "ZeroMQ address the scheduler binds for frontends (default: a per-instance ipc path)"
@@ -290,26 +295,7 @@ class SchedulerConfig:
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
-        for flag, value in (
-            ("--max-prefill-tokens", self.max_prefill_tokens),
-            ("--mixed-prefill-tokens", self.mixed_prefill_tokens),
-        ):
-            if value < 0:  # 0 already means "the default" / "off": a negative is a typo
-                raise ValueError(f"{flag} must be >= 0, got {value}")
-        for flag, value in (
-            ("--max-queued-requests", self.max_queued_requests),
-            ("--max-total-queued-tokens", self.max_total_queued_tokens),
-        ):
-            if value < -1:
-                raise ValueError(f"{flag} must be -1 (no limit), 0 (the default) or > 0")
-        if not math.isfinite(self.max_queue_time) or self.max_queue_time < 0:
-            raise ValueError(f"--max-queue-time must be >= 0 (0: off), got {self.max_queue_time}")
-        # A number of decode steps: NaN, infinity or a negative one is a typo, not a setting.
-        if not math.isfinite(self.mixed_step_slowdown) or self.mixed_step_slowdown < 0:
-            raise ValueError(
-                f"--mixed-step-slowdown must be a finite number >= 0 (0: off), "
-                f"got {self.mixed_step_slowdown}"
-            )
+        check_bounds(self)
 
 
 @dataclass(frozen=True)
@@ -351,32 +337,37 @@ class FrontendConfig:
         "prefix_hash (and cache_aware's fallback) bounded loads: an engine takes new requests "
         "while its load is under this factor times the mean (>= 1; larger keeps shared "
         "prefixes on one engine longer)",
+        ge=1,
     )
     routing_balance_abs_threshold: int = _opt(
         8,
         "cache_aware: an engine whose load (running + waiting requests) exceeds the least "
         "loaded one's by more than this, and --routing-balance-rel-threshold times it, takes "
         "no new request",
+        ge=0,
     )
     routing_balance_rel_threshold: float = _opt(
-        1.5, "cache_aware: the relative half of the imbalance test (>= 1)"
+        1.5, "cache_aware: the relative half of the imbalance test (>= 1)", ge=1
     )
     routing_min_match_tokens: int = _opt(
         32,
         "cache_aware: the fewest cached prompt tokens that send a request to the engine "
         "holding the most of them (fewer: prefix_hash decides) (>= 1)",
+        ge=1,
     )
     routing_hot_prefix_forks: int = _opt(
         16,
         "cache_aware: a prefix that this many different prompts went on from counts as held "
         "by every engine once one holds it (a shared system prompt: requests behind it spread "
         "by load, each engine computes it once) (0: off)",
+        ge=0,
     )
     routing_load_cost_tokens: int = _opt(
         64,
         "cache_aware: cached prompt tokens one more request in an engine's load is worth; "
         "an engine is scored by its matched tokens minus this times its load (0: the most "
         "matched wins whatever the load, short of --routing-balance-*)",
+        ge=0,
     )
     max_model_len: int = _opt(0, "context length (0: asked from the engines)")
     tool_call_parser: str = _opt(
@@ -426,16 +417,7 @@ class FrontendConfig:
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
-        for flag, value, least in (
-            ("--routing-load-factor", self.routing_load_factor, 1),
-            ("--routing-balance-abs-threshold", self.routing_balance_abs_threshold, 0),
-            ("--routing-balance-rel-threshold", self.routing_balance_rel_threshold, 1),
-            ("--routing-min-match-tokens", self.routing_min_match_tokens, 1),
-            ("--routing-load-cost-tokens", self.routing_load_cost_tokens, 0),
-            ("--routing-hot-prefix-forks", self.routing_hot_prefix_forks, 0),
-        ):
-            if not value >= least:  # NaN too
-                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        check_bounds(self)
 
 
 @dataclass(frozen=True)
@@ -449,21 +431,17 @@ class ServeConfig:
         choices=["restart", "stop"],
     )
     max_restarts: int = _opt(
-        5, "crash-loop limit: more restarts than this within --restart-window stops all"
+        5, "crash-loop limit: more restarts than this within --restart-window stops all", ge=0
     )
-    restart_window: float = _opt(60.0, "seconds over which --max-restarts is counted")
+    restart_window: float = _opt(60.0, "seconds over which --max-restarts is counted", gt=0)
     restart_backoff: float = _opt(
-        1.0, "delay before a restart, doubled for each earlier restart in the window (max 30 s)"
+        1.0,
+        "delay before a restart, doubled for each earlier restart in the window (max 30 s)",
+        ge=0,
     )
 
     def __post_init__(self) -> None:
-        for flag, value, ok, limit in (
-            ("--max-restarts", self.max_restarts, self.max_restarts >= 0, ">= 0"),
-            ("--restart-window", self.restart_window, self.restart_window > 0, "> 0"),
-            ("--restart-backoff", self.restart_backoff, self.restart_backoff >= 0, ">= 0"),
-        ):
-            if not ok:
-                raise ValueError(f"{flag} must be {limit}, got {value}")
+        check_bounds(self)
 
 
 def _base_type(tp) -> type:
@@ -476,28 +454,69 @@ def _base_type(tp) -> type:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
-def _env_default(parser: argparse.ArgumentParser, f: dataclasses.Field, default, tp: type):
-    """The field's default from RADIXSERVE_<NAME> when set, held to the flag's own type and
-    choices (argparse checks neither on a default): a bad value stops with one line naming
-    the variable."""
+def field_error(f: dataclasses.Field, value) -> str | None:
+    """Why ``value`` is out of ``f``'s bounds (None: it is not): the one check behind the
+    flag, RADIXSERVE_<NAME> and the constructor. A bounded float must also be finite (NaN
+    and infinity are typos, not settings)."""
+    ge, gt = f.metadata.get("ge"), f.metadata.get("gt")
+    if ge is None and gt is None:
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        ok = False
+    else:
+        ok = (ge is None or value >= ge) and (gt is None or value > gt)
+    if ok:
+        return None
+    bound = f">= {ge}" if ge is not None else f"> {gt}"
+    return f"must be a finite number {bound}" if isinstance(value, float) else f"must be {bound}"
+
+
+def check_bounds(cfg) -> None:
+    """Each field of ``cfg`` within its bounds, else ValueError naming the flag."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        why = field_error(f, value)
+        if why is not None:
+            raise ValueError(f"--{f.name.replace('_', '-')} {why}, got {value}")
+
+
+# Where add_dataclass_args leaves the RADIXSERVE_* values it refused, for from_args: each
+# subcommand keeps its own, so a bad worker variable neither stops `radixserve frontend`
+# nor is blamed on another subcommand.
+_ENV_ERRORS = "_radixserve_env_errors"
+
+
+def _env_default(f: dataclasses.Field, default, tp: type, errors: list[str]):
+    """The field's default from RADIXSERVE_<NAME> when set, held to the flag's own type,
+    choices and bounds (argparse checks none of them on a default); a bad value is kept in
+    ``errors`` as "VAR='value': why" and the field keeps its default."""
     var = ENV_PREFIX + f.name.upper()
     raw = os.environ.get(var)
     if raw is None:
         return default
+    why: str | None = None
+    value: object
     if tp is bool:
         word = raw.strip().lower()
         if word not in _TRUE + _FALSE:
-            parser.error(f"{var}={raw!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
-        return word in _TRUE
-    if tp is list:
-        return [s for s in raw.split(",") if s]
-    try:
-        value = tp(raw)
-    except ValueError:
-        parser.error(f"{var}={raw!r}: not a valid {tp.__name__}")
-    choices = resolve_choices(f.metadata.get("choices"))
-    if choices is not None and value not in choices:
-        parser.error(f"{var}={raw!r}: must be one of {', '.join(map(str, choices))}")
+            why = f"expected one of {', '.join(_TRUE + _FALSE[:-1])}"
+        value = word in _TRUE
+    elif tp is list:
+        value = [s for s in raw.split(",") if s]
+    else:
+        try:
+            value = tp(raw)
+        except ValueError:
+            why = f"not a valid {tp.__name__}"
+        else:
+            choices = resolve_choices(f.metadata.get("choices"))
+            if choices is not None and value not in choices:
+                why = f"must be one of {', '.join(map(str, choices))}"
+            else:
+                why = field_error(f, value)
+    if why is not None:
+        errors.append(f"{var}={raw!r}: {why}")
+        return default
     return value
 
 
@@ -515,6 +534,8 @@ def add_dataclass_args(
 ) -> None:
     """Adds one ``--flag`` per field of ``cls``; names already in ``seen`` are skipped."""
     seen = set() if seen is None else seen
+    errors: list[str] = parser.get_default(_ENV_ERRORS) or []
+    parser.set_defaults(**{_ENV_ERRORS: errors})
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in seen:
@@ -528,7 +549,7 @@ def add_dataclass_args(
         else:
             raise TypeError(f"{cls.__name__}.{f.name} has no default")
         if not f.metadata.get("secret"):  # a secret's env is read in from_args, off --help
-            default = _env_default(parser, f, default, tp)
+            default = _env_default(f, default, tp, errors)
         flag = "--" + f.name.replace("_", "-")
         kw = {"help": f.metadata.get("help", ""), "default": default}
         if tp is bool:
@@ -542,7 +563,11 @@ def add_dataclass_args(
 
 
 def from_args(cls: type, ns: argparse.Namespace, **overrides):
-    """Builds ``cls`` from parsed arguments (fields it lacks are ignored)."""
+    """Builds ``cls`` from parsed arguments (fields it lacks are ignored); ValueError when a
+    RADIXSERVE_* variable that fed them (one line each, naming it) or a field is out of
+    bounds."""
+    if errors := getattr(ns, _ENV_ERRORS, None):
+        raise ValueError("\n".join(errors))
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in vars(ns).items() if k in names}
     for f in dataclasses.fields(cls):
@@ -577,3 +602,11 @@ def to_argv(cfg) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def exit_usage(prog: str, error: ValueError) -> typing.NoReturn:
+    """A configuration error as argparse ends a bad command line (status 2), in one line per
+    fault, "<prog>: <why>", without the usage block or a traceback."""
+    for line in str(error).splitlines():
+        print(f"{prog}: {line}", file=sys.stderr)
+    raise SystemExit(2)

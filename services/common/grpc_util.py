@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.hostport import host_port
+
 HealthServicer: TypeAlias = health.HealthServicer | health.aio.HealthServicer
 
 # Messages larger than this are refused with RESOURCE_EXHAUSTED before they are parsed (a
@@ -83,7 +85,7 @@ def bind(server, host: str, port: int, what: str) -> int:
     """add_insecure_port that fails loudly, naming the port: the bound port (port 0: a free
     one). ``server`` must have been made with SERVER_OPTIONS (no port sharing)."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(host_port(host, port))
     except RuntimeError as e:  # grpc raises instead of returning 0 in some versions
         raise OSError(f"{what}: cannot bind {host}:{port} ({e}); is the port in use?") from e
     if not bound:

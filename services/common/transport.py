@@ -28,6 +28,8 @@ import zmq
 import zmq.asyncio
 from google.protobuf.message import DecodeError, Message
 
+from services.common.hostport import zmq_endpoint
+
 M = TypeVar("M", bound=Message)
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,15 @@ def new_ipc_addr(name: str) -> str:
     return f"ipc://{folder}/{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
 
 
+def endpoint(sock: zmq.Socket, addr: str) -> str:
+    """``addr`` ready for ``sock`` to bind or connect: an IPv6 host bracketed and the
+    socket's IPv6 option on (libzmq refuses IPv6 addresses without it)."""
+    addr = zmq_endpoint(addr)
+    if "://[" in addr:
+        sock.setsockopt(zmq.IPV6, 1)
+    return addr
+
+
 def _configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # Unbounded queues: backpressure is the scheduler's job (admission), not the socket's.
@@ -105,7 +116,7 @@ def dealer(
         sock.setsockopt(zmq.IDENTITY, identity)
     if setup is not None:
         setup(sock)
-    sock.connect(addr)
+    sock.connect(endpoint(sock, addr))
     return sock
 
 
@@ -120,7 +131,7 @@ def router(
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     # Fail loudly instead of dropping a reply to a peer that went away.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.bind(addr)
+    sock.bind(endpoint(sock, addr))
     return sock
 
 
@@ -139,8 +150,7 @@ def subscriber(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, max_queued)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    if "://[" in addr:  # an IPv6 literal
-        sock.setsockopt(zmq.IPV6, 1)
+    addr = endpoint(sock, addr)
     if setup is not None:
         setup(sock)
     sock.setsockopt(zmq.SUBSCRIBE, b"")

@@ -44,6 +44,7 @@ from services.common import transport
 from services.common.bearer import aio_channel
 from services.common.curve import InternalKeys, connect_securely
 from services.common.grpc_util import DRAINING, MAX_MESSAGE_BYTES
+from services.common.hostport import tcp_addr
 from services.frontend.cache_events import (
     EVENTS_SILENT_S,
     SNAPSHOT_TIMEOUT_S,
@@ -475,7 +476,7 @@ class EngineClient:
         self._stop_events(engine)
         if not port or engine.stub is None:
             return
-        stub, addr = engine.stub, f"tcp://{host_of(engine.ep.control_addr)}:{port}"
+        stub, addr = engine.stub, tcp_addr(host_of(engine.ep.control_addr), port)
 
         def snapshot() -> Awaitable[engine_pb2.CacheEvents]:
             return stub.CacheSnapshot(engine_pb2.CacheSnapshotRequest(), timeout=SNAPSHOT_TIMEOUT_S)

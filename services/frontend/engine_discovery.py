@@ -21,11 +21,12 @@ DnsResolver at a stub DNS server on loopback (``nameserver``).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
 from typing import Protocol
+
+from services.common.hostport import host_port, tcp_addr
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,6 @@ class StaticResolver:
         return list(self._endpoints)
 
 
-def _host_port(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
-
-
 class DnsResolver:
     """Every address a DNS name resolves to, each an engine on the same two ports.
 
@@ -103,8 +100,7 @@ class DnsResolver:
         return [self._endpoint(ip) for ip in sorted(ips)]
 
     def _endpoint(self, ip: str) -> Endpoint:
-        where = _host_port(ip, self.zmq_port)
-        return Endpoint(ip, f"tcp://{where}", _host_port(ip, self.control_port))
+        return Endpoint(ip, tcp_addr(ip, self.zmq_port), host_port(ip, self.control_port))
 
     async def _ask_system(self) -> set[str]:
         loop = asyncio.get_running_loop()

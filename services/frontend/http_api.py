@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.frontend import http_docs as docs
 from services.frontend.auth import LIVE_PATHS, READY_PATHS, ApiKeyAuth, ApiKeys
 from services.frontend.chat_tools import ChatParsers
 from services.frontend.http_completion import complete
@@ -91,17 +92,17 @@ def _service_routes(frontend: Frontend) -> APIRouter:
 
     # Every name a probe may use, all open without the API key (auth.HEALTH_PATHS).
     for path in READY_PATHS:
-        router.add_api_route(path, ready, methods=["GET"])
+        router.add_api_route(path, ready, methods=["GET"], responses=docs.READY)
     for path in LIVE_PATHS:
         router.add_api_route(path, alive, methods=["GET"])
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         # The process-wide registry (Python, process) and the frontend's own.
         text = generate_latest(REGISTRY) + generate_latest(frontend.metrics.registry)
         return PlainTextResponse(text.decode(), media_type=CONTENT_TYPE_LATEST)
 
-    @router.post("/flush_cache")
+    @router.post("/flush_cache", response_model=docs.FlushResult, responses=docs.FLUSH)
     async def flush_cache(storage: bool = False) -> JSONResponse:
         res = await frontend.flush_cache(storage)
         body = {"flushed": res.flushed, "message": res.message}
@@ -112,21 +113,21 @@ def _service_routes(frontend: Frontend) -> APIRouter:
 
 def _openai_routes(frontend: Frontend, parsers: ChatParsers) -> APIRouter:
     """OpenAI's routes; both generating ones differ only in body conversion and answer shape."""
-    router = APIRouter()
+    router = APIRouter(responses=docs.CLIENT_ERRORS)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         card = ModelCard(id=frontend.model_id, max_model_len=frontend.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", responses=docs.json_or_sse("a completion"))
     async def completions(body: CompletionRequest, http: Request) -> Response:
         check_model(body.model, frontend.model_id)
         check_unserved(body)
         shape = CompletionShape.of(body, frontend.tokenizer, frontend.model_id)
         return await complete(frontend, completion_to_request(body), shape, http, body.stream)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", responses=docs.json_or_sse("a chat completion"))
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, frontend.model_id)
         check_unserved(body)

@@ -40,6 +40,7 @@ from pydantic import (
 
 from radixserve.v1 import generation_pb2 as pb
 from services.common.sampling_limits import MAX_TOP_LOGPROBS
+from services.frontend import http_docs as docs
 from services.frontend import sse
 from services.frontend.http_completion import complete
 from services.frontend.openai_protocol import ApiError, logit_bias_entries
@@ -633,9 +634,13 @@ async def _batch(frontend: Frontend, body: NativeBody, http: Request) -> Respons
 
 def native_routes(frontend: Frontend) -> APIRouter:
     """SGLang's native routes, on the same Frontend as the OpenAI routes and gRPC."""
-    router = APIRouter()
+    router = APIRouter(responses=docs.CLIENT_ERRORS)
 
-    @router.post("/generate")
+    @router.post(
+        "/generate",
+        responses=docs.json_or_sse("the answer, or a list for a batch"),
+        openapi_extra=docs.GENERATE_BODY,
+    )
     async def generate(http: Request) -> Response:
         body = parse_generate(await _read_json(http))
         if body.batch:
@@ -654,8 +659,8 @@ def native_routes(frontend: Frontend) -> APIRouter:
             "preferred_sampling_params": None,
         }
 
-    @router.get("/server_info")
-    @router.get("/get_server_info")
+    @router.get("/server_info", responses=docs.GENERATION_ERRORS)
+    @router.get("/get_server_info", responses=docs.GENERATION_ERRORS)
     async def server_info() -> JSONResponse:
         info = frontend.engines.info
         if not frontend.engines.ready or info is None:
@@ -675,13 +680,13 @@ def native_routes(frontend: Frontend) -> APIRouter:
         }
         return JSONResponse(body)
 
-    @router.post("/abort_request")
+    @router.post("/abort_request", openapi_extra=docs.ABORT_BODY)
     async def abort_request(http: Request) -> JSONResponse:
         rid = parse_abort(await _read_json(http))
         aborted = frontend.abort(rid, "aborted by /abort_request")
         return JSONResponse({"aborted": aborted})
 
-    @router.get("/flush_cache")
+    @router.get("/flush_cache", response_model=docs.FlushResult, responses=docs.FLUSH)
     async def flush_cache_get(storage: bool = False) -> JSONResponse:
         # SGLang serves its flush on GET too; POST is in http_api's service routes.
         # ?storage=true deletes the storage tier's pages as well.

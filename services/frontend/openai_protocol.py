@@ -135,11 +135,12 @@ def body_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         return ApiError(400, str(first.get("msg", "invalid body")).removeprefix("Value error, "))
     branches = [e for e in errors if _path(e)[:1] == field[:1]]
     err = _most_telling(branches)
-    if err is None:  # a value of a type no member of the union takes
-        kinds = sorted({_kind(t) for e in branches for t in _union_tags(e)}, key=len)
+    kinds = sorted({_kind(t) for e in branches for t in _union_tags(e)}, key=len)
+    if err is None and kinds:  # a value of a type no member of the union takes
         one_of = ", ".join(kinds[:-1]) + f" or {kinds[-1]}" if len(kinds) > 1 else kinds[0]
         got = _shown(branches[0].get("input"))
         return ApiError(400, f"{_where(field[:1])}: must be {one_of} (got {got})", str(field[0]))
+    err = err or branches[0]  # several items of a list wrong alike: the first is named
     message = f"{_where(_path(err))}: {err.get('msg', 'invalid')}"
     if err.get("type") != "missing":
         message += f" (got {_shown(err.get('input'))})"

@@ -13,6 +13,7 @@ import zmq
 
 from radixserve.internal.v1 import engine_pb2
 from services.common import transport
+from services.common.hostport import tcp_addr
 from services.scheduler.cache_events import TreeEvents
 from services.scheduler.radix_cache import TreeNode
 
@@ -38,7 +39,7 @@ class EventPublisher:
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         if setup is not None:
             setup(self.sock)  # CURVE: only the frontends' key may subscribe
-        addr = f"tcp://{host}:{port}" if port else f"tcp://{host}:*"
+        addr = transport.endpoint(self.sock, tcp_addr(host, port or "*"))
         try:
             self.sock.bind(addr)
         except zmq.ZMQError as e:

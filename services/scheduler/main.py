@@ -27,6 +27,7 @@ from services.common.curve import (
 )
 from services.common.grpc_util import DRAINING, SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
+from services.scheduler.control_parse import ParseControlRequests
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.event_publisher import EventPublisher
 from services.scheduler.metrics import SchedulerMetrics
@@ -98,7 +99,9 @@ def start_control_server(
 ) -> tuple[grpc.Server, int]:
     """``token``: what every control call must carry as ``authorization: Bearer`` (health
     excepted; services/common/curve.py); empty: nothing."""
-    interceptors = [BearerInterceptor(MethodKeys(token))] if token else []
+    # The token is checked first: nothing from a caller without it is parsed.
+    bearer = [BearerInterceptor(MethodKeys(token))] if token else []
+    interceptors = [*bearer, ParseControlRequests()]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS, interceptors=interceptors
     )

@@ -43,6 +43,9 @@ class _Declare:
         return h.labels(**self.labels)
 
 
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 class SchedulerMetrics:
     """All scheduler metrics; a disabled instance accepts every call and records nothing."""
 
@@ -72,6 +75,8 @@ class SchedulerMetrics:
         )
         self.generation_tokens = d.labelled_counter("generation_tokens", "Tokens generated")
         self.num_requests = d.counter("num_requests", "Finished requests", ("finish_reason",))
+        for finish in FINISH_REASONS:  # each series reads 0, not "no data", from the start
+            self.num_requests.labels(**self.labels, finish_reason=finish)
         self.num_retracted = d.labelled_counter(
             "num_retracted_requests", "Requests retracted to free KV"
         )

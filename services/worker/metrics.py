@@ -15,6 +15,7 @@ from services.worker.host_pool import D2H, D2S, H2D, S2H, HostPool
 TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 P = "radixserve:"
+MODES = ("prefill", "decode")
 
 
 class WorkerMetrics:
@@ -49,6 +50,13 @@ class WorkerMetrics:
         self.failures = Counter(
             P + "forward_failures", "Forward batches that failed", ["model_name"], registry=r
         )
+        # Every series exists from the start at 0, so a dashboard panel reads zero, not
+        # "no data", until the first batch of its kind.
+        for mode in MODES:
+            for family in (self.forward_time, self.batch_size, self.tokens):
+                family.labels(model_name, mode)
+        self.cuda_graph.labels(model_name)
+        self.failures.labels(model_name)
 
         self.cpu_threads = Gauge(
             P + "worker_cpu_threads",

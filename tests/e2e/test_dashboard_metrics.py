@@ -1,8 +1,11 @@
-"""Every metric the chart's Grafana dashboard queries is served by a running radixserve.
+"""Every metric the chart queries (its Grafana dashboard, its KEDA trigger; it ships no
+alert rules) is served by a running radixserve, from the start.
 
-A renamed metric would leave a panel silently empty; this reads the dashboard's PromQL, takes
-every radixserve: name in it, and looks for it among the samples that the frontend, the
-scheduler and the worker expose after some traffic.
+A renamed metric would leave a panel silently empty, and a labelled series made only on first
+use (frontend_errors_total before the first error) reads "no data" instead of 0; this reads
+the chart's PromQL, takes every radixserve: name in it, and looks for it among the samples
+that the frontend, the scheduler and the worker expose before any request and after some
+traffic.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ from tests.server_util import Server, greedy
 pytestmark = pytest.mark.slow
 
 DASHBOARD = CHART_DIR / "files" / "grafana-dashboard.json"
+KEDA = CHART_DIR / "templates" / "keda-scaledobject.yaml"
+METRIC = r"radixserve:[A-Za-z0-9_:]+"
 
 
-def _queried_names() -> set[str]:
+def queried_names() -> set[str]:
+    """Every radixserve: metric the chart's dashboard and its KEDA trigger query."""
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
-    return {n for e in exprs for n in re.findall(r"radixserve:[A-Za-z0-9_:]+", e)}
+    names = {n for e in exprs for n in re.findall(METRIC, e)}
+    return names | set(re.findall(METRIC, KEDA.read_text()))
 
 
 def _sample_names(port: int) -> set[str]:
@@ -35,17 +42,24 @@ def _sample_names(port: int) -> set[str]:
     return {s.name for fam in text_string_to_metric_families(body) for s in fam.samples}
 
 
-def test_every_dashboard_metric_exists_on_a_running_server() -> None:
-    names = _queried_names()
+def _served(server: Server) -> set[str]:
+    names: set[str] = set()
+    for port in (server.metrics_port, server.sched_metrics, server.metrics_port + 2):
+        names |= _sample_names(port)
+    return names
+
+
+def test_every_chart_metric_exists_on_a_fresh_server_and_after_traffic() -> None:
+    names = queried_names()
     assert len(names) >= 12  # the dashboard is not empty
     with Server("--max-total-tokens", "4096", metrics=True) as server:
+        missing = sorted(names - _served(server))  # before any request
+        assert missing == [], f"no series on a fresh server (a panel reads no data): {missing}"
         for i in range(2):  # the second one hits the cache
             server.generate(text="Beautiful is better than ugly.", sampling=greedy(4 + i))
         with pytest.raises(grpc.RpcError):  # an error, so the error counter has a sample
             server.generate(text="", sampling=greedy(4))
-        served: set[str] = set()
-        for port in (server.metrics_port, server.sched_metrics, server.metrics_port + 2):
-            served |= _sample_names(port)
+        served = _served(server)
     missing = sorted(names - served)
     assert missing == [], f"the dashboard queries metrics no process serves: {missing}"
 

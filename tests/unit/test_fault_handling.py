@@ -306,8 +306,8 @@ def test_drain_finishes_what_fits_in_the_grace_and_fails_the_rest():
     "field, value, words",
     [
         ("max_restarts", -1, "--max-restarts must be >= 0"),
-        ("restart_window", 0.0, "--restart-window must be > 0"),
-        ("restart_backoff", -0.5, "--restart-backoff must be >= 0"),
+        ("restart_window", 0.0, "--restart-window must be a finite number > 0"),
+        ("restart_backoff", -0.5, "--restart-backoff must be a finite number >= 0"),
     ],
 )
 def test_bad_supervisor_flags_are_refused_naming_the_flag(field, value, words):

@@ -204,6 +204,15 @@ def test_hostile_values_get_400_in_openai_shape(frontend, body, status, param, w
         assert error["param"] == param
 
 
+def test_several_items_wrong_alike_name_the_first(frontend):
+    # Found by schemathesis (tests/e2e/test_openapi_fuzz.py): two roles of the wrong type
+    # at the same depth left body_error without a union to describe, and it answered 500.
+    bad = [{"role": 1, "content": "a"}, {"role": 2, "content": "b"}]
+    r = httpx.post(frontend.http_base + "/v1/chat/completions", json={"messages": bad})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages[0].role: Input should be")
+
+
 def test_unknown_route_and_method_answer_in_openai_shape(frontend):
     r = httpx.get(frontend.http_base + "/v1/nope")
     assert r.status_code == 404 and "error" in r.json() and "detail" not in r.json()

@@ -338,11 +338,13 @@ def test_a_negative_prefill_budget_is_refused_naming_the_flag(field):
     SchedulerConfig(**{field: 0})  # 0 stays the documented default / off
 
 
-def test_the_cli_refuses_a_bad_mixed_step_slowdown_without_a_traceback():
+def test_the_cli_refuses_a_bad_mixed_step_slowdown_without_a_traceback(capsys):
     from services.cli.main import main
 
-    with pytest.raises(SystemExit, match="radixserve scheduler: --mixed-step-slowdown"):
+    with pytest.raises(SystemExit) as e:
         main(["scheduler", "--mixed-step-slowdown", "nan"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("radixserve scheduler: --mixed-step-slowdown")
 
 
 def test_step_costs_estimate_and_cap_the_mixed_budget():
