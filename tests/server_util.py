@@ -59,7 +59,9 @@ class Server:
         env: dict[str, str] | None = None,
         metrics: bool = False,
         ignore_sigint: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
     ):
+        """``credentials``: how ``stub`` dials a frontend given --ssl-* flags (TLS)."""
         held: list[socket.socket] = []
         if metrics:
             self.metrics_port, held = _port_block(3)
@@ -97,7 +99,11 @@ class Server:
             else None,
         )
         self.addr = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.addr)
+        self.channel = (
+            grpc.secure_channel(self.addr, credentials)
+            if credentials
+            else grpc.insecure_channel(self.addr)
+        )
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._wait(timeout)
 

@@ -39,6 +39,7 @@ from services.common.config import (
 )
 from services.common.curve import ephemeral_keys
 from services.common.hostport import host_port
+from services.common.tls import ClientTls
 from services.common.transport import new_ipc_addr
 
 STOP_GRACE_S = 10.0  # beyond the children's own --shutdown-grace-period (their drain)
@@ -82,6 +83,13 @@ class Child:
     health_addr: str
     restarts: list[float] = dataclasses.field(default_factory=list)  # when (monotonic)
     restart_at: float | None = None  # dead, to be started again at this time
+    tls: ClientTls | None = None  # its health port speaks TLS (the control link's)
+    listening_only: bool = False  # TLS this process cannot check: ready once it listens
+
+    def ready(self) -> bool:
+        if self.listening_only:
+            return listening(self.health_addr)
+        return healthy(self.health_addr, tls=self.tls)
 
 
 def plan(ns: argparse.Namespace) -> tuple[WorkerConfig, SchedulerConfig, FrontendConfig]:
@@ -121,15 +129,34 @@ def spawn(name: str, cfg) -> subprocess.Popen:
     return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env)
 
 
-def healthy(addr: str, timeout: float = 1.0) -> bool:
-    """What the kubelet's gRPC probe asks: grpc.health.v1 Check of service "" is SERVING."""
+def healthy(addr: str, timeout: float = 1.0, tls: ClientTls | None = None) -> bool:
+    """What the kubelet's gRPC probe asks: grpc.health.v1 Check of service "" is SERVING
+    (over TLS with ``tls``)."""
     try:
-        with grpc.insecure_channel(addr) as ch:
+        with _channel(addr, tls) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
             )
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
+        return False
+
+
+def _channel(addr: str, tls: ClientTls | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(addr)
+    return grpc.secure_channel(addr, tls.credentials, options=list(tls.options))
+
+
+def listening(addr: str, timeout: float = 1.0) -> bool:
+    """A TCP connect succeeds: the frontend over TLS, whose certificate's CA (and, with
+    --ssl-ca-certs, a client certificate) serve does not have. It binds after its engines
+    answer, so this follows the other two being SERVING."""
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout):
+            return True
+    except OSError:
         return False
 
 
@@ -205,7 +232,7 @@ def wait_healthy(children: list[Child], timeout: float) -> Child | None:
     """Waits until each child answers SERVING, in order; returns a child that died instead."""
     deadline = time.monotonic() + timeout
     for c in children:
-        while not healthy(c.health_addr):
+        while not c.ready():
             dead = first_dead(children)
             if dead:
                 return dead
@@ -238,6 +265,7 @@ def serve(ns: argparse.Namespace) -> int:
         ns.internal_keys_dir = own_keys
     try:
         worker, sched, front = plan(ns)
+        control_tls = _control_tls(sched, front)
     except ValueError as e:
         exit_usage("radixserve serve", e)
     host = ns.host
@@ -246,17 +274,21 @@ def serve(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        children.append(
-            Child("worker", spawn("worker", worker), host_port(host, worker.worker_grpc_port))
+        worker_addr, sched_addr = (
+            host_port(host, p) for p in (worker.worker_grpc_port, sched.control_port)
         )
+        children.append(Child("worker", spawn("worker", worker), worker_addr, tls=control_tls))
+        children.append(Child("scheduler", spawn("scheduler", sched), sched_addr, tls=control_tls))
+        front_addr = host_port(host, front.port)
+        tls_front = bool(front.ssl_certfile)
         children.append(
-            Child("scheduler", spawn("scheduler", sched), host_port(host, sched.control_port))
+            Child("frontend", spawn("frontend", front), front_addr, listening_only=tls_front)
         )
-        children.append(Child("frontend", spawn("frontend", front), host_port(host, front.port)))
         dead = wait_healthy(children, ns.startup_timeout)
         if dead is None:
+            scheme = "https" if tls_front else "http"
             http = (
-                f", HTTP (OpenAI API) on http://{host_port(host, front.http_port)}"
+                f", HTTP (OpenAI API) on {scheme}://{host_port(host, front.http_port)}"
                 if front.http_port > 0
                 else ""
             )
@@ -280,6 +312,17 @@ def serve(ns: argparse.Namespace) -> int:
         if own_keys:
             shutil.rmtree(own_keys, ignore_errors=True)
         _remove_own_sockets(ns, worker.worker_addr, sched.scheduler_addr)
+
+
+def _control_tls(sched: SchedulerConfig, front: FrontendConfig) -> ClientTls | None:
+    """How serve and the frontend dial the control ports: TLS when the scheduler and the
+    worker have a certificate, checked by --control-ssl-ca-certs."""
+    if bool(sched.control_ssl_certfile) != bool(front.control_ssl_ca_certs):
+        raise ValueError(
+            "--control-ssl-certfile and --control-ssl-ca-certs go together (the control "
+            "ports' certificate and the CA their clients check it by)"
+        )
+    return ClientTls.of(front.control_ssl_ca_certs, front.control_ssl_server_name)
 
 
 def _public_key_set(ns: argparse.Namespace) -> bool:

@@ -127,9 +127,15 @@ class _SendToken(grpc.aio.UnaryUnaryClientInterceptor):
 
 
 def aio_channel(
-    target: str, token: str = "", options: Sequence[tuple[str, Any]] | None = None
+    target: str,
+    token: str = "",
+    options: Sequence[tuple[str, Any]] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel whose unary calls carry ``token`` (when given) as
-    ``authorization: Bearer`` metadata: the frontend's end of the scheduler's control."""
+    """A grpc.aio channel whose unary calls carry ``token`` (when given) as ``authorization:
+    Bearer`` metadata: the frontend's end of the scheduler's control. Plaintext unless
+    ``credentials`` (TLS: services/common/tls.py), which keep the token off the wire."""
     interceptors = [_SendToken(token)] if token else None
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)

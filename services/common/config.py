@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import math
 import os
+import ssl
 import sys
 import types
 import typing
@@ -52,6 +53,43 @@ _INSECURE_HELP = (
     "allow tcp:// internal links without --internal-keys-dir (anyone who reaches the port "
     "can send frames: for tests and trusted networks only)"
 )
+_TLS_FILES = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
+# TLS of the control gRPC (scheduler's SchedulerControl, worker's info/health port): the
+# servers take the certificate and key, their clients the CA. Plaintext when empty.
+_CONTROL_CERT_HELP = (
+    "PEM certificate (chain) of the control gRPC server (TLS; its clients need "
+    "--control-ssl-ca-certs); empty: plaintext"
+)
+_CONTROL_KEY_HELP = "PEM private key of --control-ssl-certfile"
+
+
+def check_tls_files(cfg, prefix: str = "") -> None:
+    """ValueError naming the flag when ``cfg``'s TLS files (``prefix``: "control_" for the
+    control link's) are not given in pairs, cannot be read or are no PEM certificate and
+    key, so a bad path stops the service before it binds anything."""
+
+    def flag(name: str) -> str:
+        return "--" + (prefix + name).replace("_", "-")
+
+    cert, key, ca = (getattr(cfg, prefix + n, "") for n in _TLS_FILES)
+    if bool(cert) != bool(key):
+        raise ValueError(f"{flag('ssl_certfile')} and {flag('ssl_keyfile')} go together")
+    for name, path in zip(_TLS_FILES, (cert, key, ca), strict=True):
+        if path and not os.access(path, os.R_OK):
+            raise ValueError(f"{flag(name)}: cannot read {path}")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        if cert:
+            ctx.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(
+            f"{flag('ssl_certfile')}: not a PEM certificate of the key ({e})"
+        ) from None
+    try:
+        if ca:
+            ctx.load_verify_locations(ca)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"{flag('ssl_ca_certs')}: not a PEM CA bundle ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -158,6 +196,8 @@ class WorkerConfig:
     )
     internal_keys_dir: str = _opt("", _KEYS_DIR_HELP)
     insecure_internal: bool = _opt(False, _INSECURE_HELP)
+    control_ssl_certfile: str = _opt("", _CONTROL_CERT_HELP)
+    control_ssl_keyfile: str = _opt("", _CONTROL_KEY_HELP)
     host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
     metrics_port: int = _opt(0, "port of this process's /metrics (0: a free port)")
@@ -179,6 +219,7 @@ class WorkerConfig:
             raise ValueError(f"--hicache-storage-url must start redis:// or rediss://, got {got}")
         if self.hicache_storage_tls_ca and scheme != "rediss":
             raise ValueError("--hicache-storage-tls-ca needs a rediss:// --hicache-storage-url")
+        check_tls_files(self, "control_")
         check_bounds(self)
 
 
@@ -283,6 +324,8 @@ class SchedulerConfig:
     )
     internal_keys_dir: str = _opt("", _KEYS_DIR_HELP)
     insecure_internal: bool = _opt(False, _INSECURE_HELP)
+    control_ssl_certfile: str = _opt("", _CONTROL_CERT_HELP)
+    control_ssl_keyfile: str = _opt("", _CONTROL_KEY_HELP)
     host: str = _opt("127.0.0.1", "interface the gRPC servers bind")
     decode_log_interval: int = _opt(40, "log a decode line every N decode steps")
     enable_metrics: bool = _opt(False, "serve Prometheus /metrics")
@@ -295,6 +338,7 @@ class SchedulerConfig:
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
+        check_tls_files(self, "control_")
         check_bounds(self)
 
 
@@ -307,6 +351,15 @@ class FrontendConfig:
     host: str = _opt("127.0.0.1", "interface the public servers bind (0.0.0.0 in a container)")
     port: int = _opt(30000, "public gRPC port")
     http_port: int = _opt(30080, "OpenAI-compatible HTTP port (-1: off)")
+    ssl_certfile: str = _opt(
+        "", "PEM certificate (chain) of the public gRPC and HTTP ports (TLS); empty: plaintext"
+    )
+    ssl_keyfile: str = _opt("", "PEM private key of --ssl-certfile")
+    ssl_ca_certs: str = _opt(
+        "",
+        "PEM CA bundle of client certificates: with it, every public gRPC and HTTP client "
+        "must present a certificate it signed (mutual TLS); needs --ssl-certfile",
+    )
     scheduler_addrs: list[str] = _opt(
         [], "ZeroMQ addresses of the engine schedulers (comma separated)"
     )
@@ -397,6 +450,13 @@ class FrontendConfig:
         "key of the admin routes and RPCs (flush cache); empty: they take --api-key. "
         "Env: RADIXSERVE_ADMIN_API_KEY"
     )
+    max_concurrent_requests_per_key: int = _opt(
+        0,
+        "generations one API key (the bearer token sent) may have in flight at once, HTTP and "
+        "gRPC together, streams until they end; more are refused at once with 429 / "
+        "RESOURCE_EXHAUSTED (a request with n > 1 counts once) (0: no limit)",
+        ge=0,
+    )
     metrics_auth: bool = _opt(
         True,
         "the HTTP port's /metrics needs the API key too, when one is set (the separate "
@@ -404,6 +464,17 @@ class FrontendConfig:
     )
     internal_keys_dir: str = _opt("", _KEYS_DIR_HELP)
     insecure_internal: bool = _opt(False, _INSECURE_HELP)
+    control_ssl_ca_certs: str = _opt(
+        "",
+        "PEM CA bundle that the schedulers' control gRPC certificates are checked by: the "
+        "control calls go over TLS (the schedulers need --control-ssl-certfile); empty: "
+        "plaintext",
+    )
+    control_ssl_server_name: str = _opt(
+        "",
+        "name the control certificates must carry (default: the host of each control "
+        "address; discovered engines are IP addresses, so set it to the certificate's DNS name)",
+    )
     shutdown_grace_period: float = _opt(
         30.0,
         "on SIGTERM: NOT_SERVING and no new requests at once, then running gRPC and HTTP "
@@ -417,6 +488,10 @@ class FrontendConfig:
     log_level: str = _opt("info", "logging level", choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
+        check_tls_files(self)
+        check_tls_files(self, "control_")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ValueError("--ssl-ca-certs (client certificates) needs --ssl-certfile")
         check_bounds(self)
 
 

@@ -81,11 +81,18 @@ async def aset_serving(
         await servicer.set(name, status)
 
 
-def bind(server, host: str, port: int, what: str) -> int:
-    """add_insecure_port that fails loudly, naming the port: the bound port (port 0: a free
-    one). ``server`` must have been made with SERVER_OPTIONS (no port sharing)."""
+def bind(
+    server, host: str, port: int, what: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """add_insecure_port (add_secure_port with ``credentials``: TLS) that fails loudly,
+    naming the port: the bound port (port 0: a free one). ``server`` must have been made
+    with SERVER_OPTIONS (no port sharing)."""
+    addr = host_port(host, port)
     try:
-        bound = server.add_insecure_port(host_port(host, port))
+        if credentials is None:
+            bound = server.add_insecure_port(addr)
+        else:
+            bound = server.add_secure_port(addr, credentials)
     except RuntimeError as e:  # grpc raises instead of returning 0 in some versions
         raise OSError(f"{what}: cannot bind {host}:{port} ({e}); is the port in use?") from e
     if not bound:

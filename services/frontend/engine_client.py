@@ -45,6 +45,7 @@ from services.common.bearer import aio_channel
 from services.common.curve import InternalKeys, connect_securely
 from services.common.grpc_util import DRAINING, MAX_MESSAGE_BYTES
 from services.common.hostport import tcp_addr
+from services.common.tls import ClientTls
 from services.frontend.cache_events import (
     EVENTS_SILENT_S,
     SNAPSHOT_TIMEOUT_S,
@@ -93,12 +94,18 @@ def route(cache_salt: str, input_ids: Sequence[int], num_engines: int) -> int:
 class _Engine:
     """One replica as this frontend sees it."""
 
-    def __init__(self, ep: Endpoint, control_token: str = "") -> None:
+    def __init__(
+        self, ep: Endpoint, control_token: str = "", control_tls: ClientTls | None = None
+    ) -> None:
         self.ep = ep
         self.sock: zmq.asyncio.Socket | None = None
         self.receiver: asyncio.Task | None = None
         addr = ep.control_addr
-        self.channel = aio_channel(addr, control_token, CONTROL_OPTIONS) if addr else None
+        self.channel = None
+        if addr:
+            creds = control_tls.credentials if control_tls else None
+            options = [*CONTROL_OPTIONS, *(control_tls.options if control_tls else ())]
+            self.channel = aio_channel(addr, control_token, options, creds)
         self.stub = engine_pb2_grpc.SchedulerControlStub(self.channel) if self.channel else None
         self.serving = self.stub is None  # nothing to ask: trust the configuration
         self.draining = False  # gone from discovery: finishes its requests, takes no new ones
@@ -170,9 +177,12 @@ class EngineClient:
         routing: RoutingParams | None = None,
         keys: InternalKeys | None = None,
         metrics: RoutingMetrics | None = None,
+        control_tls: ClientTls | None = None,
     ) -> None:
-        """``keys``: the internal links' CURVE keys and control token (services/common/curve.py)."""
+        """``keys``: the internal links' CURVE keys and control token (services/common/curve.py);
+        ``control_tls``: TLS of the control gRPC (None: plaintext)."""
         self._resolver = resolver
+        self._control_tls = control_tls
         self._zmq_setup = connect_securely(keys, "frontend", "scheduler")
         self._control_token = keys.control_token() if keys else ""
         self._max_model_len = max_model_len
@@ -391,7 +401,7 @@ class EngineClient:
         for addr, ep in wanted.items():
             engine = self._engines.get(addr)
             if engine is None:
-                engine = self._engines[addr] = _Engine(ep, self._control_token)
+                engine = self._engines[addr] = _Engine(ep, self._control_token, self._control_tls)
                 self._connect(engine)
                 if self._metrics is not None:
                     self._metrics.track_index(engine.name, engine.index)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -28,6 +30,7 @@ from services.frontend.chat_tools import ChatParsers
 from services.frontend.http_completion import complete
 from services.frontend.http_limits import BodyLimit
 from services.frontend.http_native import native_routes
+from services.frontend.key_limits import KeyConcurrency, KeyConcurrencyLimit
 from services.frontend.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -146,6 +149,26 @@ class _UvicornInLoop(uvicorn.Server):
         yield
 
 
+@dataclass(frozen=True)
+class HttpTls:
+    """The HTTP port's TLS files (--ssl-*): plaintext without a certificate; with a client
+    CA, every client must present a certificate it signed."""
+
+    certfile: str = ""
+    keyfile: str = ""
+    client_ca: str = ""
+
+    def uvicorn_kwargs(self) -> dict[str, Any]:
+        if not self.certfile:
+            return {}
+        return {
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_ca_certs": self.client_ca or None,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if self.client_ca else ssl.CERT_NONE,
+        }
+
+
 class HttpServer:
     def __init__(
         self,
@@ -156,12 +179,17 @@ class HttpServer:
         body_timeout_s: float = 30.0,
         keys: ApiKeys | None = None,
         parsers: ChatParsers | None = None,
+        tls: HttpTls | None = None,
+        key_limits: KeyConcurrency | None = None,
     ) -> None:
-        # The API key is checked first (auth.py), then bodies are bounded in size and time
-        # before FastAPI parses them (http_limits.py).
+        # The API key is checked first (auth.py), then the key's requests in flight
+        # (key_limits.py, shared with the gRPC API), then bodies are bounded in size and
+        # time before FastAPI parses them (http_limits.py).
         limited = BodyLimit(create_app(frontend, parsers), max_request_bytes, body_timeout_s)
-        self._app = ApiKeyAuth(limited, keys or ApiKeys())
+        per_key = KeyConcurrencyLimit(limited, key_limits or KeyConcurrency())
+        self._app = ApiKeyAuth(per_key, keys or ApiKeys())
         self._host, self._port = host, port
+        self._tls = tls or HttpTls()
         self._server: _UvicornInLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -173,7 +201,12 @@ class HttpServer:
         sock.bind((self._host, self._port))
         port: int = sock.getsockname()[1]
         config = uvicorn.Config(
-            self._app, interface="asgi3", log_level="warning", access_log=False, lifespan="off"
+            self._app,
+            interface="asgi3",
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            **self._tls.uvicorn_kwargs(),
         )
         self._server = _UvicornInLoop(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))

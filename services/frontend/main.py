@@ -15,12 +15,14 @@ from services.common import tracing
 from services.common.config import FrontendConfig
 from services.common.curve import InsecureLink, InternalKeys, check_link, load_keys
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, aset_serving, bind
+from services.common.tls import ClientTls, server_credentials
 from services.frontend.auth import ApiKeys
 from services.frontend.chat_tools import ChatParsers
 from services.frontend.engine_client import EngineClient
 from services.frontend.engine_discovery import make_resolver
 from services.frontend.grpc_parse import ParseRequests
-from services.frontend.http_api import HttpServer
+from services.frontend.http_api import HttpServer, HttpTls
+from services.frontend.key_limits import REASON, KeyConcurrency
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.pipeline import Frontend
 from services.frontend.router import RoutingParams
@@ -83,6 +85,7 @@ class FrontendServer:
         self._http: HttpServer | None = None
         self._health = None
         self.engines: EngineClient | None = None
+        self.key_limits = KeyConcurrency()  # --max-concurrent-requests-per-key, from start
 
     async def _on_engine_health(self, healthy: bool) -> None:
         await aset_serving(self._health, [SERVICE_NAME], healthy)
@@ -116,10 +119,16 @@ class FrontendServer:
             routing=routing_params(cfg),
             keys=internal_keys(cfg),
             metrics=metrics.routing,
+            control_tls=ClientTls.of(cfg.control_ssl_ca_certs, cfg.control_ssl_server_name),
         )
         frontend = Frontend(tokenizer, self.engines, model_id_of(cfg), metrics)
-        add_generation_servicer(self._grpc, frontend)
-        self.grpc_port = bind(self._grpc, cfg.host, cfg.port, "frontend gRPC (--port)")
+        # One count per key across both doors: HTTP and gRPC requests share the limit.
+        self.key_limits = key_limits = KeyConcurrency(
+            cfg.max_concurrent_requests_per_key, on_refused=lambda: metrics.on_refused(REASON)
+        )
+        add_generation_servicer(self._grpc, frontend, key_limits)
+        tls = server_credentials(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs)
+        self.grpc_port = bind(self._grpc, cfg.host, cfg.port, "frontend gRPC (--port)", tls)
         await self._grpc.start()
         await self.engines.start()
         if cfg.http_port != -1:
@@ -131,6 +140,8 @@ class FrontendServer:
                 body_timeout_s=cfg.request_body_timeout,
                 keys=keys,
                 parsers=chat_parsers(cfg, tokenizer),
+                tls=HttpTls(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs),
+                key_limits=key_limits,
             )
             self.http_port = await self._http.start()
         http = f"{cfg.host}:{self.http_port}" if self._http else "off"
@@ -140,6 +151,8 @@ class FrontendServer:
             else ""
         )
         auth = "API key required" if keys.enabled else "no API key (--api-key)"
+        if cfg.ssl_certfile:
+            auth += ", TLS" + (" with client certificates" if cfg.ssl_ca_certs else "")
         log.info(
             "frontend: gRPC on %s:%d, HTTP on %s%s; %s",
             cfg.host,

@@ -22,6 +22,8 @@ P = "radixserve:"
 
 
 FINISH_REASONS = ("stop", "length", "abort")
+# Why the frontend itself refused a request before it reached an engine (key_limits.py).
+REFUSAL_REASONS = ("key_concurrency",)
 # The gRPC codes a request ends with (services/frontend/errors and the scheduler's refusals).
 ERROR_CODES = (
     "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED",
@@ -43,6 +45,13 @@ class FrontendMetrics:
             [*names, "code"],
             registry=r,
         )
+        self.refused = Counter(
+            P + "frontend_refused_requests",
+            "Requests the frontend refused before routing them, by why: key_concurrency "
+            "(--max-concurrent-requests-per-key)",
+            [*names, "reason"],
+            registry=r,
+        )
         self.labels = labels
         # Every series a dashboard panel or alert reads exists from the start at 0, so it
         # reads zero, not "no data", until the first request of that kind.
@@ -50,6 +59,8 @@ class FrontendMetrics:
             self.requests.labels(**labels, finish_reason=reason)
         for code in ERROR_CODES:
             self.errors.labels(**labels, code=code)
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(**labels, reason=reason)
 
         def counter(name: str, doc: str):
             return Counter(P + name, doc, names, registry=r).labels(**labels)
@@ -100,6 +111,9 @@ class FrontendMetrics:
 
     def on_error(self, code_name: str) -> None:
         self.errors.labels(**self.labels, code=code_name).inc()
+
+    def on_refused(self, reason: str) -> None:
+        self.refused.labels(**self.labels, reason=reason).inc()
 
 
 class RoutingMetrics:

@@ -10,6 +10,7 @@ import grpc
 
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
+from services.frontend.key_limits import RETRY_AFTER_S, KeyBusy, KeyConcurrency, metadata_token
 from services.frontend.pipeline import Frontend, FrontendError
 from services.frontend.spans import carrier_from
 
@@ -19,16 +20,23 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, key_limits: KeyConcurrency | None = None) -> None:
         self._fe = frontend
+        self._limits = key_limits or KeyConcurrency()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        metadata = context.invocation_metadata() or ()
         try:
-            caller = carrier_from(context.invocation_metadata() or ())
-            async for resp in self._fe.generate(request, caller):
-                yield resp
+            # The key's slot (key_limits.py) is held until the stream ends, however it ends:
+            # a client's cancel raises CancelledError here, which leaves the ``with`` too.
+            with self._limits.hold(metadata_token(metadata)):
+                async for resp in self._fe.generate(request, carrier_from(metadata)):
+                    yield resp
+        except KeyBusy as e:
+            retry = (("retry-after", str(RETRY_AFTER_S)),)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry)
         except FrontendError as e:
             # An overloaded engine says when to retry (HTTP's Retry-After, in seconds).
             trailer = (("retry-after", f"{e.retry_after:g}"),) if e.retry_after > 0 else ()
@@ -62,5 +70,8 @@ async def _unary(
         raise  # not reached: abort raises, but its stub does not say so
 
 
-def add_generation_servicer(server: grpc.aio.Server, frontend: Frontend) -> None:
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
+def add_generation_servicer(
+    server: grpc.aio.Server, frontend: Frontend, key_limits: KeyConcurrency | None = None
+) -> None:
+    servicer = GenerationServicer(frontend, key_limits)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

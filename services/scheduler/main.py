@@ -27,6 +27,7 @@ from services.common.curve import (
 )
 from services.common.grpc_util import DRAINING, SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
+from services.common.tls import server_credentials
 from services.scheduler.control_parse import ParseControlRequests
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.event_publisher import EventPublisher
@@ -95,10 +96,15 @@ def wait_for_worker(conn: WorkerConn, stop: threading.Event) -> engine_pb2.Worke
 
 
 def start_control_server(
-    loop: EngineLoop, host: str, port: int, token: str = ""
+    loop: EngineLoop,
+    host: str,
+    port: int,
+    token: str = "",
+    tls: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int]:
     """``token``: what every control call must carry as ``authorization: Bearer`` (health
-    excepted; services/common/curve.py); empty: nothing."""
+    excepted; services/common/curve.py); empty: nothing. ``tls``: the port's TLS (None:
+    plaintext)."""
     # The token is checked first: nothing from a caller without it is parsed.
     bearer = [BearerInterceptor(MethodKeys(token))] if token else []
     interceptors = [*bearer, ParseControlRequests()]
@@ -107,7 +113,7 @@ def start_control_server(
     )
     engine_pb2_grpc.add_SchedulerControlServicer_to_server(ControlServicer(loop), server)
     loop.attach_health(add_health_and_reflection(server, [CONTROL_SERVICE]), [CONTROL_SERVICE])
-    bound = bind(server, host, port, "scheduler control gRPC (--control-port)")
+    bound = bind(server, host, port, "scheduler control gRPC (--control-port)", tls)
     server.start()
     return server, bound
 
@@ -164,7 +170,8 @@ def _serve(
         loop.sched.events_port = loop.publisher.port
         loop.sched.publish_stats()  # GetStats tells the frontends where to subscribe
     token = keys.control_token() if keys else ""
-    server, port = start_control_server(loop, cfg.host, cfg.control_port, token)
+    tls = server_credentials(cfg.control_ssl_certfile, cfg.control_ssl_keyfile)
+    server, port = start_control_server(loop, cfg.host, cfg.control_port, token, tls)
     extra = ""
     if cfg.enable_metrics:
         extra = f", metrics on {cfg.host}:{metrics.serve(cfg.host, cfg.metrics_port)}"

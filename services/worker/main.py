@@ -26,6 +26,7 @@ from services.common.config import WorkerConfig
 from services.common.curve import InsecureLink, check_link, load_keys, serve_securely
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
+from services.common.tls import server_credentials
 from services.worker import wire
 from services.worker.batch import RunnerInfo
 from services.worker.cpu_threads import ThreadGovernor
@@ -57,11 +58,14 @@ def thread_governor(cfg: WorkerConfig, runner: ModelRunner, threads: int) -> Thr
     return governor if governor.enabled else None
 
 
-def start_health_server(host: str, port: int) -> tuple[grpc.Server, int]:
-    """grpc.health.v1 + reflection: what Kubernetes probes and `radixserve serve` wait on."""
+def start_health_server(
+    host: str, port: int, tls: grpc.ServerCredentials | None = None
+) -> tuple[grpc.Server, int]:
+    """grpc.health.v1 + reflection: what Kubernetes probes and `radixserve serve` wait on
+    (``tls``: the port's TLS, --control-ssl-*; None: plaintext)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_OPTIONS)
     add_health_and_reflection(server, [])
-    bound = bind(server, host, port, "worker gRPC (--worker-grpc-port)")
+    bound = bind(server, host, port, "worker gRPC (--worker-grpc-port)", tls)
     server.start()
     return server, bound
 
@@ -126,7 +130,8 @@ def main(cfg: WorkerConfig) -> None:
     # CURVE (with keys): only the scheduler's key gets a frame through.
     admit_scheduler, _ = serve_securely(ctx, keys, "worker", ["scheduler"])
     sock = transport.router(ctx, cfg.worker_addr, setup=admit_scheduler)
-    server, port = start_health_server(cfg.host, cfg.worker_grpc_port)
+    tls = server_credentials(cfg.control_ssl_certfile, cfg.control_ssl_keyfile)
+    server, port = start_health_server(cfg.host, cfg.worker_grpc_port, tls)
     metrics = WorkerMetrics(runner.info().model_id) if cfg.enable_metrics else None
     if metrics is not None:
         metrics.watch_tiers(runner.host_pool)

@@ -52,6 +52,7 @@ OPTIONS_ON = {
     "grafana": {"dashboard": {"enabled": True}},
     "keda": {"enabled": True},
 }
+MUTUAL_TLS = {"tls": {"secretName": "radixserve-tls", "clientAuth": True}}  # TCP probes
 # Everything optional switched on, so every branch of every template is rendered.
 EVERYTHING_ON = {
     "engine": {
@@ -67,6 +68,7 @@ EVERYTHING_ON = {
         **_pod_extras("engine"),
     },
     "config": {"hicacheRatio": 2},  # the host tier the shared KV store backs
+    "tls": {"secretName": "radixserve-tls"},  # HTTPS probes (mutual TLS: MUTUAL_TLS below)
     "frontend": {
         "replicas": 2,
         "extraArgs": ["--max-model-len=512"],
@@ -125,6 +127,16 @@ CHART_FIXED = {
     "admin_api_key",
     "internal_keys_dir",
     "insecure_internal",
+    # tls.secretName / tls.clientAuth: the mounted Secret's files
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_ca_certs",
+    # the control gRPC's TLS is not offered: the kubelet's gRPC probes of the engine pods
+    # speak no TLS (the internal links are CURVE + token: internalAuth)
+    "control_ssl_certfile",
+    "control_ssl_keyfile",
+    "control_ssl_ca_certs",
+    "control_ssl_server_name",
 }
 PROBE_PORTS = {
     ("Deployment", "frontend"): 30000,
@@ -186,10 +198,10 @@ def test_strict_lint_is_clean_with_every_option_on() -> None:
     "values",
     [_values(m, s) for m, s in COMBINATIONS]
     + [{**_values(m, s), **OPTIONS_ON} for m, s in COMBINATIONS]
-    + [EVERYTHING_ON],
+    + [EVERYTHING_ON, MUTUAL_TLS],
     ids=[f"{m}-{s}" for m, s in COMBINATIONS]
     + [f"{m}-{s}-options" for m, s in COMBINATIONS]
-    + ["everything-on"],
+    + ["everything-on", "mutual-tls"],
 )
 def test_rendered_objects_match_the_kubernetes_schemas(values: dict) -> None:
     docs = hr.manifests(values)
@@ -431,6 +443,33 @@ def test_grpc_probes_and_a_patient_startup() -> None:
         budgets[name] = startup["periodSeconds"] * startup["failureThreshold"]
         assert budgets[name] >= 600, name
     assert budgets["frontend"] >= max(budgets["scheduler"], budgets["worker"])
+
+
+@pytest.mark.parametrize("client_auth", [False, True])
+def test_tls_secret_is_mounted_and_passed_as_the_ssl_flags(client_auth: bool) -> None:
+    values = {"tls": {"secretName": "radixserve-tls", "clientAuth": client_auth}}
+    assert hr.lint(values) == []
+    docs = hr.manifests(values)
+    c = hr.container(docs, "Deployment", "frontend")
+    tls_args = [a for a in c["args"] if a.startswith("--ssl-")]
+    files = ["certfile=/etc/radixserve/tls/tls.crt", "keyfile=/etc/radixserve/tls/tls.key"]
+    files += ["ca-certs=/etc/radixserve/tls/ca.crt"] if client_auth else []
+    assert tls_args == [f"--ssl-{f}" for f in files]
+    mount = {"name": "tls", "mountPath": "/etc/radixserve/tls", "readOnly": True}
+    assert mount in c["volumeMounts"]
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "radixserve-tls"
+    # The kubelet's gRPC probe speaks no TLS: HTTPS probes, TCP when a client cert is needed.
+    if client_auth:
+        assert c["readinessProbe"]["tcpSocket"] == {"port": 30000}
+    else:
+        assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert "grpc" not in c["startupProbe"]
+    engine = hr.container(docs, "StatefulSet", "scheduler")
+    assert not any(a.startswith("--ssl-") for a in engine["args"])
 
 
 def test_graceful_shutdown_budgets() -> None:

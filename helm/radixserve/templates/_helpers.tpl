@@ -79,7 +79,7 @@ shared ones to both, every other key (scheduler and worker flags) to the engines
 tests/deploy/test_helm_chart.py checks these lists against services/common/config.py.
 */}}
 {{- define "radixserve.frontendOnlyKeys" -}}
-maxModelLen maxRequestBytes requestBodyTimeout engineResolveInterval engineDnsServer routingPolicy routingLoadFactor routingBalanceAbsThreshold routingBalanceRelThreshold routingMinMatchTokens routingLoadCostTokens routingHotPrefixForks toolCallParser reasoningParser metricsAuth
+maxModelLen maxRequestBytes requestBodyTimeout engineResolveInterval engineDnsServer routingPolicy routingLoadFactor routingBalanceAbsThreshold routingBalanceRelThreshold routingMinMatchTokens routingLoadCostTokens routingHotPrefixForks toolCallParser reasoningParser metricsAuth maxConcurrentRequestsPerKey
 {{- end -}}
 {{- define "radixserve.sharedKeys" -}}
 logLevel shutdownGracePeriod
