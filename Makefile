@@ -31,13 +31,17 @@ REHEARSAL_STAMP := $(REHEARSAL)/.installed
 setup: $(STAMP) system-deps
 
 # Debian's redis-server, for the storage tier's Redis backend tests (tests/redis_util.py
-# starts one per test module on a free loopback port). Without it those tests skip, or fail
-# under CI.
+# starts one per test module on a free loopback port; without it those tests skip, or fail
+# under CI), and openssl, whose CLI makes the TLS tests' throwaway certificates.
 system-deps:
 	@command -v redis-server >/dev/null || { \
 		echo "setup: installing redis-server (Debian's package)"; \
 		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
 		|| echo "setup: could not install redis-server; the Redis storage tests will skip"; }
+	@command -v openssl >/dev/null || { \
+		echo "setup: installing openssl (the TLS tests make their certificates with it)"; \
+		(apt-get update -qq && apt-get install -y -qq openssl >/dev/null) \
+		|| echo "setup: could not install openssl; the TLS tests will fail"; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -177,6 +177,18 @@ def scrape_metrics(port: int) -> dict[str, float]:
     return out
 
 
+def idle_pool_is_whole(server: Server, timeout_s: float = 10.0) -> None:
+    """Once idle, every KV token is back in the pool: free or evictable, none in use."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape_metrics(server.sched_metrics)
+        whole = m["radixserve:kv_available_tokens"] + m["radixserve:kv_evictable_tokens"]
+        if whole == m["radixserve:max_total_num_tokens"] and m["radixserve:kv_used_tokens"] == 0:
+            return
+        assert time.monotonic() < deadline, f"KV not returned: {m}"
+        time.sleep(0.05)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token-id lists."""
     return next(

@@ -173,16 +173,20 @@ class Router:
         order = ranking(key, list(loads))
         tokens = {name: matched(name) for name in order}
         most, least = max(tokens.values()), max(p.min_match_tokens, 1)
-        # A hot prefix some engine holds counts as held by all: it is worth a copy on each.
-        shared = min(hot, most)
-        held = {n: max(tokens[n], shared) for n in order if n in fit}
-        held = {n: v if v >= least else 0 for n, v in held.items()}
-        if not any(held.values()) and most < least:
+        if most < least:  # no engine holds a useful prefix
             engine = pick(key, fit, p.load_factor)
             return Decision(engine, "fallback", tokens[engine])
+        # A hot prefix some engine holds counts as held by all: it is worth a copy on each.
+        shared = min(hot, most)
+        held = {n: _useful(max(tokens[n], shared), least) for n in order if n in fit}
         # Best score, then least loaded, then rendezvous order (min is stable: first wins).
         best = min(held, key=lambda n: (p.load_cost_tokens * loads[n] - held[n], loads[n]))
         return Decision(best, "cache_hit" if tokens[best] == most else "balance", tokens[best])
+
+
+def _useful(tokens: int, least: int) -> int:
+    """Matched tokens as rule (b) counts them: none below --routing-min-match-tokens."""
+    return tokens if tokens >= least else 0
 
 
 def _least_loaded(key: bytes, loads: Mapping[str, int]) -> str:

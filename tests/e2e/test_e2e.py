@@ -23,6 +23,7 @@ from tests.server_util import (
     Server,
     common_prefix,
     greedy,
+    idle_pool_is_whole,
     scrape_metrics,
 )
 
@@ -71,17 +72,6 @@ def tokenize(server: Server, text: str) -> list[int]:
     return list(server.stub.Tokenize(generation_pb2.TokenizeRequest(text=text)).ids)
 
 
-def idle_pool_is_whole(server: Server) -> None:
-    deadline = time.monotonic() + 5
-    while True:
-        m = scrape_metrics(server.sched_metrics)
-        whole = m["radixserve:kv_available_tokens"] + m["radixserve:kv_evictable_tokens"]
-        if whole == m["radixserve:max_total_num_tokens"] and m["radixserve:kv_used_tokens"] == 0:
-            return
-        assert time.monotonic() < deadline, f"KV not returned: {m}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("flags", [(), ("--disable-radix-cache",)], ids=["cache", "no-cache"])
 def test_streaming_matches_offline_greedy(offline, flags):
     with Server(*flags, "--max-total-tokens", "8192") as s:
@@ -118,7 +108,7 @@ def test_64_concurrent_streams_then_pool_is_whole(server, offline):
         assert got[i] == want[tuple(ids[i])][: len(got[i])]
         stopped_early = len(got[i]) < lengths[i]
         assert len(got[i]) == lengths[i] or stopped_early
-    idle_pool_is_whole(server)
+    idle_pool_is_whole(server, 5)
 
 
 def test_cancel_half_way_frees_slots(server):
@@ -135,7 +125,7 @@ def test_cancel_half_way_frees_slots(server):
             call.cancel()
             break
     time.sleep(0.1)
-    idle_pool_is_whole(server)
+    idle_pool_is_whole(server, 5)
     m = scrape_metrics(server.sched_metrics)
     assert m["radixserve:num_running_reqs"] == 0
 
@@ -294,4 +284,4 @@ def test_non_streaming_http_clients_that_hang_up_free_their_kv(server):
     while scrape_metrics(server.sched_metrics)["radixserve:num_running_reqs"] > 0:
         assert time.monotonic() < deadline, "disconnected requests kept generating"
         time.sleep(0.1)
-    idle_pool_is_whole(server)
+    idle_pool_is_whole(server, 5)

@@ -8,7 +8,6 @@ same with many more examples.
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections import Counter
 from typing import Any, NamedTuple
@@ -26,7 +25,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.server_util import Server, greedy, scrape_metrics
+from tests.server_util import Server, greedy, idle_pool_is_whole
 
 # A small pool and context, so whatever max_tokens a generated request asks stays cheap.
 SERVER_FLAGS = ("--max-total-tokens", "2048", "--max-model-len", "128")
@@ -108,14 +107,7 @@ def serves_and_pool_is_whole(server: Server) -> None:
     """A normal completion still works, then every KV token is back in the pool."""
     _, text, last = server.generate(text="Hello", sampling=greedy(4))
     assert last.completion_tokens == 4, text
-    deadline = time.monotonic() + 10
-    while True:
-        m = scrape_metrics(server.sched_metrics)
-        whole = m["radixserve:kv_available_tokens"] + m["radixserve:kv_evictable_tokens"]
-        if whole == m["radixserve:max_total_num_tokens"] and m["radixserve:kv_used_tokens"] == 0:
-            return
-        assert time.monotonic() < deadline, f"KV not returned: {m}"
-        time.sleep(0.05)
+    idle_pool_is_whole(server)
 
 
 @pytest.fixture(scope="module")

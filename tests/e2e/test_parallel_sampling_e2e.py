@@ -76,33 +76,23 @@ def test_openai_stream_of_n_choices_with_their_indices(server):
     client = OpenAI(
         base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0
     )
-    model = client.models.list().data[0].id
-    stream = client.completions.create(
-        model=model,
+    ask = dict(
+        model=client.models.list().data[0].id,
         prompt=PROMPT,
         max_tokens=6,
         n=3,
         seed=5,
         temperature=1.0,
-        stream=True,
-        stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
+    stream = client.completions.create(**ask, stream=True, stream_options={"include_usage": True})
     text = {0: "", 1: "", 2: ""}
     usage = None
     for chunk in stream:
         for choice in chunk.choices:
             text[choice.index] += choice.text
         usage = chunk.usage or usage
-    whole = client.completions.create(
-        model=model,
-        prompt=PROMPT,
-        max_tokens=6,
-        n=3,
-        seed=5,
-        temperature=1.0,
-        extra_body={"ignore_eos": True},
-    )
+    whole = client.completions.create(**ask)
     assert [whole.choices[i].text for i in range(3)] == [text[0], text[1], text[2]]
     assert usage is not None and usage.completion_tokens == 18
 

@@ -20,7 +20,7 @@ import torch
 
 from radixserve.v1 import generation_pb2 as pb
 from tests.conftest import ZEN_VOCAB, load_hf_model, make_tiny_zen_model
-from tests.server_util import Server, scrape_metrics
+from tests.server_util import Server, idle_pool_is_whole, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -75,17 +75,6 @@ def assert_parity(first: pb.GenerateResponse, ref: torch.Tensor, ids: list[int],
         assert [t.token_id for t in e.top] == best.indices.tolist(), k
         got = torch.tensor([t.logprob for t in e.top])
         torch.testing.assert_close(got, best.values, atol=1e-4, rtol=0)
-
-
-def idle_pool_is_whole(server: Server) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        m = scrape_metrics(server.sched_metrics)
-        whole = m["radixserve:kv_available_tokens"] + m["radixserve:kv_evictable_tokens"]
-        if whole == m["radixserve:max_total_num_tokens"] and m["radixserve:kv_used_tokens"] == 0:
-            return
-        assert time.monotonic() < deadline, f"KV not returned: {m}"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("n,start", [(12, 0), (12, 5), (75, 0), (75, 33)])
