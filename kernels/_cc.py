@@ -9,7 +9,11 @@ cache key (the source with its headers pasted in, the flags and the CPU's flags:
 its torch path) must be the same for all of them.
 
 ``~/.cache/radixserve/kernels`` holds the libraries; ``RADIXSERVE_KERNEL_CACHE`` moves it;
-``CC`` picks the compiler (else ``cc``, else ``gcc``).
+``CC`` picks the compiler (else ``cc``, else ``gcc``). ``RADIXSERVE_CPU_ISA`` builds every
+kernel of the process narrower than the CPU allows (``ISA_FLAGS``: ``avx512`` without
+AVX512_BF16/FP16, ``avx2`` without AVX-512, ``c`` without AVX2), so that the fallbacks of a
+whole forward can be served and tested on the widest CPU; the tests also build single
+variants with ``load(extra_flags)``.
 """
 
 from __future__ import annotations
@@ -26,10 +30,32 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
+# What RADIXSERVE_CPU_ISA takes off -march=native (gcc drops what depends on it too).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx512": ("-mno-avx512bf16", "-mno-avx512fp16"),
+    "avx2": ("-mno-avx512f",),
+    "c": ("-mno-avx2", "-mno-fma"),
+}
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The flags of RADIXSERVE_CPU_ISA (unset: native); ValueError names a wrong value."""
+    name = os.environ.get("RADIXSERVE_CPU_ISA", "native") or "native"
+    if name not in ISA_FLAGS:
+        raise ValueError(f"RADIXSERVE_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {name!r}")
+    return ISA_FLAGS[name]
+
+
 # -fno-math-errno only drops errno writes; nothing here reorders float arithmetic.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", *isa_flags(), "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+# The element types the kernels take (kernels/cpu/half.h's DT_* codes).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 # A line ``#include "name.h"``: a header of kernels/cpu/, pasted in by read_source.

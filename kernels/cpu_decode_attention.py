@@ -22,6 +22,13 @@ Figures: docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
 Numerics: float32 throughout, another summation order than SDPA (max |diff| ~1e-6
 relative); ``decode_attention_ref`` is the plain-PyTorch reference the tests compare with.
 
+bfloat16 pools (q and the output bfloat16 too): the same passes with every K and V row
+widened to float32 as it is loaded (a 16-bit shift: exact), the query rows widened once per
+work item and the float32 output rounded once at the end; so scores, softmax and P.V sums
+are float32 and the only rounding is the output's (half a bfloat16 ulp, ~2e-3 relative).
+The pool's bytes, what bounds this kernel at long contexts, are half of float32's. float16
+pools stay on torch's path.
+
 The C source is kernels/cpu/decode_attention.c, built by kernels/_cc.py (shared with the
 other C kernels: the system ``cc -O3 -march=native -fopenmp`` on first use, cached by
 source + flags + CPU flags, atomic write). No compiler, a failed build or
@@ -59,19 +66,24 @@ def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
     lib = _cc.load_library("decode_attention", _SOURCE, "CPU decode attention", log, flags)
     if lib is None:
         return None
-    fn = lib.rs_decode_attention_f32
+    fn = lib.rs_decode_attention
     fn.restype = _I32
-    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR]
+    fn.argtypes = [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR]
     fn.argtypes += [_I32, _I32, _I32, _I32, _F32, _I32]
     return functools.partial(_call, fn)
 
 
+# The pool dtypes the kernel reads (q and the output share it).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(q: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> bool:
-    """float32 CPU tensors with the head dim contiguous and an int32 table."""
+    """float32 or bfloat16 CPU tensors (q of the pool's dtype) with the head dim contiguous
+    and an int32 table."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_pool.dtype == torch.float32
+        and q.dtype in DTYPES
+        and k_pool.dtype == q.dtype
         and q.stride(-1) == 1
         and k_pool.stride(-1) == 1
         and k_pool.stride(-2) == k_pool.shape[-1]
@@ -82,7 +94,7 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor) 
 
 def _call(
     fn,
-    q: torch.Tensor,  # [B, H, D] float32, D contiguous
+    q: torch.Tensor,  # [B, H, D] float32 / bfloat16 (the pool's), D contiguous
     k_pool: torch.Tensor,  # [S, KVH, D]
     v_pool: torch.Tensor,  # [S, KVH, D], same strides as k_pool
     req_to_token: torch.Tensor,  # [R, C] int32
@@ -94,9 +106,9 @@ def _call(
     kvh = k_pool.shape[1]
     if v_pool.stride() != k_pool.stride():
         raise ValueError("k_pool and v_pool must share one layout")
-    out = torch.empty((b, h, d), dtype=torch.float32)
+    out = torch.empty((b, h, d), dtype=q.dtype)
     failed = fn(
-        q.data_ptr(), q.stride(0), q.stride(1),
+        _cc.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
         req_to_token.data_ptr(), req_to_token.stride(0),
         req_slots.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),

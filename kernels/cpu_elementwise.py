@@ -1,4 +1,4 @@
-"""Fused element-wise ops of a CPU float32 forward: rotary, SiLU-gated product, RMSNorm.
+"""Fused element-wise ops of a CPU forward: rotary, SiLU-gated product, RMSNorm.
 
 Why: in a cold float32 prefill on CPU about an eighth of the time went to element-wise
 torch ops around the linears, chains of passes over the same rows: the rotary embedding
@@ -25,6 +25,16 @@ Numerics:
 - ``rms_norm``: the residual sum is the same float add as torch's (a bit-identical residual
   stream); the sum of squares runs in 16 partial sums in a fixed order, so the norm differs
   from ``F.rms_norm`` by float32 rounding (<= 2e-6 in the tests).
+
+bfloat16 / float16 tensors (``rs_*16``): the same passes reading and writing 16-bit rows,
+every value rounded where torch's expression in that dtype rounds (each torch op computes
+in float32 and rounds its result): the rotary's four products and two sums, RMSNorm's
+residual sum, its normalised row (float32 statistics, as ``layers.RMSNorm``'s fallback and
+transformers compute them) and its product with the weight, silu's output and its
+product with ``up``. So the rotary is bit-identical to torch's bf16 expression, RMSNorm
+differs by float32 rounding of the statistics (a bf16 ulp now and then), silu_mul by the
+exp's ~1 ulp before rounding. AVX2 vectors where the CPU has them (float16 through F16C),
+scalar C otherwise (silu_mul: AVX2/FMA only, as for float32).
 
 The C source is kernels/cpu/elementwise.c, built by kernels/_cc.py (system ``cc`` on first
 use, cached by source + flags + CPU flags); OpenMP over rows with
@@ -58,7 +68,7 @@ _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 class Elementwise(NamedTuple):
-    """The fused passes (float32 CPU tensors only; see ``supports``)."""
+    """The fused passes (float32, bfloat16 and float16 CPU tensors; see ``supports``)."""
 
     rotary: Callable[..., torch.Tensor]  # (x [T, H, D], cos, sin [T, D/2]) -> [T, H, D]
     # (gate_up [..., 2I], I) -> [..., I]; None where the CPU lacks AVX2/FMA (slower there)
@@ -68,75 +78,98 @@ class Elementwise(NamedTuple):
 
 
 @functools.cache
-def load() -> Elementwise | None:
-    """The kernels, or None where they cannot be built here (callers keep torch's path)."""
+def load(extra_flags: tuple[str, ...] = ()) -> Elementwise | None:
+    """The kernels, or None where they cannot be built here (callers keep torch's path).
+    ``extra_flags`` follow ``-march=native`` (the tests build the scalar variant)."""
     # -ffp-contract=off: the rotary's x1*c - x2*s must round twice as torch's does.
-    flags = [*_cc.FLAGS, "-ffp-contract=off"]
+    flags = [*_cc.FLAGS, "-ffp-contract=off", *extra_flags]
     lib = _cc.load_library("elementwise", _SOURCE, "CPU fused element-wise", log, flags)
     if lib is None:
         return None
-    rot = lib.rs_rotary_f32
-    rot.restype = None
+    rot, rot16 = lib.rs_rotary_f32, lib.rs_rotary16
+    rot.restype = rot16.restype = None
     rot.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32]
+    rot16.argtypes = [_I32, *rot.argtypes]
     silu_mul = None
     if hasattr(lib, "rs_silu_mul_f32"):  # built with AVX2/FMA only
-        sm = lib.rs_silu_mul_f32
-        sm.restype = None
+        sm, sm16 = lib.rs_silu_mul_f32, lib.rs_silu_mul16
+        sm.restype = sm16.restype = None
         sm.argtypes = [_PTR, _PTR, _I64, _I64, _I32]
-        silu_mul = functools.partial(_silu_mul, sm)
-    norm = lib.rs_rms_norm_f32
-    norm.restype = None
+        sm16.argtypes = [_I32, *sm.argtypes]
+        silu_mul = functools.partial(_silu_mul, sm, fn16=sm16)
+    norm, norm16 = lib.rs_rms_norm_f32, lib.rs_rms_norm16
+    norm.restype = norm16.restype = None
     norm.argtypes = [_PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, _I64, _I64, _I32]
-    return Elementwise(functools.partial(_rotary, rot), silu_mul, functools.partial(_rms, norm))
+    norm16.argtypes = [_I32, *norm.argtypes]
+    return Elementwise(
+        functools.partial(_rotary, rot, fn16=rot16),
+        silu_mul,
+        functools.partial(_rms, norm, fn16=norm16),
+    )
 
 
 def supports(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32
+    return x.device.type == "cpu" and x.dtype in _cc.DTYPE_CODES
+
+
+def _bound(fn32, fn16, dtype: torch.dtype):
+    """The float32 function, or the 16-bit one with the dtype's code bound first."""
+    if dtype == torch.float32:
+        return fn32
+    if fn16 is None:
+        raise ValueError(f"no 16-bit function bound for {dtype}")
+    return functools.partial(fn16, _cc.DTYPE_CODES[dtype])
 
 
 def _rotary(
-    fn,
-    x: torch.Tensor,  # [T, H, D] float32, D even; rows / heads may be strided
-    cos: torch.Tensor,  # [T, D/2] float32
-    sin: torch.Tensor,  # [T, D/2] float32
-) -> torch.Tensor:  # [T, H, D] contiguous
+    fn32,
+    x: torch.Tensor,  # [T, H, D] float32/bfloat16/float16, D even; rows / heads may be strided
+    cos: torch.Tensor,  # [T, D/2], cast to x's dtype (the torch expression's operands)
+    sin: torch.Tensor,  # [T, D/2]
+    fn16=None,  # rs_rotary16, for 16-bit x
+) -> torch.Tensor:  # [T, H, D] contiguous, x's dtype
     t, h, d = x.shape
-    if x.dtype != torch.float32 or d % 2 or cos.shape != (t, d // 2) or sin.shape != cos.shape:
+    if not supports(x) or d % 2 or cos.shape != (t, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"rotary: x {x.dtype} {tuple(x.shape)}, cos/sin {tuple(cos.shape)}")
     if x.stride(2) != 1:
         x = x.contiguous()
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    out = torch.empty((t, h, d), dtype=torch.float32)
+    cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+    out = torch.empty((t, h, d), dtype=x.dtype)
     if out.numel():
-        fn(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
-           out.data_ptr(), t, h, d, torch.get_num_threads())  # fmt: skip
+        _bound(fn32, fn16, x.dtype)(
+            x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+            out.data_ptr(), t, h, d, torch.get_num_threads(),
+        )  # fmt: skip
     return out
 
 
 def _silu_mul(
-    fn,
-    gate_up: torch.Tensor,  # [..., 2I] float32: gate then up, as the fused projection writes
+    fn32,
+    gate_up: torch.Tensor,  # [..., 2I]: gate then up, as the fused projection writes
     inter: int,
-) -> torch.Tensor:  # [..., I]
-    if gate_up.dtype != torch.float32 or gate_up.dim() == 0 or gate_up.shape[-1] != 2 * inter:
-        raise ValueError(f"silu_mul: gate_up must be float32 [..., {2 * inter}], "
-                         f"got {gate_up.dtype} {tuple(gate_up.shape)}")  # fmt: skip
+    fn16=None,  # rs_silu_mul16, for 16-bit gate_up
+) -> torch.Tensor:  # [..., I], gate_up's dtype
+    if not supports(gate_up) or gate_up.dim() == 0 or gate_up.shape[-1] != 2 * inter:
+        raise ValueError(f"silu_mul: gate_up must be float32/bfloat16/float16 [..., "
+                         f"{2 * inter}], got {gate_up.dtype} {tuple(gate_up.shape)}")  # fmt: skip
     gu = gate_up.contiguous()
-    out = torch.empty((*gu.shape[:-1], inter), dtype=torch.float32)
+    out = torch.empty((*gu.shape[:-1], inter), dtype=gu.dtype)
     if out.numel():
+        fn = _bound(fn32, fn16, gu.dtype)
         fn(gu.data_ptr(), out.data_ptr(), out.numel() // inter, inter, torch.get_num_threads())
     return out
 
 
 def _rms(
-    fn,
-    x: torch.Tensor,  # [..., N] float32
-    weight: torch.Tensor,  # [N] float32
+    fn32,
+    x: torch.Tensor,  # [..., N] float32/bfloat16/float16
+    weight: torch.Tensor,  # [N], x's dtype
     eps: float,
     residual: torch.Tensor | None = None,  # x's shape: added first (the residual stream)
+    fn16=None,  # rs_rms_norm16, for 16-bit x
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (x + residual, or x itself; RMSNorm of it)
     n = x.shape[-1]
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (n,):
+    if not supports(x) or weight.dtype != x.dtype or weight.shape != (n,):
         raise ValueError(f"rms_norm: x {x.dtype} {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} for x {tuple(x.shape)}")
@@ -146,17 +179,23 @@ def _rms(
     out = torch.empty_like(xc)
     if out.numel():
         rows = out.numel() // n
-        fn(xc.data_ptr(), None if rc is None else rc.data_ptr(), w.data_ptr(), eps,
-           total.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())  # fmt: skip
+        _bound(fn32, fn16, x.dtype)(
+            xc.data_ptr(), None if rc is None else rc.data_ptr(), w.data_ptr(), eps,
+            total.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads(),
+        )  # fmt: skip
     return total, out
 
 
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch ops the kernel replaces (services/worker/layers.py's RMSNorm)."""
+    """The torch ops the kernel replaces (services/worker/layers.py's RMSNorm): in a 16-bit
+    dtype, float32 statistics and the weight applied in that dtype (as transformers)."""
     total = x if residual is None else x + residual
-    return total, F.rms_norm(total, (x.shape[-1],), weight, eps)
+    if x.dtype == torch.float32:
+        return total, F.rms_norm(total, (x.shape[-1],), weight, eps)
+    normed = F.rms_norm(total.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return total, weight * normed
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,11 @@ another summation order than SDPA (max diff ~1e-6 relative); ``extend_attention_
 the plain-PyTorch reference the tests compare with. Without AVX2/FMA there is no kernel
 (``load()`` is None).
 
+bfloat16 (q, pools and output): each block's K and V rows are widened to float32 as they
+are copied into the block buffers (exact), the queries as they are packed; the tiles, the
+softmax and the sums are the float32 ones, and the output is rounded to bfloat16 once.
+float16 stays on the SDPA path.
+
 The C source is kernels/cpu/extend_attention.c, built by kernels/_cc.py (system ``cc -O3
 -march=native -fopenmp`` on first use, cached by source + flags + CPU flags); no compiler,
 a failed build or ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None and the caller
@@ -73,24 +78,24 @@ def load(extra_flags: tuple[str, ...] = ()) -> ExtendAttention | None:
     AVX2 tiles on an AVX-512 CPU with ``("-mno-avx512f",)``)."""
     flags = [*_cc.FLAGS, *extra_flags]
     lib = _cc.load_library("extend_attention", _SOURCE, "CPU extend attention", log, flags)
-    if lib is None or not hasattr(lib, "rs_extend_attention_f32"):
+    if lib is None or not hasattr(lib, "rs_extend_attention"):
         return None
-    fn = lib.rs_extend_attention_f32
+    fn = lib.rs_extend_attention
     fn.restype = _I32
-    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    fn.argtypes = [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
     fn.argtypes += [_I32, _I32, _I32, _I32, _F32, _I32, _I32]
     return functools.partial(_call, fn)
 
 
 def supports(q: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> bool:
-    """What the decode kernel reads (float32 CPU, head dim contiguous, int32 table), with
-    the head dim at most MAX_HEAD_DIM."""
+    """What the decode kernel reads (float32 or bfloat16 CPU, head dim contiguous, int32
+    table), with the head dim at most MAX_HEAD_DIM."""
     return q.shape[-1] <= MAX_HEAD_DIM and cpu_decode_attention.supports(q, k_pool, req_to_token)
 
 
 def _call(
     fn,
-    q: torch.Tensor,  # [T, H, D] float32, D contiguous
+    q: torch.Tensor,  # [T, H, D] float32 / bfloat16 (the pool's), D contiguous
     k_pool: torch.Tensor,  # [S, KVH, D]
     v_pool: torch.Tensor,  # [S, KVH, D], same strides as k_pool
     req_to_token: torch.Tensor,  # [R, C] int32
@@ -109,11 +114,11 @@ def _call(
     if block_q < 1 or h % kvh:
         raise ValueError(f"extend attention: block_q {block_q}, heads {h} / kv heads {kvh}")
     if out is None:
-        out = torch.empty((t, h, d), dtype=torch.float32)
-    elif not out.is_contiguous() or out.shape != q.shape:
-        raise ValueError("out must be a contiguous tensor of q's shape")
+        out = torch.empty((t, h, d), dtype=q.dtype)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
     failed = fn(
-        q.data_ptr(), q.stride(0), q.stride(1),
+        _cc.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
         req_to_token.data_ptr(), req_to_token.stride(0),
         req_slots.data_ptr(), qo_indptr.data_ptr(), prefix_lens.data_ptr(), out.data_ptr(),

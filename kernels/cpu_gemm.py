@@ -22,8 +22,18 @@ is in. Against float64: max|err| / max|ref| ~1e-6, as oneDNN's. Other CPUs: the 
 intrinsics sit behind ``__AVX2__`` / ``__FMA__``; elsewhere a portable C path with the same
 blocking builds instead.
 
-The C source is kernels/cpu/gemm.c, built by kernels/_cc.py (system ``cc -O3 -march=native
--fopenmp`` on first use, cached by source + flags + CPU flags, atomic write);
+16-bit weights (``load16``, kernels/cpu/gemm16.c): the same blocking over a bfloat16 or
+float16 [N, K] weight, half the bytes to stream. x (float32, bfloat16 or float16) is
+rounded to the weight's dtype, every product is exact and the sums are float32; y comes
+back in x's dtype (one rounding of the float32 sum plus bias). With AVX512_BF16 a
+bfloat16 weight runs ``vdpbf16ps`` (32 elements per instruction); otherwise the weights are
+widened to float (a 16-bit shift; ``vcvtph2ps`` for float16) for AVX-512 or AVX2 FMAs
+(``isa16()`` says which). The order is fixed as in gemm.c, so rows are batch-invariant;
+against float64 on the rounded inputs the error is float32's (~1e-6 relative).
+
+The C sources are kernels/cpu/gemm.c and gemm16.c, built by kernels/_cc.py (system ``cc
+-O3 -march=native -fopenmp`` on first use, cached by source + flags + CPU flags, atomic
+write);
 ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()`` returns None.
 """
 
@@ -42,6 +52,7 @@ from kernels import _cc
 log = logging.getLogger(__name__)
 
 _SOURCE = _cc.read_source("gemm.c")
+_SOURCE16 = _cc.read_source("gemm16.c")
 
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -77,6 +88,109 @@ def load(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     fn.restype = _I32
     fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I32]
     return functools.partial(_call, fn)
+
+
+def _library16(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    flags = [*_cc.FLAGS, *extra_flags]
+    return _cc.load_library("gemm16", _SOURCE16, "CPU small-M 16-bit GEMM", log, flags)
+
+
+# What isa16() returns: the vocabulary that serves bfloat16 weights.
+ISA16_NAMES = {3: "avx512_bf16", 2: "avx512", 1: "avx2", 0: "c", -1: "none"}
+
+
+@functools.cache
+def isa16(extra_flags: tuple[str, ...] = ()) -> int:
+    """3 (AVX512_BF16 dot products), 2 (AVX-512 FMA), 1 (AVX2 FMA), 0 (portable C) or -1
+    (no kernel): how the built 16-bit kernel runs bfloat16 weights (ISA16_NAMES)."""
+    lib = _library16(extra_flags)
+    if lib is None:
+        return -1
+    lib.rs_gemm16_isa.restype = _I32
+    return int(lib.rs_gemm16_isa())
+
+
+@functools.cache
+def load16(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The 16-bit-weight kernel as ``fn(x, weight, bias=None) -> y`` (weight bfloat16 or
+    float16 [N, K], bias float32 [N], y in x's dtype), or None where it cannot be built.
+    ``extra_flags`` as for ``load`` (``-mno-avx512bf16``: the AVX-512 FMA variant)."""
+    lib = _library16(extra_flags)
+    if lib is None or not vector16(torch.bfloat16, extra_flags):
+        return None  # portable C only: slower than torch's own bf16 paths
+    return bind16(lib)
+
+
+def bind16(lib: ctypes.CDLL) -> Gemm:
+    """``fn(x, weight, bias=None)`` over a built gemm16 library (the tests bind the
+    portable build, which ``load16`` does not serve, this way)."""
+    fn = lib.rs_gemm16
+    fn.restype = _I32
+    fn.argtypes = [_PTR, _I32, _I64, _PTR, _I32, _I64, _PTR, _PTR, _I32, _I64, _I64, _I64, _I32]
+    return functools.partial(_call16, fn)
+
+
+@functools.cache
+def vector16(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether the built 16-bit kernel has a vector path for weights of ``dtype`` (float16
+    needs F16C)."""
+    lib = _library16(extra_flags) if dtype in (torch.bfloat16, torch.float16) else None
+    if lib is None:
+        return False
+    lib.rs_gemm16_vector.restype, lib.rs_gemm16_vector.argtypes = _I32, [_I32]
+    return bool(lib.rs_gemm16_vector(_cc.DTYPE_CODES[dtype]))
+
+
+def supports16(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """A bfloat16 / float16 CPU weight [N, K] with K contiguous, a vector path for its dtype,
+    and a float32 contiguous bias (or none)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and vector16(weight.dtype)
+        and (
+            bias is None
+            or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.is_contiguous())
+        )
+    )
+
+
+def _call16(
+    fn,
+    x: torch.Tensor,  # [..., K] float32, bfloat16 or float16
+    weight: torch.Tensor,  # [N, K] bfloat16 / float16, K contiguous (supports16())
+    bias: torch.Tensor | None = None,  # [N] float32 contiguous
+) -> torch.Tensor:  # [..., N] in x's dtype
+    n, k = weight.shape
+    code = _cc.DTYPE_CODES.get(x.dtype)
+    if code is None or x.shape[-1] != k:
+        raise ValueError(f"x must be float32/bfloat16/float16 [..., {k}], got {x.dtype} "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    x2 = x.reshape(x.numel() // k if k else x.shape[:-1].numel(), k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    if m == 0:
+        return y
+    failed = fn(
+        x2.data_ptr(), code, x2.stride(0), weight.data_ptr(), _cc.DTYPE_CODES[weight.dtype],
+        weight.stride(0), None if bias is None else bias.data_ptr(), y.data_ptr(), code,
+        m, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"cpu gemm16: failed ({failed}: 1 out of memory, 2 weight dtype)")
+    return y
+
+
+def gemm16_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What load16's kernel computes, exactly (float64): x rounded to the weight's dtype."""
+    b = None if bias is None else bias.double()
+    return F.linear(x.to(weight.dtype).double(), weight.double(), b)
 
 
 def supports(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

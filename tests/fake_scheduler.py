@@ -77,8 +77,9 @@ class FakeScheduler:
     """A scheduler peer that answers every TokenizedRequest with ``script`` one token per step.
 
     Behaviour by cache_salt: ``error:CODE`` rejects with that gRPC code; ``slow`` emits
-    forever (until aborted) every 50 ms. Otherwise it finishes "length" at max_tokens, or
-    "stop" with EOS after the script.
+    forever (until aborted) every 50 ms; ``multi:N`` emits N tokens per delta (as
+    speculative decoding does). Otherwise it finishes "length" at max_tokens, or "stop"
+    with EOS after the script.
     """
 
     script: list[int]
@@ -153,14 +154,31 @@ class FakeScheduler:
         running[req.rid] = _Running(identity, req, step, next_at=time.monotonic() + step)
 
     def _step(self, r: _Running) -> bool:
-        """Emits one token; True when the request is done."""
+        """Emits one token (N with ``multi:N``) in one delta; True when the request is done."""
+        salt = r.req.cache_salt
+        per_step = int(salt[6:]) if salt.startswith("multi:") else 1
+        deltas = [self._one_token(r) for _ in range(per_step)]
+        delta = deltas[0]
+        for more in deltas[1:]:
+            if delta.finish_reason:
+                break
+            delta.token_ids.extend(more.token_ids)
+            delta.logprobs.extend(more.logprobs)
+            for name in ("finish_reason", "matched_stop_token", "prompt_tokens", "cached_tokens"):
+                setattr(delta, name, getattr(more, name))
+            for name in ("completion_tokens", "queue_time", "prefill_time", "decode_time"):
+                setattr(delta, name, getattr(more, name))
+        self._send(r.identity, delta)
+        r.next_at = time.monotonic() + r.step_s
+        return bool(delta.finish_reason)
+
+    def _one_token(self, r: _Running) -> engine_pb2.TokenDelta:
         sp = r.req.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 128
         if max_tokens == 0:  # prefill only: one delta, no token
             delta = engine_pb2.TokenDelta(rid=r.req.rid, finish_reason="length")
             _with_prompt_logprobs(delta, r.req)
-            self._send(r.identity, _with_totals(delta, r))
-            return True
+            return _with_totals(delta, r)
         slow = r.req.cache_salt == "slow"
         token = (
             self.script[r.emitted % len(self.script)]
@@ -181,9 +199,7 @@ class FakeScheduler:
             _with_totals(delta, r)
         if r.emitted == 1:
             _with_prompt_logprobs(delta, r.req)
-        self._send(r.identity, delta)
-        r.next_at = time.monotonic() + r.step_s
-        return bool(delta.finish_reason)
+        return delta
 
     def _send(self, identity: bytes, delta: engine_pb2.TokenDelta) -> None:
         transport.send(

@@ -4,6 +4,11 @@ Its "KV pool" stores, per slot, the (token, position) written there. Each reques
 token is a hash of the tokens it reads back through its table row, so a scheduler that
 hands out a wrong, stale or reused slot produces different tokens than `expected()`, which
 computes the same hash over the true sequence. Speaks the real protobuf messages.
+
+A verify step (speculative decoding: draft_tokens) is run as the real worker runs it: the
+last token and the drafts are written to their slots, the "model" gives its token after
+each of them (read back through the slots, like any other), and the longest prefix of
+drafts equal to those tokens is accepted, plus the token after it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,20 @@ def next_token(context: list[int]) -> int:
     return int.from_bytes(digest, "little") % (VOCAB - 1)  # never EOS: lengths stay predictable
 
 
+def copying_model(period: int, every: int = 8) -> Callable[[list[int]], int]:
+    """A copy-prone fake model (speculation tests): it repeats the token ``period`` back,
+    except where the hash of the whole context says otherwise (one step in ``every``), so
+    it still depends on every slot read back and drafts from its own text mostly succeed."""
+
+    def model(context: list[int]) -> int:
+        h = next_token(context)
+        if len(context) < period or h % every == 0:
+            return h
+        return context[-period] if context[-period] >= 0 else h
+
+    return model
+
+
 def fake_logprob(context: list[int]) -> float:
     """The fake "logprob" of whatever follows context (prompt logprobs)."""
     return -next_token(context) / VOCAB
@@ -36,10 +55,12 @@ def expected_prompt_logprobs(prompt: list[int], start: int = 0) -> list[tuple[in
     return [(prompt[q], fake_logprob(prompt[:q])) for q in range(max(start, 1), len(prompt))]
 
 
-def expected(prompt: list[int], max_tokens: int) -> list[int]:
+def expected(
+    prompt: list[int], max_tokens: int, model: Callable[[list[int]], int] = next_token
+) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(max_tokens):
-        out.append(next_token(seq))
+        out.append(model(seq))
         seq.append(out[-1])
     return out
 
@@ -53,7 +74,9 @@ class FakeWorker:
         host_slots: int = 0,
         storage: dict[bytes, list[tuple[int, int]]] | None = None,
         storage_page_tokens: int = 0,
+        model: Callable[[list[int]], int] = next_token,
     ):
+        self.model = model  # the next token after a context read back through the slots
         self.pool: dict[int, tuple[int, int]] = {}
         self.host: dict[int, tuple[int, int]] = {}  # the host tier's slots, alike
         self.host_slots = host_slots
@@ -101,6 +124,9 @@ class FakeWorker:
             result.forward_time = self.step_time(batch)
         for r in batch.reqs:
             ids, out = unpack_i32(r.input_ids).tolist(), unpack_i32(r.out_slots).tolist()
+            drafts = unpack_i32(r.draft_tokens).tolist()
+            assert not drafts or (r.sample and not r.use_last_sampled and not batch.is_decode)
+            ids += drafts
             if r.use_last_sampled:
                 assert not ids and r.req_slot in self.last, (
                     "use_last_sampled without a sampled token"
@@ -120,10 +146,19 @@ class FakeWorker:
             for pos, slot in enumerate(row):
                 tok, where = self.pool.get(slot, (-1, -1))
                 context.append(tok if where == pos else -1)  # a slot written for another position
-            tok = next_token(context) if r.sample else -1
+            tok = self.model(context) if r.sample else -1
+            committed = [tok]
+            if drafts:  # the token after the last input token, then after each draft
+                end = len(context) - len(drafts)
+                committed = [self.model(context[:end])]
+                for d in drafts:
+                    if committed[-1] != d:
+                        break
+                    end += 1
+                    committed.append(self.model(context[:end]))
             if r.sample:
-                self.last[r.req_slot] = tok
-            scored = result.tokens.add(token_id=tok)
+                self.last[r.req_slot] = committed[-1]
+            scored = result.tokens.add(token_id=committed[0], extra_token_ids=committed[1:])
             for k, target in enumerate(unpack_i32(r.prompt_logprob_targets).tolist()):
                 # Scored through the KV read back, like the sampled token.
                 end = r.prefix_len + r.prompt_logprob_row + k + 1
@@ -206,11 +241,12 @@ def make(
     host_slots: int = 0,
     storage: dict | None = None,
     storage_page_tokens: int = 16,
+    model: Callable[[list[int]], int] = next_token,
     **cfg,
 ) -> tuple[Scheduler, FakeWorker]:
     worker = FakeWorker(
         num_slots, max_running, host_slots=host_slots, storage=storage,
-        storage_page_tokens=storage_page_tokens,
+        storage_page_tokens=storage_page_tokens, model=model,
     )  # fmt: skip
     sched = Scheduler(SchedulerConfig(**cfg), FakeWorkerSocket(worker), worker.info)
     return sched, worker

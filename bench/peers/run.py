@@ -10,7 +10,9 @@ Fairness:
   bound to cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND=0-(N-1)). Each server's frontend and
   scheduler processes are its own business, as they are in production.
 - memory: vLLM gets VLLM_CPU_KVCACHE_SPACE=G GiB; radixserve gets --max-total-tokens for
-  the same bytes (G GiB / KV bytes per token of the model, float32 on both).
+  the same bytes (G GiB / KV bytes per token of the model, in --dtype on both).
+- dtype: --dtype (float32, or bfloat16: weights, activations and KV) goes to both servers'
+  own --dtype; a bfloat16 run gets its own docs section and plot (<model>-bfloat16).
 - order: both servers stay up; only one is under load at a time (the other idles). For
   every workload of a round both servers run it back to back, and which goes first
   alternates every round, so a drift in the machine's load hurts both alike.
@@ -29,6 +31,7 @@ docs/img/peers-<model>.png and replaces the model's section of docs/benchmarks.m
 --from-json renders a saved rounds.json again without running anything.
 
     .venv/bin/python bench/peers/run.py --model small --rounds 3 --write-docs
+    .venv/bin/python bench/peers/run.py --model qwen-0.5b --dtype bfloat16 --rounds 3 --write-docs
 """
 
 from __future__ import annotations
@@ -229,19 +232,22 @@ def wait_quiet(servers: dict[str, Server]) -> float:
     return time.monotonic() - t0
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """float32 K and V of every layer: what one token of KV costs on either server."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
+    """K and V of every layer in `dtype`: what one token of KV costs on either server."""
     c = json.loads((model_dir / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * DTYPE_BYTES[dtype]
 
 
 def radixserve_server(model_dir: Path, ns: argparse.Namespace, log_dir: Path) -> Server:
-    tokens = int(ns.kv_gib * 2**30) // kv_bytes_per_token(model_dir)
+    tokens = int(ns.kv_gib * 2**30) // kv_bytes_per_token(model_dir, ns.dtype)
     http = ns.port_base + 80
     args = (f"serve --model-path {model_dir} --port {ns.port_base} --http-port {http} "
-            f"--cpu-threads {ns.threads} --device cpu --dtype float32 --max-total-tokens {tokens} "
-            "--log-level warning")  # fmt: skip
+            f"--cpu-threads {ns.threads} --device cpu --dtype {ns.dtype} "
+            f"--max-total-tokens {tokens} --log-level warning")  # fmt: skip
     argv = [str(REPO / ".venv" / "bin" / "radixserve"), *args.split()]
     return Server("radixserve", argv, {}, http, log_dir / "radixserve.log")
 
@@ -250,7 +256,7 @@ def vllm_server(model_dir: Path, ns: argparse.Namespace, log_dir: Path) -> Serve
     port = ns.port_base + 180
     args = (f"-m vllm.entrypoints.openai.api_server --model {model_dir} "
             f"--served-model-name {model_dir.name} --host 127.0.0.1 --port {port} "
-            "--dtype float32 --max-model-len 4096 --enable-prefix-caching "
+            f"--dtype {ns.dtype} --max-model-len 4096 --enable-prefix-caching "
             "--enable-prompt-tokens-details")  # fmt: skip
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(ns.kv_gib),
@@ -431,7 +437,8 @@ def fmt(x: float | None, unit: str = "") -> str:
 def markdown(table: list[dict], loads: list[Workload], meta: dict) -> str:
     titles = {w.name: w.title for w in loads}
     lines = [
-        f"Model `{meta['model']}` ({meta['params']}), float32, {meta['threads']} threads each, "
+        f"Model `{meta['model']}` ({meta['params']}), {meta.get('dtype', 'float32')}, "
+        f"{meta['threads']} threads each, "
         f"KV memory {meta['kv_gib']} GiB each, {meta['rounds']} round(s), {meta['stamp']}, "
         f"load average at start {meta['load']}. vLLM-CPU {meta['vllm_version']}.",
         "",
@@ -534,6 +541,9 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--kv-gib", type=int, default=2, help="KV cache memory of each server")
     ap.add_argument(
+        "--dtype", default="float32", choices=sorted(DTYPE_BYTES), help="both servers' --dtype"
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="fewer requests: a smoke run of the harness"
     )
     ap.add_argument("--seed", type=int, default=1)
@@ -604,11 +614,13 @@ def report(saved: dict[str, Any], ns: argparse.Namespace, out_dir: Path) -> None
             "params": f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers",
             "vllm_version": vllm_version(ns.vllm_python)}  # fmt: skip
     text = markdown(table, loads, meta)
-    img = (IMG_DIR if ns.write_docs else out_dir) / f"peers-{model}.png"
-    plot(table, model, img)
+    dtype = saved.get("dtype", "float32")
+    key = model if dtype == "float32" else f"{model}-{dtype}"  # the docs section and plot
+    img = (IMG_DIR if ns.write_docs else out_dir) / f"peers-{key}.png"
+    plot(table, key, img)
     print("\n" + text + f"\n\nplot: {img}")
     if ns.write_docs:
-        write_docs(model, text, img)
+        write_docs(key, text, img)
         print(f"wrote {DOCS}")
 
 
@@ -620,6 +632,7 @@ def run(ns: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         "workloads": ns.workloads,
         "threads": ns.threads,
         "kv_gib": ns.kv_gib,
+        "dtype": ns.dtype,
         "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
         "stamp": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([".venv/bin/python bench/peers/run.py", *sys.argv[1:]]),

@@ -2,6 +2,18 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "half.h"
+
+/* The pools hold float32 or bfloat16 (dt, half.h's codes; the Python side takes float16 to
+   torch's path). The query rows and the output are float32 inside: a 16-bit item's query
+   rows are widened into a per-thread buffer first and its output rounded at the end, so
+   the softmax and every sum stay float32; only the K and V row loads know the dtype. */
+
+/* Element `i` of a pool as a pointer (i counts elements of dtype dt). */
+static inline __attribute__((always_inline)) const void* at(const void* p, int64_t i,
+                                                            const int dt) {
+    return (const char*)p + i * (dt == DT_F32 ? 4 : 2);
+}
 
 /* Eight independent partial sums: vectorizes without -ffast-math (lane-wise adds). */
 static inline float dot_c(const float* a, const float* b, int d) {
@@ -74,19 +86,19 @@ static inline __m512 hsum16(const __m512* v) {
 
 /* Scores of the query heads of kv heads kh0..kh1 against 16 slots at a time (head dims a
    multiple of 16): 16 independent dot products per query head, one tree for their sums. */
-static void scores16(const float* q, int64_t q_h, const float* k_pool, int64_t slot_stride,
-                     const int32_t* slots, int L, int kh0, int kh1, int G, int D, float scale,
-                     float* buf) {
-    const int DV = D / 16;
+static inline __attribute__((always_inline)) void scores16(
+    const float* q, int64_t q_h, const void* k_pool, int64_t slot_stride, const int32_t* slots,
+    int L, int kh0, int kh1, int G, int D, float scale, float* buf, const int dt) {
+    const int DV = D / 16, esz = dt == DT_F32 ? 4 : 2;
     const __m512 sc = _mm512_set1_ps(scale);
     for (int j0 = 0; j0 < L; j0 += 16) {
         const int n = L - j0 < 16 ? L - j0 : 16;
-        const float* rows[16];
+        const void* rows[16];
         for (int j = 0; j < 16; ++j)  /* a short tail repeats its last row (never stored) */
-            rows[j] = k_pool + (int64_t)slots[j0 + (j < n ? j : n - 1)] * slot_stride;
+            rows[j] = at(k_pool, (int64_t)slots[j0 + (j < n ? j : n - 1)] * slot_stride, dt);
         for (int j = j0 + 16; j < j0 + 32 && j < L; ++j) {
-            const char* nxt = (const char*)(k_pool + (int64_t)slots[j] * slot_stride);
-            for (int c = kh0 * D * 4; c < kh1 * D * 4; c += 64) __builtin_prefetch(nxt + c);
+            const char* nxt = (const char*)at(k_pool, (int64_t)slots[j] * slot_stride, dt);
+            for (int c = kh0 * D * esz; c < kh1 * D * esz; c += 64) __builtin_prefetch(nxt + c);
         }
         const __mmask16 keep = (__mmask16)((1u << n) - 1u);
         for (int kh = kh0; kh < kh1; ++kh)
@@ -95,11 +107,10 @@ static void scores16(const float* q, int64_t q_h, const float* k_pool, int64_t s
                 const float* qh = q + h * q_h;
                 __m512 acc[16];
                 for (int j = 0; j < 16; ++j) {
-                    const float* kr = rows[j] + kh * D;
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kr));
+                    const void* kr = at(rows[j], (int64_t)kh * D, dt);
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), ld16(kr, 0, dt));
                     for (int c = 1; c < DV; ++c)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c),
-                                            _mm512_loadu_ps(kr + 16 * c), a);
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), ld16(kr, 16 * c, dt), a);
                     acc[j] = a;
                 }
                 _mm512_mask_storeu_ps(buf + h * L + j0, keep, _mm512_mul_ps(hsum16(acc), sc));
@@ -108,21 +119,24 @@ static void scores16(const float* q, int64_t q_h, const float* k_pool, int64_t s
 }
 
 /* out[g] = sum_j p[g, j] v_j for HC query heads of one kv head, head dim 16 * DV, the HC x DV
-   accumulators in registers across all L slots (each V row loaded once for the HC heads). */
-#define DEFINE_PV(HC, DV)                                                                     \
-static void pv_##HC##_##DV(const float* v_pool, int64_t slot_stride, const int32_t* slots,    \
-                           int L, int off, const float* p, float* o) {                         \
+   accumulators in registers across all L slots (each V row loaded once for the HC heads);
+   one function per (HC, DV, pool dtype). */
+#define DEFINE_PV(HC, DV, DT, SUF)                                                            \
+static void pv_##HC##_##DV##SUF(const void* v_pool, int64_t slot_stride, const int32_t* slots, \
+                                int L, int off, const float* p, float* o) {                   \
+    const int esz = (DT) == DT_F32 ? 4 : 2;                                                   \
     __m512 acc[HC][DV];                                                                       \
     for (int g = 0; g < HC; ++g)                                                              \
         for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();                          \
     for (int j = 0; j < L; ++j) {                                                             \
         if (j + 4 < L) { /* one line in four of the V row 4 slots ahead (the first at D 64) */ \
-            const char* nxt = (const char*)(v_pool + (int64_t)slots[j + 4] * slot_stride + off); \
-            for (int c = 0; c < DV; c += 4) __builtin_prefetch(nxt + 64 * c);                 \
+            const int64_t ahead = (int64_t)slots[j + 4] * slot_stride + off;                  \
+            const char* nxt = (const char*)at(v_pool, ahead, DT);                             \
+            for (int c = 0; c < DV * 16 * esz; c += 256) __builtin_prefetch(nxt + c);          \
         }                                                                                     \
-        const float* vr = v_pool + (int64_t)slots[j] * slot_stride + off;                     \
+        const void* vr = at(v_pool, (int64_t)slots[j] * slot_stride + off, DT);               \
         __m512 v[DV];                                                                         \
-        for (int c = 0; c < DV; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);                     \
+        for (int c = 0; c < DV; ++c) v[c] = ld16(vr, 16 * c, DT);                             \
         for (int g = 0; g < HC; ++g) {                                                        \
             const __m512 pg = _mm512_set1_ps(p[g * L + j]);                                   \
             for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);     \
@@ -131,29 +145,37 @@ static void pv_##HC##_##DV(const float* v_pool, int64_t slot_stride, const int32
     for (int g = 0; g < HC; ++g)                                                              \
         for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + g * 16 * DV + 16 * c, acc[g][c]);    \
 }
-DEFINE_PV(1, 4) DEFINE_PV(2, 4) DEFINE_PV(3, 4) DEFINE_PV(4, 4) DEFINE_PV(5, 4) DEFINE_PV(6, 4)
-DEFINE_PV(1, 8) DEFINE_PV(2, 8) DEFINE_PV(3, 8)
+#define DEFINE_PVS(DT, SUF)                                                                   \
+    DEFINE_PV(1, 4, DT, SUF) DEFINE_PV(2, 4, DT, SUF) DEFINE_PV(3, 4, DT, SUF)                \
+    DEFINE_PV(4, 4, DT, SUF) DEFINE_PV(5, 4, DT, SUF) DEFINE_PV(6, 4, DT, SUF)                \
+    DEFINE_PV(1, 8, DT, SUF) DEFINE_PV(2, 8, DT, SUF) DEFINE_PV(3, 8, DT, SUF)
+DEFINE_PVS(DT_F32, _f32)
+DEFINE_PVS(DT_BF16, _bf16)
 
-typedef void (*pv_fn)(const float*, int64_t, const int32_t*, int, int, const float*, float*);
-static const pv_fn PV4[7] = {0, pv_1_4, pv_2_4, pv_3_4, pv_4_4, pv_5_4, pv_6_4};
-static const pv_fn PV8[4] = {0, pv_1_8, pv_2_8, pv_3_8};
+typedef void (*pv_fn)(const void*, int64_t, const int32_t*, int, int, const float*, float*);
+static const pv_fn PV4[2][7] = {
+    {0, pv_1_4_f32, pv_2_4_f32, pv_3_4_f32, pv_4_4_f32, pv_5_4_f32, pv_6_4_f32},
+    {0, pv_1_4_bf16, pv_2_4_bf16, pv_3_4_bf16, pv_4_4_bf16, pv_5_4_bf16, pv_6_4_bf16}};
+static const pv_fn PV8[2][4] = {{0, pv_1_8_f32, pv_2_8_f32, pv_3_8_f32},
+                                {0, pv_1_8_bf16, pv_2_8_bf16, pv_3_8_bf16}};
 
 /* Head dims 64 and 128: the same three passes with register tiles (scores16, softmax_row,
    the P.V accumulators); a kv head's G query heads are cut into near-equal chunks that fit
    the registers (G = 7 at D = 64: 4 + 3). */
-static int heads16(const float* q, int64_t q_h, const float* k_pool, const float* v_pool,
+static int heads16(const float* q, int64_t q_h, const void* k_pool, const void* v_pool,
                    int64_t slot_stride, const int32_t* slots, int L, int kh0, int kh1, int G,
-                   int D, float scale, float* buf, float* out) {
+                   int D, float scale, float* buf, float* out, int dt) {
     if (D != 64 && D != 128) return 0;
-    const int cap = D == 64 ? 6 : 3, nh = (kh1 - kh0) * G;
-    scores16(q, q_h, k_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf);
+    const int cap = D == 64 ? 6 : 3, nh = (kh1 - kh0) * G, bf = dt == DT_BF16;
+    if (bf) scores16(q, q_h, k_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, DT_BF16);
+    else scores16(q, q_h, k_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, DT_F32);
     for (int h = 0; h < nh; ++h) softmax_row(buf + h * L, L);
     const int chunks = (G + cap - 1) / cap;
     for (int kh = kh0; kh < kh1; ++kh)
         for (int i = 0, g0 = 0; i < chunks; ++i) {
             const int hc = (G - g0) / (chunks - i), h0 = (kh - kh0) * G + g0;
-            (D == 64 ? PV4 : PV8)[hc](v_pool, slot_stride, slots, L, kh * D, buf + h0 * L,
-                                      out + h0 * D);
+            (D == 64 ? PV4[bf] : PV8[bf])[hc](v_pool, slot_stride, slots, L, kh * D,
+                                              buf + h0 * L, out + h0 * D);
             g0 += hc;
         }
     return 1;
@@ -197,22 +219,58 @@ static void softmax_row(float* s, int L) {
 }
 #endif
 
+/* dot over a K row of dtype dt (q float): float32 rows take this build's dot, 16-bit ones
+   dot_c's eight partial sums, widened by AVX2 vectors where the build has them. */
+static inline __attribute__((always_inline)) float dot_dt(const float* a, const void* b, int d,
+                                                          const int dt) {
+    if (dt == DT_F32) return dot(a, (const float*)b, d);
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 v = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), ld8(b, i, dt), v);
+    _mm256_storeu_ps(acc, v);
+#endif
+    for (; i + 8 <= d; i += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * ld_f(b, i + l, dt);
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < d; ++i) s += a[i] * ld_f(b, i, dt);
+    return s;
+}
+
+/* o[0..d) += p * v[0..d), v of dtype dt. */
+static inline __attribute__((always_inline)) void axpy_dt(float* o, float p, const void* v, int d,
+                                                          const int dt) {
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dt != DT_F32) {
+        const __m256 pv = _mm256_set1_ps(p);
+        for (; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, ld8(v, i, dt), _mm256_loadu_ps(o + i)));
+    }
+#endif
+    for (; i < d; ++i) o[i] += p * ld_f(v, i, dt);
+}
+
 /* Kv heads kh0..kh1 of one request: scores [nh, L] in buf (nh = query heads in the range),
    softmax, then out[h] = sum_j p[h, j] v_j. Each slot's K (V) row is read once, whole and
    in order, with the rows a few slots ahead prefetched: the slots are scattered over the
    pool and the VM's memory latency, not arithmetic, bounds this loop. */
-static void heads(const float* q, int64_t q_h, const float* k_pool, const float* v_pool,
-                  int64_t slot_stride, const int32_t* slots, int L, int kh0, int kh1, int G,
-                  int D, float scale, float* buf, float* out) {
-    const int nh = (kh1 - kh0) * G, ahead = 4;
+static inline __attribute__((always_inline)) void heads_dt(
+    const float* q, int64_t q_h, const void* k_pool, const void* v_pool, int64_t slot_stride,
+    const int32_t* slots, int L, int kh0, int kh1, int G, int D, float scale, float* buf,
+    float* out, const int dt) {
+    const int nh = (kh1 - kh0) * G, ahead = 4, esz = dt == DT_F32 ? 4 : 2;
     for (int j = 0; j < L; ++j) {
         if (j + ahead < L) {
-            const char* nxt = (const char*)(k_pool + (int64_t)slots[j + ahead] * slot_stride);
-            for (int c = kh0 * D * 4; c < kh1 * D * 4; c += 64) __builtin_prefetch(nxt + c);
+            const char* nxt = (const char*)at(k_pool, (int64_t)slots[j + ahead] * slot_stride, dt);
+            for (int c = kh0 * D * esz; c < kh1 * D * esz; c += 64) __builtin_prefetch(nxt + c);
         }
-        const float* kr = k_pool + (int64_t)slots[j] * slot_stride;
-        for (int h = 0; h < nh; ++h)
-            buf[h * L + j] = dot(q + h * q_h, kr + (kh0 + h / G) * D, D) * scale;
+        const void* kr = at(k_pool, (int64_t)slots[j] * slot_stride, dt);
+        for (int h = 0; h < nh; ++h) {
+            const void* k = at(kr, (int64_t)(kh0 + h / G) * D, dt);
+            buf[h * L + j] = dot_dt(q + h * q_h, k, D, dt) * scale;
+        }
     }
     for (int h = 0; h < nh; ++h) {
         softmax_row(buf + h * L, L);
@@ -221,34 +279,46 @@ static void heads(const float* q, int64_t q_h, const float* k_pool, const float*
     }
     for (int j = 0; j < L; ++j) {
         if (j + ahead < L) {
-            const char* nxt = (const char*)(v_pool + (int64_t)slots[j + ahead] * slot_stride);
-            for (int c = kh0 * D * 4; c < kh1 * D * 4; c += 64) __builtin_prefetch(nxt + c);
+            const char* nxt = (const char*)at(v_pool, (int64_t)slots[j + ahead] * slot_stride, dt);
+            for (int c = kh0 * D * esz; c < kh1 * D * esz; c += 64) __builtin_prefetch(nxt + c);
         }
-        const float* vr = v_pool + (int64_t)slots[j] * slot_stride;
-        for (int h = 0; h < nh; ++h) {
-            const float p = buf[h * L + j], *v = vr + (kh0 + h / G) * D;
-            float* o = out + h * D;
-            for (int d = 0; d < D; ++d) o[d] += p * v[d];
-        }
+        const void* vr = at(v_pool, (int64_t)slots[j] * slot_stride, dt);
+        for (int h = 0; h < nh; ++h)
+            axpy_dt(out + h * D, buf[h * L + j], at(vr, (int64_t)(kh0 + h / G) * D, dt), D, dt);
     }
 }
 
+static void heads(const float* q, int64_t q_h, const void* k_pool, const void* v_pool,
+                  int64_t slot_stride, const int32_t* slots, int L, int kh0, int kh1, int G,
+                  int D, float scale, float* buf, float* out, int dt) {
+    if (dt == DT_BF16)
+        heads_dt(q, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, out,
+                 DT_BF16);
+    else
+        heads_dt(q, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, out,
+                 DT_F32);
+}
+
 /* q [B, H, D] (strides q_b, q_h; D contiguous); pools [S, KVH, D] rows of slot_stride;
-   req_to_token [R, table_stride] int32; out [B, H, D] contiguous. Work items: whole
-   requests when there are enough of them for the threads, else (request, kv head). */
-int rs_decode_attention_f32(const float* q, int64_t q_b, int64_t q_h, const float* k_pool,
-                            const float* v_pool, int64_t slot_stride,
-                            const int32_t* req_to_token, int64_t table_stride,
-                            const int32_t* req_slots, const int32_t* seq_lens, float* out,
-                            int B, int H, int KVH, int D, float scale, int nthreads) {
+   req_to_token [R, table_stride] int32; out [B, H, D] contiguous; q, the pools and out of
+   dtype dt (float32 or bfloat16). Work items: whole requests when there are enough of them
+   for the threads, else (request, kv head). Returns nonzero when out of memory. */
+int rs_decode_attention(int dt, const void* q, int64_t q_b, int64_t q_h, const void* k_pool,
+                        const void* v_pool, int64_t slot_stride, const int32_t* req_to_token,
+                        int64_t table_stride, const int32_t* req_slots, const int32_t* seq_lens,
+                        void* out, int B, int H, int KVH, int D, float scale, int nthreads) {
     const int G = H / KVH;
     const int split = B < 2 * nthreads ? KVH : 1; /* items per request */
     const int per = KVH / split;                  /* kv heads per item */
+    const int wide = dt != DT_F32;                /* query and output through float buffers */
+    if (dt != DT_F32 && dt != DT_BF16) return 2;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|: failed)
     {
         float* buf = NULL;
         int64_t cap = 0;
+        float* qo = wide ? (float*)malloc(sizeof(float) * 2 * (size_t)per * G * D) : NULL;
+        if (wide && qo == NULL) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < (int64_t)B * split; ++w) {
             const int b = (int)(w / split), kh0 = (int)(w % split) * per, L = seq_lens[b];
@@ -257,19 +327,40 @@ int rs_decode_attention_f32(const float* q, int64_t q_b, int64_t q_h, const floa
                 cap = (int64_t)per * G * L;
                 buf = (float*)malloc(sizeof(float) * cap);
             }
-            if (buf == NULL) { cap = 0; failed = 1; continue; }
-            const float* qi = q + b * q_b + (int64_t)kh0 * G * q_h;
+            if (buf == NULL || (wide && qo == NULL)) { cap = 0; failed = 1; continue; }
+            const int nh = per * G;
+            const int64_t q0 = b * q_b + (int64_t)kh0 * G * q_h;
+            const int64_t o0 = ((int64_t)b * H + (int64_t)kh0 * G) * D;
+            const float* qi = wide ? qo : (const float*)q + q0;
+            float* oi = wide ? qo + (size_t)nh * D : (float*)out + o0;
+            const int64_t qh = wide ? D : q_h;
+            if (wide) { /* the item's query rows widened, its output summed in float32 */
+                for (int h = 0; h < nh; ++h)
+                    for (int d = 0; d < D; ++d) qo[h * D + d] = ld_f(q, q0 + h * q_h + d, DT_BF16);
+            }
             const int32_t* slots = req_to_token + (int64_t)req_slots[b] * table_stride;
-            float* oi = out + ((int64_t)b * H + (int64_t)kh0 * G) * D;
 #ifdef HAVE_HEADS16
-            if (heads16(qi, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D,
-                        scale, buf, oi))
-                continue;
+            if (!heads16(qi, qh, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D,
+                         scale, buf, oi, dt))
 #endif
-            heads(qi, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D, scale,
-                  buf, oi);
+                heads(qi, qh, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D,
+                      scale, buf, oi, dt);
+            if (wide)
+                for (int64_t i = 0; i < (int64_t)nh * D; ++i) st_f(out, o0 + i, oi[i], DT_BF16);
         }
         free(buf);
+        free(qo);
     }
     return failed;
+}
+
+/* The float32 entry of before (rs_decode_attention with dt = DT_F32). */
+int rs_decode_attention_f32(const float* q, int64_t q_b, int64_t q_h, const float* k_pool,
+                            const float* v_pool, int64_t slot_stride,
+                            const int32_t* req_to_token, int64_t table_stride,
+                            const int32_t* req_slots, const int32_t* seq_lens, float* out,
+                            int B, int H, int KVH, int D, float scale, int nthreads) {
+    return rs_decode_attention(DT_F32, q, q_b, q_h, k_pool, v_pool, slot_stride, req_to_token,
+                               table_stride, req_slots, seq_lens, out, B, H, KVH, D, scale,
+                               nthreads);
 }

@@ -6,6 +6,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "half.h"
 
 #define BK 36   /* keys per block: a multiple of the 6- and 12-key tiles; with its K and V rows (18
                  KiB), a query tile, its scores and output stay in the 32 KiB L1 */
@@ -238,15 +239,30 @@ static void softmax_tile(float* s, int nk, int kb, const float* qpos, int diag, 
 
 #endif
 
+/* q, the pools and out hold dtype dt (float32 or bfloat16): a bfloat16 block's K and V rows
+   are widened into the float32 block buffers as they are copied there, the queries as they
+   are packed, and the float32 output is rounded once as it is written; every tile works on
+   float32 as before. */
 typedef struct {
-    const float* q; int64_t q_t, q_h;
-    const float *k_pool, *v_pool; int64_t slot_stride;
+    const void* q; int64_t q_t, q_h;
+    const void *k_pool, *v_pool; int64_t slot_stride;
     const int32_t* req_to_token; int64_t table_stride;
     const int32_t *req_slots, *qo_indptr, *prefix_lens;
-    float* out;
-    int H, KVH, D, BQ;
+    void* out;
+    int H, KVH, D, BQ, dt;
     float scale;
 } Args;
+
+/* dst[0..D) = the D elements at src + off (elements of dtype dt), widened to float. */
+static inline void widen_row(float* dst, const void* src, int64_t off, int D, int dt) {
+    if (dt == DT_F32) {
+        memcpy(dst, (const float*)src + off, sizeof(float) * D);
+        return;
+    }
+    int d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, ld8(src, off + d, DT_BF16));
+    for (; d < D; ++d) dst[d] = ld_f(src, off + d, DT_BF16);
+}
 
 typedef struct { float *qt, *ot, *s, *m, *l, *qpos, *kblk, *vblk; const float **kp, **vp; } Work;
 
@@ -262,8 +278,13 @@ static void item(const Args* a, const Work* w, int b, int kh, int r0, int rows) 
     for (int g = 0; g < G; ++g)
         for (int r = 0; r < bq; ++r) {
             float* dst = w->qt + (int64_t)(g * tiles_per_head + r / VT) * D * VT + r % VT;
-            const float* src = a->q + (int64_t)(row0 + r) * a->q_t + (int64_t)(kh * G + g) * a->q_h;
-            for (int d = 0; d < D; ++d) dst[d * VT] = r < rows ? src[d] * a->scale : 0.0f;
+            const int64_t src = (int64_t)(row0 + r) * a->q_t + (int64_t)(kh * G + g) * a->q_h;
+            if (r >= rows)
+                for (int d = 0; d < D; ++d) dst[d * VT] = 0.0f;
+            else if (a->dt == DT_F32)
+                for (int d = 0; d < D; ++d) dst[d * VT] = ld_f(a->q, src + d, DT_F32) * a->scale;
+            else
+                for (int d = 0; d < D; ++d) dst[d * VT] = ld_f(a->q, src + d, DT_BF16) * a->scale;
         }
     memset(w->ot, 0, sizeof(float) * (size_t)ntiles * D * VT);
     for (int i = 0; i < ntiles * VT; ++i) { w->m[i] = -INFINITY; w->l[i] = 0.0f; }
@@ -276,8 +297,8 @@ static void item(const Args* a, const Work* w, int b, int kh, int r0, int rows) 
             float *kd = w->kblk + (int64_t)n * D, *vd = w->vblk + (int64_t)n * D;
             if (n < nk) {
                 const int64_t off = (int64_t)slots[kb + n] * a->slot_stride + kh * D;
-                memcpy(kd, a->k_pool + off, sizeof(float) * D);
-                memcpy(vd, a->v_pool + off, sizeof(float) * D);
+                widen_row(kd, a->k_pool, off, D, a->dt);
+                widen_row(vd, a->v_pool, off, D, a->dt);
             } else {
                 memset(kd, 0, sizeof(float) * D);
                 memset(vd, 0, sizeof(float) * D);
@@ -286,11 +307,12 @@ static void item(const Args* a, const Work* w, int b, int kh, int r0, int rows) 
             w->vp[n] = vd;
         }
         /* The next block's rows, scattered over the pool: fetched while this one runs. */
+        const int esz = a->dt == DT_F32 ? 4 : 2;
         for (int n = kb + BK; n < kb + 2 * BK && n < kend; ++n) {
-            const int64_t off = (int64_t)slots[n] * a->slot_stride + kh * D;
-            for (int c = 0; c < D; c += 16) {
-                __builtin_prefetch(a->k_pool + off + c);
-                __builtin_prefetch(a->v_pool + off + c);
+            const int64_t off = ((int64_t)slots[n] * a->slot_stride + kh * D) * esz;
+            for (int c = 0; c < D * esz; c += 64) {
+                __builtin_prefetch((const char*)a->k_pool + off + c);
+                __builtin_prefetch((const char*)a->v_pool + off + c);
             }
         }
         for (int t = 0; t < ntiles; ++t) {
@@ -310,8 +332,11 @@ static void item(const Args* a, const Work* w, int b, int kh, int r0, int rows) 
             const int t = g * tiles_per_head + r / VT, lane = r % VT;
             const float l = w->l[t * VT + lane], inv = l > 0.0f ? 1.0f / l : 0.0f;
             const float* src = w->ot + (int64_t)t * D * VT + lane;
-            float* dst = a->out + ((int64_t)(row0 + r) * a->H + kh * G + g) * D;
-            for (int d = 0; d < D; ++d) dst[d] = src[d * VT] * inv;
+            const int64_t dst = ((int64_t)(row0 + r) * a->H + kh * G + g) * D;
+            if (a->dt == DT_F32)
+                for (int d = 0; d < D; ++d) st_f(a->out, dst + d, src[d * VT] * inv, DT_F32);
+            else
+                for (int d = 0; d < D; ++d) st_f(a->out, dst + d, src[d * VT] * inv, DT_BF16);
         }
 }
 
@@ -323,18 +348,18 @@ static int by_cost(const void* x, const void* y) {
 }
 
 /* q [T, H, D] (strides q_t, q_h; D contiguous); pools [S, KVH, D], rows slot_stride
-   apart; out [T, H, D] contiguous (only the rows of requests 0 .. B - 1 are written).
-   Request b: rows qo_indptr[b] .. qo_indptr[b + 1], positions prefix_lens[b] + i, its
-   context req_to_token[req_slots[b], 0 .. prefix + rows]. Returns nonzero when out of
-   memory. */
-int rs_extend_attention_f32(const float* q, int64_t q_t, int64_t q_h, const float* k_pool,
-                            const float* v_pool, int64_t slot_stride,
-                            const int32_t* req_to_token, int64_t table_stride,
-                            const int32_t* req_slots, const int32_t* qo_indptr,
-                            const int32_t* prefix_lens, float* out, int B, int H, int KVH,
-                            int D, float scale, int BQ, int nthreads) {
+   apart; out [T, H, D] contiguous (only the rows of requests 0 .. B - 1 are written); all of
+   dtype dt (float32 or bfloat16). Request b: rows qo_indptr[b] .. qo_indptr[b + 1],
+   positions prefix_lens[b] + i, its context req_to_token[req_slots[b], 0 .. prefix + rows].
+   Returns nonzero when out of memory (2: a dtype it does not take). */
+int rs_extend_attention(int dt, const void* q, int64_t q_t, int64_t q_h, const void* k_pool,
+                        const void* v_pool, int64_t slot_stride, const int32_t* req_to_token,
+                        int64_t table_stride, const int32_t* req_slots,
+                        const int32_t* qo_indptr, const int32_t* prefix_lens, void* out, int B,
+                        int H, int KVH, int D, float scale, int BQ, int nthreads) {
+    if (dt != DT_F32 && dt != DT_BF16) return 2;
     const Args a = {q, q_t, q_h, k_pool, v_pool, slot_stride, req_to_token, table_stride,
-                    req_slots, qo_indptr, prefix_lens, out, H, KVH, D, BQ, scale};
+                    req_slots, qo_indptr, prefix_lens, out, H, KVH, D, BQ, dt, scale};
     int64_t ntask = 0;
     for (int b = 0; b < B; ++b) ntask += (qo_indptr[b + 1] - qo_indptr[b] + BQ - 1) / BQ;
     Task* tasks = (Task*)malloc(sizeof(Task) * (ntask ? ntask : 1));
@@ -386,5 +411,17 @@ int rs_extend_attention_f32(const float* q, int64_t q_t, int64_t q_h, const floa
     }
     free(tasks);
     return failed;
+}
+
+/* The float32 entry of before (rs_extend_attention with dt = DT_F32). */
+int rs_extend_attention_f32(const float* q, int64_t q_t, int64_t q_h, const float* k_pool,
+                            const float* v_pool, int64_t slot_stride,
+                            const int32_t* req_to_token, int64_t table_stride,
+                            const int32_t* req_slots, const int32_t* qo_indptr,
+                            const int32_t* prefix_lens, float* out, int B, int H, int KVH,
+                            int D, float scale, int BQ, int nthreads) {
+    return rs_extend_attention(DT_F32, q, q_t, q_h, k_pool, v_pool, slot_stride, req_to_token,
+                               table_stride, req_slots, qo_indptr, prefix_lens, out, B, H, KVH,
+                               D, scale, BQ, nthreads);
 }
 #endif /* without AVX2/FMA no kernel (its tiles are AVX2 code): the caller keeps SDPA */

@@ -32,6 +32,7 @@ class GenerateOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int]
     logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100], added to its logit
     ignore_eos: bool
+    disable_speculation: bool  # no speculative decoding for this request (same output)
     logprobs: bool  # the logprob of each chosen token
     top_logprobs: int  # and this many alternatives (implies logprobs)
     prompt_logprobs: bool  # the logprob of each prompt token (Completion.prompt_logprobs)
@@ -58,6 +59,7 @@ _SAMPLING_SCALARS = (
     "frequency_penalty",
     "presence_penalty",
     "ignore_eos",
+    "disable_speculation",
     "logprobs",
     "top_logprobs",
     "prompt_logprobs",

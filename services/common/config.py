@@ -28,11 +28,19 @@ DEFAULT_MODEL_PATH = str(Path(__file__).resolve().parent / "default_model" / "ra
 ENV_PREFIX = "RADIXSERVE_"
 
 
-def _opt(default, help: str, *, ge: float | None = None, gt: float | None = None, **kw):
+def _opt(
+    default,
+    help: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    **kw,
+):
     """A config field with its help text (shown by --help) and, for a number, its bounds:
-    ``ge`` (>=) or ``gt`` (>), held by the flag, RADIXSERVE_<NAME> and the constructor alike
-    (``field_error``)."""
-    kw |= {k: v for k, v in (("ge", ge), ("gt", gt)) if v is not None}
+    ``ge`` (>=) or ``gt`` (>), and ``le`` (<=), held by the flag, RADIXSERVE_<NAME> and the
+    constructor alike (``field_error``)."""
+    kw |= {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -271,6 +279,28 @@ class SchedulerConfig:
     )
     disable_overlap_schedule: bool = _opt(
         False, "wait for each decode step's tokens before sending the next step"
+    )
+    speculative_algorithm: str = _opt(
+        "none",
+        "speculative decoding without a draft model (docs/speculative.md): each decode step "
+        "verifies tokens drafted from the request's own prompt and output (ngram: prompt "
+        "lookup) or also from every sequence the engine saw in its namespace (suffix: "
+        "SuffixDecoding's suffix index), so repetitive text takes several tokens a step; "
+        "the outputs are those of speculation off (none)",
+        choices="services.scheduler.speculative:algorithm_names",
+    )
+    speculative_num_draft_tokens: int = _opt(
+        4,
+        "speculation: tokens drafted per request and step at most (each request's length "
+        "adapts to its acceptance, down to 0)",
+        ge=1,
+        le=16,
+    )
+    speculative_index_tokens: int = _opt(
+        1 << 18,
+        "speculation (suffix): tokens the draft index holds at most, least recently used "
+        "sequences evicted first (each costs the scheduler a few hundred bytes)",
+        ge=1,
     )
     hicache_write_policy: str = _opt(
         "write_back",
@@ -533,16 +563,16 @@ def field_error(f: dataclasses.Field, value) -> str | None:
     """Why ``value`` is out of ``f``'s bounds (None: it is not): the one check behind the
     flag, RADIXSERVE_<NAME> and the constructor. A bounded float must also be finite (NaN
     and infinity are typos, not settings)."""
-    ge, gt = f.metadata.get("ge"), f.metadata.get("gt")
-    if ge is None and gt is None:
+    ge, gt, le = f.metadata.get("ge"), f.metadata.get("gt"), f.metadata.get("le")
+    if ge is None and gt is None and le is None:
         return None
-    if isinstance(value, float) and not math.isfinite(value):
-        ok = False
+    finite = not (isinstance(value, float) and not math.isfinite(value))
+    if finite and le is not None and value > le:
+        bound = f"<= {le}"  # the bound it broke
+    elif finite and (ge is None or value >= ge) and (gt is None or value > gt):
+        return None
     else:
-        ok = (ge is None or value >= ge) and (gt is None or value > gt)
-    if ok:
-        return None
-    bound = f">= {ge}" if ge is not None else f"> {gt}"
+        bound = f">= {ge}" if ge is not None else f"> {gt}" if gt is not None else f"<= {le}"
     return f"must be a finite number {bound}" if isinstance(value, float) else f"must be {bound}"
 
 

@@ -34,6 +34,7 @@ def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:
     out = engine_pb2.SamplingParams(
         stop_token_ids=sp.stop_token_ids,
         ignore_eos=sp.ignore_eos,
+        disable_speculation=sp.disable_speculation,
         logprobs=sp.logprobs,
         prompt_logprobs=sp.prompt_logprobs,
     )

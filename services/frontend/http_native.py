@@ -86,6 +86,8 @@ class NativeSampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int32] | None = None
     ignore_eos: bool | None = None
+    # radixserve's: opt out of speculative decoding (--speculative-algorithm) for this request.
+    disable_speculation: bool | None = None
     skip_special_tokens: bool | None = None
     # Only matters where special tokens are kept in the text; radixserve always skips them.
     spaces_between_special_tokens: bool | None = None
@@ -338,6 +340,7 @@ def _request(
         stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop or []),
         stop_token_ids=sp.stop_token_ids or [],
         ignore_eos=bool(sp.ignore_eos),
+        disable_speculation=bool(sp.disable_speculation),
         stop_regex=[sp.stop_regex] if isinstance(sp.stop_regex, str) else sp.stop_regex or [],
         logit_bias=logit_bias_entries(sp.logit_bias),
     )

@@ -345,6 +345,7 @@ class _SamplingBody(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    disable_speculation: bool = False  # radixserve's: no speculative decoding for this one
     stop_token_ids: list[Int32] | None = None
     # EOS and stop_token_ids cannot end the output before this many tokens (vLLM's name).
     min_tokens: Int32 | None = None
@@ -404,7 +405,10 @@ def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
         raise ApiError(400, f"seed must be in [0, 2^64), got {body.seed}", "seed")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sp = pb.SamplingParams(
-        stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos
+        stop=stop,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        disable_speculation=body.disable_speculation,
     )
     optional = {
         "max_tokens": max_tokens,

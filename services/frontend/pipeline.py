@@ -395,13 +395,14 @@ class Frontend:
             delta: engine_pb2.TokenDelta = await queue.get()
             if delta.error_code:
                 raise _engine_error(delta, sp)
-            progress.delivered += len(delta.token_ids)
             progress.note(delta)
-            done = progress.delivered - len(delta.token_ids)
-            text = _stopped_text(stops, detok, delta, done, sp.min_tokens)
-            resp = pb.GenerateResponse(request_id=treq.rid, token_ids=delta.token_ids, text=text)
+            done = progress.delivered
+            text, kept = _stopped_text(stops, detok, delta, done, sp.min_tokens)
+            progress.delivered += kept
+            new = delta.token_ids[:kept]  # a stop string in the middle: nothing after it
+            resp = pb.GenerateResponse(request_id=treq.rid, token_ids=new, text=text)
             if sp.logprobs:
-                resp.logprobs.extend(logprobs_to_public(delta.logprobs))
+                resp.logprobs.extend(logprobs_to_public(delta.logprobs[:kept]))
             if sp.prompt_logprobs and delta.prompt_logprobs_start:
                 # The scheduler sends them once, on its first delta: our first response.
                 resp.prompt_logprobs.extend(logprobs_to_public(delta.prompt_logprobs))
@@ -529,17 +530,30 @@ def _stopped_text(
     delta: engine_pb2.TokenDelta,
     done: int,
     min_tokens: int,
-) -> str:
-    """The delta's text through the stop strings and regexes (all of it, on the last)."""
+) -> tuple[str, int]:
+    """The delta's text through the stop strings and regexes (all of it, on the last), and
+    how many of its tokens the client gets: all, unless a stop matched in the text of one
+    of them, which is then the last (a delta of several tokens, from speculative decoding,
+    is fed token by token, so it stops where one token per delta would have)."""
+    ids = delta.token_ids
+    kept = len(ids)
     try:
-        text = feed_tokens(stops, detok.add, delta.token_ids, done, min_tokens)
+        if len(ids) > 1 and stops.active:
+            text = ""
+            for j in range(len(ids)):
+                text += feed_tokens(stops, detok.add, ids[j : j + 1], done + j, min_tokens)
+                if stops.matched is not None:
+                    kept = j + 1
+                    break
+        else:
+            text = feed_tokens(stops, detok.add, ids, done, min_tokens)
         if delta.finish_reason and stops.matched is None:
             text += stops.feed(detok.flush())
             text += stops.flush()
     except StopRegexTimeout as e:
         field = f"sampling.stop_regex[{e.index}]"
         raise FrontendError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {e}", field) from e
-    return text
+    return text, kept
 
 
 async def _final_delta(queue: _Deltas) -> engine_pb2.TokenDelta | None:

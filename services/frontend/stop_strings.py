@@ -78,6 +78,11 @@ class StopStringMatcher:
         self._tail = ""  # the last STOP_REGEX_LOOKBACK characters shown (regexes only)
         self.matched: str | None = None  # the stop string, or the pattern, that matched
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is matched at all (stop strings or regexes given)."""
+        return bool(self.stops or self._regexes)
+
     def feed(self, text: str, floor_chars: int = 0) -> str:
         """Adds new text; returns what may be shown now. After a match, ``matched`` is set.
         No match may end in the first ``floor_chars`` characters of ``text``."""

@@ -10,6 +10,12 @@ Positions of the request that an item covers (``fill_ids = input_ids + output_id
 them first), so ``start = kv_len - n``. ``sample`` is set when the item reaches the end of
 the sequence: only then do the logits of its last position give the next token (never
 with max_tokens 0: that request ends after its prefill).
+
+A decode item with drafts (speculative decoding, speculative.py) computes its last token
+and the k drafts after it, which are not in ``fill_ids`` (yet):
+
+    position:  start (= seq_len - 1)   start + 1 .. start + k
+    token:     fill_ids[start]         drafts[0] .. drafts[k-1]       n = 1 + k
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ class Item:
     sample: bool  # the worker samples a token after the last one
     is_prefill: bool
     from_last: bool = False  # input = the token the worker sampled in the batch before (overlap)
+    drafts: tuple[int, ...] = ()  # tokens to verify after the last one (speculative decoding)
+
+    @property
+    def n_real(self) -> int:
+        """Positions computed from fill_ids (the rest are drafts)."""
+        return self.n - len(self.drafts)
 
     @classmethod
     def prefill(cls, req: Req, n: int) -> Item:
@@ -42,20 +54,22 @@ class Item:
         )
 
     @classmethod
-    def decode(cls, req: Req, *, from_last: bool = False) -> Item:
-        """One decode step of a request that just grew one KV slot: position kv_len - 1.
-        (Also a prompt's last token when only it lacks KV: then a max_tokens 0 request
-        samples nothing.)"""
+    def decode(cls, req: Req, *, from_last: bool = False, drafts: tuple[int, ...] = ()) -> Item:
+        """One decode step of a request that just grew one KV slot (1 + len(drafts) with
+        drafts): position kv_len - 1 - len(drafts). (Also a prompt's last token when only it
+        lacks KV: then a max_tokens 0 request samples nothing.)"""
+        n = 1 + len(drafts)
         return cls(
             req=req,
-            start=req.kv_len - 1,
-            n=1,
+            start=req.kv_len - n,
+            n=n,
             sample=not req.prefill_only,
             is_prefill=False,
             from_last=from_last,
+            drafts=drafts,
         )
 
 
 def is_decode(items: list[Item]) -> bool:
-    """A batch of decode steps only (no prefill chunk in it)."""
-    return not any(it.is_prefill for it in items)
+    """A batch of one-token decode steps only (no prefill chunk, no drafts in it)."""
+    return not any(it.is_prefill or it.drafts for it in items)

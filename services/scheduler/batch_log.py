@@ -9,11 +9,15 @@ log = logging.getLogger("radixserve.scheduler")
 
 
 class BatchLog:
-    def __init__(self, decode_interval: int):
+    def __init__(self, decode_interval: int, speculative: bool = False):
         self.decode_interval = max(1, decode_interval)
         self.decode_steps = 0
         self._tokens = 0
         self._since = time.perf_counter()
+        # Speculative decoding: SGLang's "accept len", tokens committed per request step
+        # (accepted drafts + 1) over the interval's decode steps.
+        self.speculative = speculative
+        self._req_steps = 0
 
     @staticmethod
     def prefill(
@@ -38,21 +42,28 @@ class BatchLog:
         usage: float,
         cuda_graph: bool,
         queued: int,
+        req_steps: int = 0,
     ) -> None:
-        """Counts one decode step; logs every decode_interval steps with the throughput since."""
+        """Counts one decode step of ``req_steps`` requests (0: one token each) that made
+        ``n_tokens`` tokens; logs every decode_interval steps with the throughput since."""
         self.decode_steps += 1
         self._tokens += n_tokens
+        self._req_steps += req_steps or n_tokens
         if self.decode_steps % self.decode_interval:
             return
         now = time.perf_counter()
         tput = self._tokens / max(1e-9, now - self._since)
-        self._since, self._tokens = now, 0
+        accept = ""
+        if self.speculative:
+            accept = f"accept len: {self._tokens / max(1, self._req_steps):.2f}, "
+        self._since, self._tokens, self._req_steps = now, 0, 0
         log.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %scuda graph: %s, "
             "gen throughput (token/s): %.2f, #queue-req: %d",
             running,
             kv_tokens,
             usage,
+            accept,
             cuda_graph,
             tput,
             queued,

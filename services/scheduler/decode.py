@@ -1,5 +1,6 @@
-"""Decode steps of the running requests: the plain step, the lookahead step of the overlap
-schedule, and retraction when the KV pool runs dry."""
+"""Decode steps of the running requests: the plain step (with drafts to verify, under
+speculative decoding: speculative.py), the lookahead step of the overlap schedule, and
+retraction when the KV pool runs dry."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.prefill import NewTokenRatio
 from services.scheduler.req_queues import ReqQueues
 from services.scheduler.request import Req
+from services.scheduler.speculative import Speculator
 from services.scheduler.worker_link import WorkerError
 
 log = logging.getLogger("radixserve.scheduler")
@@ -26,6 +28,7 @@ class DecodeBuilder:
     max_model_len: int
     metrics: SchedulerMetrics
     batch_log: BatchLog
+    spec: Speculator
 
     @property
     def kv(self) -> KVManager:
@@ -37,23 +40,31 @@ class DecodeBuilder:
         return any(not r.in_prefill for r in self.queues.running)
 
     def build(self) -> list[Item]:
-        """One decode step of every running request, retracting others if KV runs out."""
+        """One decode step of every running request (with its drafts, speculating),
+        retracting others if KV runs out. A pool too short for a request's drafts drops
+        them before it retracts anyone."""
         running = self.queues.running
         items: list[Item] = []
         for req in list(running):  # a retraction below removes requests from running
             if req.in_prefill or req not in running:
                 continue
-            while self.kv.grow(req, 1) is None:
+            drafts = self.spec.drafts(req, self.max_model_len) if self.spec.enabled else []
+            while self.kv.grow(req, 1 + len(drafts)) is None:
+                if drafts:
+                    drafts = []
+                    continue
                 if not self._retract_one(keep=req):
                     raise WorkerError(
                         "decode cannot get one KV slot even after retracting every other request"
                     )
-            items.append(Item.decode(req))
+            req.draft_slots = len(drafts)
+            items.append(Item.decode(req, drafts=tuple(drafts)))
         # A request retracted after it got its slot this step must not run.
         return [it for it in items if it.req in running]
 
-    def after_step(self, n_tokens: int, result: engine_pb2.ForwardResult) -> None:
-        """Counts a decode step that came back (the per-batch log line, the ratio decay)."""
+    def after_step(self, n_reqs: int, n_tokens: int, result: engine_pb2.ForwardResult) -> None:
+        """Counts a decode step of n_reqs requests that came back with n_tokens tokens (the
+        per-batch log line, the ratio decay)."""
         # Every decode step (however it was built) lowers the reserve a little.
         self.ratio.decay()
         running = self.queues.running
@@ -64,13 +75,17 @@ class DecodeBuilder:
             self.kv.usage,
             result.cuda_graph,
             len(self.queues.waiting),
+            n_reqs,
         )
 
     # -- the overlap schedule ---------------------------------------------------------
     def lookahead(self, current: list[Item], batch_id: int) -> list[Item]:
         """The decode step after ``current``, built before current's tokens are known; it
-        will be sent as batch ``batch_id``. [] when a chunked prefill runs next or the pool
-        cannot give every request its slot (then nothing is kept)."""
+        will be sent as batch ``batch_id``. [] when a chunked prefill runs next, the pool
+        cannot give every request its slot (then nothing is kept), or speculation wants
+        the next step (after a verify step, or when a request would draft in it)."""
+        if self.spec.enabled and self._speculating_next(current):
+            return []
         sampling = {it.req for it in current if it.sample}
         items: list[Item] = []
         for req in self.queues.running:
@@ -84,6 +99,14 @@ class DecodeBuilder:
             req.lookahead = batch_id
             items.append(Item.decode(req, from_last=from_last))
         return items
+
+    def _speculating_next(self, current: list[Item]) -> bool:
+        """A verify step is in flight (the next token's position is unknown until it is
+        back), or some request would draft in the next step (speculative.py)."""
+        if any(it.drafts for it in current):
+            return True
+        decoding = [r for r in self.queues.running if not r.in_prefill]
+        return self.spec.would_verify(decoding, self.max_model_len)
 
     def _can_run_ahead(self, req: Req, sampled_in_current: bool) -> bool:
         if not sampled_in_current:
@@ -111,9 +134,11 @@ class DecodeBuilder:
         victim = self._pick_victim(keep)
         if victim is None:
             return False
-        if victim.kv_len and not victim.in_prefill and victim.kv_len == victim.seq_len:
-            # It already got this step's slot: give it back before caching the rest.
-            self.kv.shrink(victim, 1)
+        grown = victim.kv_len - (victim.seq_len - 1)  # this step's slot (and its drafts')
+        if not victim.in_prefill and grown > 0:
+            # It already got this step's slots: give them back before caching the rest.
+            self.kv.shrink(victim, grown)
+            victim.draft_slots = 0
         self.queues.retract(victim)
         old = self.ratio.value
         self.ratio.raise_after_retract()

@@ -91,6 +91,21 @@ class SchedulerMetrics:
         )
         for reason in ("overloaded", "queue_time"):
             self.refused.labels(**self.labels, reason=reason)
+        # Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens,
+        # mean accepted length per verify = accepted / drafts, and tokens per verify step
+        # (SGLang's accept length) = 1 + accepted / drafts.
+        self.spec_drafts = d.labelled_counter(
+            "spec_decode_num_drafts", "Request steps that verified drafts (speculative decoding)"
+        )
+        self.spec_draft_tokens = d.labelled_counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified"
+        )
+        self.spec_accepted_tokens = d.labelled_counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted"
+        )
+        self.spec_steps = d.labelled_counter(
+            "spec_decode_num_verify_steps", "Forward batches that verified drafts"
+        )
 
     def _declare_gauges(self, d: _Declare) -> None:
         self.running = d.gauge("num_running_reqs", "Requests in the running batch")
@@ -156,6 +171,13 @@ class SchedulerMetrics:
         if self.enabled:
             self.refused.labels(**self.labels, reason=reason).inc()
 
+    def on_verify(self, drafted: int, accepted: int) -> None:
+        """One request's verify step: ``accepted`` of its ``drafted`` tokens were right."""
+        if self.enabled:
+            self.spec_drafts.inc()
+            self.spec_draft_tokens.inc(drafted)
+            self.spec_accepted_tokens.inc(accepted)
+
     def on_retract(self) -> None:
         if self.enabled:
             self.num_retracted.inc()
@@ -170,6 +192,8 @@ class SchedulerMetrics:
             self.hit_rate.set(cached / max(1, cached + new_tokens))
 
     def on_batch(self, info: engine_pb2.WorkerInfo, items: list[Item]) -> None:
+        if self.enabled and any(it.drafts for it in items):
+            self.spec_steps.inc()
         if self.mfu:
             flops, read, write = batch_cost(info, [(it.start, it.n, it.sample) for it in items])
             self.flops.inc(flops)

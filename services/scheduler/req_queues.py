@@ -83,6 +83,9 @@ class ReqQueues:
             # worker runs batches in order, so the slot's next owner writes after it).
             self.kv.shrink(req, 1)
             req.lookahead = 0
+        if req.draft_slots:  # a verify step's drafts (never beside a lookahead): alike
+            self.kv.shrink(req, req.draft_slots)
+            req.draft_slots = 0
         self.kv.release(req, cache_it=cache_it and self._cache_finished)
         if req.req_slot is not None:
             self.table.free(req.req_slot)

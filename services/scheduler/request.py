@@ -41,6 +41,10 @@ class Req:
     req_slot: int | None = None  # row of the request-slot table while running
     table_dirty: bool = True  # the worker's row must be (re)written: send is_new
     lookahead: int = 0  # id of a queued batch that computes its next token (overlap)
+    # Speculative decoding: trailing kv_slots grown for the drafts of the step being built
+    # or in flight (freed, those rejected, when its result comes); its SpecState.
+    draft_slots: int = 0
+    spec: Any = None
     cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not yet)
     sent_tokens: int = 0  # output tokens already streamed to the frontend
     logprobs: list = field(default_factory=list)

@@ -10,6 +10,7 @@ The loop only wires these together (one job per module):
     prefill.py      prefill batches: chunks of long prompts, admission, new-token ratio
     step_costs.py   the worker's decode-step and prefill-token times: mixed batch budgets
     decode.py       decode steps, the lookahead step (overlap schedule), retraction
+    speculative.py  speculative decoding: drafts per request, what a verify step commits
     worker_link.py  batches to the worker and results back, in order (ZeroMQ)
     req_queues.py   the waiting and running requests and what a running one holds
     kv_manager.py   one request's KV: match, grow, commit to the tree, release
@@ -45,6 +46,7 @@ from services.scheduler.req_queues import ReqQueues
 from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
 from services.scheduler.request_checks import request_problem
+from services.scheduler.speculative import Speculator
 from services.scheduler.step_costs import StepCosts
 from services.scheduler.storage_tier import StorageTier, engine_seed
 from services.scheduler.tokens import tokens_from_wire
@@ -79,6 +81,8 @@ class Scheduler:
             else None
         )
         self.events_port = 0  # where EventPublisher publishes them (main.py)
+        # Drafts come from text, not KV: the draft index outlives a restarted worker's pool.
+        self.spec = Speculator.of(cfg, self.metrics)
         self.attach_worker(worker_sock, info)
 
     def attach_worker(self, worker_sock: zmq.Socket, info: engine_pb2.WorkerInfo) -> None:
@@ -103,12 +107,15 @@ class Scheduler:
         max_running = min(cfg.max_running_requests, info.max_running_requests)
         table = ReqSlotTable(max_running)
         self.queues = ReqQueues(self.kv, table, cache_finished=not cfg.disable_radix_cache)
-        ratio, batch_log = NewTokenRatio(), BatchLog(cfg.decode_log_interval)
+        ratio = NewTokenRatio()
+        batch_log = BatchLog(cfg.decode_log_interval, speculative=self.spec.enabled)
         max_prefill = max_prefill_tokens(cfg.max_prefill_tokens, info.device)
         self.prefill = PrefillBuilder(
             cfg, self.queues, ratio, max_running, self.metrics, batch_log, max_prefill
         )
-        self.decode = DecodeBuilder(self.queues, ratio, self.max_model_len, self.metrics, batch_log)
+        self.decode = DecodeBuilder(
+            self.queues, ratio, self.max_model_len, self.metrics, batch_log, self.spec
+        )
         timeout = cfg.worker_result_timeout
         self.link = WorkerLink(worker_sock, info, self.metrics, self.worker_lost, timeout)
         self.grammars = GrammarGate()
@@ -126,7 +133,9 @@ class Scheduler:
         Overlap schedule: while the worker runs batch N, the next decode step N+1 is built
         and queued behind it (its requests' input is the token the worker samples in N), so
         the scheduler's own work hides behind the forward. Stop conditions are then seen one
-        step late; the extra step's token of a request that finished is dropped.
+        step late; the extra step's token of a request that finished is dropped. It pauses
+        while speculation is live (speculative.py: a verify step's tokens decide where the
+        next step starts).
         """
         if self.limits.max_wait_s:
             self._expire_waiting()
@@ -331,7 +340,12 @@ class Scheduler:
         prefilled = sum(it.n for it in items if it.is_prefill)
         self.costs.observe(decoded, prefilled, result.forward_time)
         if decoded:  # a decode step, or a mixed batch's decode part
-            self.decode.after_step(decoded, result)
+            tokens = sum(
+                1 + len(tok.extra_token_ids)
+                for it, tok in zip(items, result.tokens, strict=True)
+                if not it.is_prefill
+            )
+            self.decode.after_step(decoded, tokens, result)
 
     def _apply_item(
         self, it: Item, tok: engine_pb2.SampledToken, batch_id: int, now: float
@@ -344,6 +358,16 @@ class Scheduler:
             prompt_logprobs.collect(req, list(tok.prompt_logprobs))
             if not self.cfg.disable_radix_cache:
                 self.kv.commit(req, it.start + it.n)
+        if len(tok.extra_token_ids) > len(it.drafts):  # never from a sound worker
+            self._end_running(
+                req,
+                "INTERNAL",
+                f"the worker committed {len(tok.extra_token_ids)} tokens past the first of a "
+                f"step with {len(it.drafts)} drafts",
+            )
+            return
+        if it.drafts:
+            self._verified(it, tok)
         if it.sample:
             self._append_token(req, tok, now)
         elif req.prefill_only and it.start + it.n == req.seq_len:
@@ -352,7 +376,18 @@ class Scheduler:
             self.queues.leave_running(req, cache_it=True)
             self._finish(req)
 
+    def _verified(self, it: Item, tok: engine_pb2.SampledToken) -> None:
+        """A verify step came back: the KV of its rejected drafts is freed at once (what
+        it holds after this: the last token's and the accepted drafts')."""
+        req = it.req
+        accepted = len(tok.extra_token_ids)
+        self.kv.shrink(req, len(it.drafts) - accepted)
+        req.draft_slots = 0
+        self.spec.verified(req, len(it.drafts), accepted)
+
     def _append_token(self, req: Req, tok: engine_pb2.SampledToken, now: float) -> None:
+        """Appends the sampled token (a verify step: the accepted drafts, then the target's
+        token), checking the stop conditions after each: nothing after a stop is kept."""
         if tok.grammar_error:
             # A dead end is the constraint's (a grammar that stops accepting anything mid-way);
             # anything else is never expected: the mask allows only what the grammar does.
@@ -360,21 +395,26 @@ class Scheduler:
             message = f"constrained decoding failed after {len(req.output_ids)} tokens"
             self._end_running(req, code, f"{message}: {tok.grammar_error}")
             return
-        req.output_ids.append(tok.token_id)
-        if tok.HasField("logprob"):
-            req.logprobs.append(tok.logprob)
+        tokens = [tok.token_id, *tok.extra_token_ids]
+        logprobs = [tok.logprob, *tok.extra_logprobs] if tok.HasField("logprob") else []
         if not req.first_token_time:
             req.first_token_time = now
             request_spans.on_first_token(req)
-        reason, matched = req.stop_reason(tok.token_id, self.max_model_len)
-        if not reason and tok.grammar_terminated:
-            reason = "stop"  # the grammar is complete (its end, not a stop token, ended it)
-        if not reason:
-            self._emit(req)
-            return
-        req.finish_reason, req.matched_stop_token = reason, matched
-        self.queues.leave_running(req, cache_it=True)
-        self._finish(req)
+        for j, token in enumerate(tokens):
+            req.output_ids.append(token)
+            if logprobs:
+                req.logprobs.append(logprobs[j])
+            reason, matched = req.stop_reason(token, self.max_model_len)
+            if not reason and tok.grammar_terminated and j == len(tokens) - 1:
+                reason = "stop"  # the grammar is complete (its end, not a stop token, ended it)
+            if reason:
+                # Accepted drafts past the stop: their KV is not the output's.
+                self.kv.shrink(req, len(tokens) - 1 - j)
+                req.finish_reason, req.matched_stop_token = reason, matched
+                self.queues.leave_running(req, cache_it=True)
+                self._finish(req)
+                return
+        self._emit(req)
 
     def _settle_storage(self, result: engine_pb2.ForwardResult) -> None:
         """Storage loads answered (or lost with a failed batch: they found nothing) free
@@ -423,6 +463,7 @@ class Scheduler:
     # ------------------------------------------------------------------ output --
     def _finish(self, req: Req) -> None:
         req.finish_time = time.time()
+        self.spec.finished(req)
         self.queues.forget(req)
         self.metrics.on_finish(req)
         request_spans.on_finish(req)
@@ -450,6 +491,7 @@ class Scheduler:
         if self.has_requests():
             return self.busy_flush_reply(len(self.queues.running), len(self.queues.waiting))
         self.kv.flush()
+        self.spec.reset()  # what drafts come from goes with it
         message = "Cache flushed."
         if storage:
             if not self.kv.cache.clear_storage():

@@ -152,7 +152,9 @@ def forward_request(it: Item) -> engine_pb2.ForwardRequest:
     if it.from_last:
         fr.use_last_sampled = True
     else:
-        fr.input_ids = pack_i32(req.fill_ids[it.start : end])
+        fr.input_ids = pack_i32(req.fill_ids[it.start : it.start + it.n_real])
+    if it.drafts:
+        fr.draft_tokens = pack_i32(it.drafts)
     if it.is_prefill:  # decode steps never score the prompt
         prompt_logprobs.fill_request(fr, it)
     if req.table_dirty:

@@ -71,6 +71,15 @@ class ReqInput:
     start: SlotStart | None = None  # set the first time the request uses req_slot
     rid: str = ""  # for error messages and logs
     score: PromptScore | None = None  # prompt logprobs asked of this chunk
+    # Speculative decoding: [k] int32 tokens drafted to follow input_ids, computed after
+    # them (out_slots covers both); None: a plain step. The runner returns the accepted
+    # drafts and the target's token after them (ForwardOutput.extra_token_ids).
+    drafts: np.ndarray | None = None
+
+    @property
+    def n_new(self) -> int:
+        """Tokens this request computes in the batch (its input and its drafts)."""
+        return len(self.out_slots)
 
     @property
     def where(self) -> str:
@@ -82,8 +91,13 @@ class ReqInput:
 class Batch:
     """One forward step: every request's new tokens, concatenated in request order."""
 
-    is_decode: bool  # every request has exactly one new token
+    is_decode: bool  # every request has exactly one new token (and no drafts)
     reqs: list[ReqInput] = field(default_factory=list)
+
+    @property
+    def has_drafts(self) -> bool:
+        """A verify step: some request carries drafts (speculative decoding)."""
+        return any(r.drafts is not None for r in self.reqs)
 
 
 @dataclass
@@ -99,6 +113,10 @@ class ForwardOutput:
     grammar_dead_ends: list[bool] = field(default_factory=list)  # the error is the grammar's
     # Prompt logprobs per request (None where none asked); empty: none in the batch.
     prompt_logprobs: list[list[Scored] | None] = field(default_factory=list)
+    # Verify steps (ReqInput.drafts): per request, the tokens committed after token_ids[i]
+    # and, with logprobs, their (logprob, top alternatives); empty: no drafts in the batch.
+    extra_token_ids: list[list[int]] = field(default_factory=list)
+    extra_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
     cuda_graph: bool = False  # decode replayed a captured CUDA graph
     forward_time: float = 0.0  # seconds in the model forward + sampling
 

@@ -33,10 +33,16 @@ than ``kernel_rows`` (default ``default_kernel_rows()``; float32 and oneDNN, whe
 kernel builds) to kernels/cpu_gemm.py on it, the rest to oneDNN. ``min_rows`` defaults to
 0 when the kernel serves (it beats ``F.linear`` at one row too), else to 2.
 
-``bf16=True`` stores the weight in bfloat16 and runs in bfloat16 (activations cast in, the
-result cast back): oneDNN's bf16 kernels where the CPU has them (avx512_bf16 / amx /
-avx_ne_convert: ``onednn_bf16_available()``), else ``F.linear`` in bf16, which on an
-AVX2-only CPU is several times *slower* than float32: leave it off there.
+16-bit weights (a model loaded in bfloat16 or float16, or ``bf16=True``, which stores a
+float32 weight in bfloat16): oneDNN's bfloat16 kernels over the packed copy where this CPU
+has them (``onednn_available(dtype)``: avx512_bf16 / amx / avx_ne_convert), and
+below ``kernel_rows`` (``default_kernel_rows16(dtype)``) the 16-bit C kernel
+(kernels/cpu_gemm.py ``load16``) on the plain weight: a decode step streams half the bytes
+of float32. Without oneDNN's path (float16 always) the kernel runs up to
+``KERNEL_ROWS_16_ALONE`` rows and ``F.linear`` in the weight's dtype beyond (several times
+slower than float32 on an AVX2-only CPU: serve float32 there). The result comes back in
+x's dtype; float32 x meets the weight rounded to its dtype (oneDNN: the product rounded to
+it too, the kernel: not).
 
 Memory: the packed weight is a second copy (the blocked layout pads N to 64 and K to 16).
 By default (``keep_plain=True``) the original tensor stays referenced (not copied) for the
@@ -59,7 +65,13 @@ from torch import Tensor, nn
 
 from kernels import _cc, cpu_gemm
 
-__all__ = ["PackedLinear", "pack_linear", "onednn_fp32_available", "onednn_bf16_available"]
+__all__ = [
+    "PackedLinear",
+    "pack_linear",
+    "onednn_available",
+    "onednn_fp32_available",
+    "onednn_bf16_available",
+]
 
 # Fewer rows than this run kernels/cpu_gemm.py on the plain weight (float32, plain weight
 # kept); from it on oneDNN is faster. Where the two cross depends on the vector width both
@@ -76,6 +88,27 @@ def default_kernel_rows() -> int:
     if cpu_gemm.lanes() != 16:
         return KERNEL_ROWS
     return KERNEL_ROWS_AVX512_AMD if _cc.cpu_vendor() == "AuthenticAMD" else KERNEL_ROWS_AVX512
+
+
+# 16-bit weights: fewer rows than this run the 16-bit kernel (plain weight kept). oneDNN on
+# AMX (Sapphire Rapids and later) reads the weights at memory speed from a few rows up, so
+# its crossing is low; without AMX (avx512_bf16 on Zen 4 / Cooper Lake, or bf16 emulated on
+# plain AVX-512) oneDNN's bf16 rate is its float32 one's, and the float32 crossings serve
+# until measured there. Measure: bench/bench_bf16_cpu.py --crossing.
+KERNEL_ROWS_16_AMX = 6
+# No oneDNN 16-bit path: the kernel up to here (x rows still fit L2), F.linear beyond.
+KERNEL_ROWS_16_ALONE = 64
+
+
+def default_kernel_rows16(dtype: torch.dtype = torch.bfloat16) -> int:
+    """The crossing of the 16-bit kernel for weights of ``dtype`` on this CPU."""
+    if not onednn_available(dtype):
+        return KERNEL_ROWS_16_ALONE
+    if dtype == torch.bfloat16 and "amx_bf16" in _cc.cpu_flags().split():
+        return KERNEL_ROWS_16_AMX
+    if _cc.cpu_vendor() == "AuthenticAMD":
+        return KERNEL_ROWS_AVX512_AMD
+    return KERNEL_ROWS_AVX512
 
 
 def _probe(dtype: torch.dtype) -> bool:
@@ -103,6 +136,17 @@ def onednn_fp32_available() -> bool:
 def onednn_bf16_available() -> bool:
     """oneDNN can pack bfloat16 weights here (the CPU has avx512bw/vl/dq or avx_ne_convert)."""
     return _probe(torch.bfloat16)
+
+
+def onednn_available(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear serves ``dtype`` here: float32 and bfloat16. float16 is left
+    to ``F.linear`` (torch picks oneDNN itself where the CPU has float16 arithmetic)."""
+    if dtype == torch.float32:
+        return onednn_fp32_available()
+    return dtype == torch.bfloat16 and onednn_bf16_available()
+
+
+_ONEDNN_PATHS = {torch.float32: "onednn", torch.bfloat16: "onednn-bf16"}
 
 
 class PackedLinear:
@@ -150,44 +194,54 @@ class PackedLinear:
             w = weight if weight.dtype == dtype else weight.detach().to(dtype)
             b = None if bias is None else bias.detach().to(dtype).contiguous()
             cpu = w.device.type == "cpu" and torch.backends.mkldnn.enabled
-            if cpu and dtype == torch.float32 and onednn_fp32_available():
-                self.path = "onednn"
-            elif cpu and dtype == torch.bfloat16 and onednn_bf16_available():
-                self.path = "onednn-bf16"
+            if cpu and onednn_available(dtype):
+                self.path = _ONEDNN_PATHS[dtype]
             else:
                 self.path = "linear-bf16" if (bf16 and weight.dtype != torch.bfloat16) else "linear"
             self._packed: Tensor | None = None
             self._plain: Tensor | None = w  # the original itself unless a dtype cast made a copy
             if self.path.startswith("onednn"):
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
-                # Single rows on the plain weight only where measured (float32); bf16 packs alone.
-                if not keep_plain or self.path == "onednn-bf16":
+                if not keep_plain:
                     self._plain = None
             self._bias = b
-        hybrid = self._packed is not None and self._plain is not None
-        kernel = cpu_gemm.load() if hybrid and self.path == "onednn" else None
-        if kernel_rows is None:
-            kernel_rows = default_kernel_rows()
-        if kernel is None or kernel_rows <= 0 or not cpu_gemm.supports(w, b):
-            kernel, kernel_rows = None, 0
+        kernel, kernel_rows = self._small_kernel(w, b, kernel_rows)
         self._kernel = kernel
-        # Single rows: the C kernel where it runs (faster than F.linear), else F.linear.
+        # The 16-bit kernel adds a float32 bias (exact: it is b widened).
+        self._bias32 = None if b is None or kernel is None or dtype == torch.float32 else b.float()
+        hybrid = self._packed is not None and self._plain is not None
+        # Single rows (float32): the C kernel where it runs (faster than F.linear), else F.linear.
         default_min = 0 if kernel is not None else 2
-        self.min_rows = (default_min if min_rows is None else min_rows) if hybrid else 0
+        use_min = hybrid and dtype == torch.float32
+        self.min_rows = (default_min if min_rows is None else min_rows) if use_min else 0
         self.kernel_rows = kernel_rows
         self._run: Callable[[Tensor], Tensor] = self._build()
 
+    def _small_kernel(
+        self, w: Tensor, b: Tensor | None, rows: int | None
+    ) -> tuple[cpu_gemm.Gemm | None, int]:
+        """The C kernel for few rows and its crossing, (None, 0) where it does not serve:
+        float32 beside oneDNN (both weights kept), 16-bit wherever the plain weight is kept."""
+        if self._plain is None or w.device.type != "cpu":
+            return None, 0
+        if self.dtype == torch.float32:
+            kernel = cpu_gemm.load() if self.path == "onednn" and cpu_gemm.supports(w, b) else None
+            default = default_kernel_rows()
+        else:
+            kernel = cpu_gemm.load16() if cpu_gemm.supports16(w) else None
+            default = default_kernel_rows16(self.dtype)
+        rows = default if rows is None else rows
+        return (kernel, rows) if kernel is not None and rows > 0 else (None, 0)
+
     def _build(self) -> Callable[[Tensor], Tensor]:
         """The call, bound once: the only per-call test is the row count (hybrid path)."""
-        plain, packed, b, dtype = self._plain, self._packed, self._bias, self.dtype
+        if self.dtype in (torch.bfloat16, torch.float16):
+            return self._build16()
+        plain, packed, b = self._plain, self._packed, self._bias
         if packed is None:
             assert plain is not None  # the fallback paths always keep the plain weight
-            if self.path == "linear-bf16":
-                return lambda x: F.linear(x.to(dtype), plain, b).to(x.dtype)
             return lambda x: F.linear(x, plain, b)
         op = torch.ops.mkldnn._linear_pointwise.default
-        if dtype != torch.float32:
-            return lambda x: op(x.to(dtype), packed, b, "none", [], "").to(x.dtype)
         if (self.min_rows <= 0 and self.kernel_rows <= 0) or plain is None:
             return lambda x: op(x, packed, b, "none", [], "")
         small = self.min_rows * self.in_features  # fewer rows <=> fewer elements
@@ -201,6 +255,28 @@ class PackedLinear:
             if n < few:
                 return kernel(x, plain, b)
             return op(x, packed, b, "none", [], "")
+
+        return run
+
+    def _build16(self) -> Callable[[Tensor], Tensor]:
+        """16-bit weights: the kernel below kernel_rows, oneDNN (or F.linear) from there,
+        the result in x's dtype."""
+        plain, packed, b, dtype = self._plain, self._packed, self._bias, self.dtype
+        if packed is not None:
+            op = torch.ops.mkldnn._linear_pointwise.default
+            large: Callable[[Tensor], Tensor] = lambda x: op(  # noqa: E731
+                x.to(dtype), packed, b, "none", [], ""
+            ).to(x.dtype)
+        else:
+            assert plain is not None  # the fallback paths always keep the plain weight
+            large = lambda x: F.linear(x.to(dtype), plain, b).to(x.dtype)  # noqa: E731
+        kernel, b32 = self._kernel, self._bias32
+        if kernel is None:
+            return large
+        few = self.kernel_rows * self.in_features
+
+        def run(x: Tensor) -> Tensor:
+            return kernel(x, plain, b32) if x.numel() < few else large(x)
 
         return run
 

@@ -12,7 +12,9 @@ tensor goes.
 On CPU every projection is packed once after loading (``Linear.pack``): its weight goes
 into oneDNN's blocked layout (services/worker/cpu_linear.py), faster than MKL's
 ``F.linear`` from two rows up, and the dense weight is dropped (left as a meta tensor
-of its shape) so memory does not double.
+of its shape) so memory does not double. In bfloat16 (float16) the same, with the 16-bit
+C kernel for few rows; the rotary, RMSNorm and silu * up run the C passes of
+kernels/cpu_elementwise.py in every one of the three dtypes.
 
 AWQ int4 checkpoints (services/worker/quant/awq.py) load into ``AwqLinear``: the packed
 weights as they are stored, fused shards side by side along the output columns
@@ -72,15 +74,16 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, keep_plain: bool = False) -> bool:
-        """Packs the weight for oneDNN when it is a float32 CPU tensor (cpu_linear decides).
-        keep_plain: single rows keep running F.linear on the dense weight (2x the memory);
-        otherwise the dense weight becomes a meta tensor (shape kept, no memory). Whether
-        it was packed."""
+        """Runs the linear through a PackedLinear where that beats F.linear (cpu_linear
+        decides: oneDNN for float32 and bfloat16 CPU weights, the 16-bit C kernel for few
+        rows of bfloat16 / float16 ones). keep_plain: the dense weight stays for the small-M
+        paths (2x the memory); otherwise it becomes a meta tensor (shape kept, no memory)
+        unless the PackedLinear runs on it. Whether it was packed."""
         packed = PackedLinear(self.weight, self.bias, keep_plain=keep_plain)
-        if packed.path != "onednn":
+        if not packed.path.startswith("onednn") and packed.kernel_rows <= 0:
             return False
         self.packed = packed
-        if not keep_plain:
+        if packed.path.startswith("onednn") and not keep_plain:
             self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
         return True
 
@@ -249,14 +252,15 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-# Float32 CPU tensors take one fused C pass for the rotary embedding and for silu(gate) * up
-# (kernels/cpu_elementwise.py: 2-6x faster than the chains of torch ops they replace);
-# False keeps torch's expressions (bench/bench_decode_step.py --ab elementwise flips it).
+# CPU tensors (float32, bfloat16, float16) take one fused C pass for the rotary embedding,
+# RMSNorm and silu(gate) * up (kernels/cpu_elementwise.py: 2-6x faster than the chains of
+# torch ops they replace, in 16 bits rounded where torch's ops round); False keeps torch's
+# expressions (bench/bench_decode_step.py --ab elementwise flips it).
 FUSED_ELEMENTWISE = True
 
 
 def _fused(x: torch.Tensor) -> cpu_elementwise.Elementwise | None:
-    """The fused kernels where they apply to x (float32 on CPU, built here), else None."""
+    """The fused kernels where they apply to x (a float CPU tensor, built here), else None."""
     if not FUSED_ELEMENTWISE or not cpu_elementwise.supports(x):
         return None
     return cpu_elementwise.load()

@@ -15,7 +15,7 @@ from services.worker.host_pool import D2H, D2S, H2D, S2H, HostPool
 TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 P = "radixserve:"
-MODES = ("prefill", "decode")
+MODES = ("prefill", "decode", "verify")  # verify: a batch with drafts (speculative decoding)
 
 
 class WorkerMetrics:
@@ -79,11 +79,12 @@ class WorkerMetrics:
         if result.error:
             self.failures.labels(self.model_name).inc()
             return
-        mode = "decode" if batch.is_decode else "prefill"
+        drafts = sum(len(r.draft_tokens) // 4 for r in batch.reqs)
+        mode = "decode" if batch.is_decode else "verify" if drafts else "prefill"
         self.forward_time.labels(self.model_name, mode).observe(result.forward_time)
         self.batch_size.labels(self.model_name, mode).observe(len(batch.reqs))
         self.tokens.labels(self.model_name, mode).inc(
-            sum(len(r.input_ids) // 4 for r in batch.reqs)
+            sum(len(r.input_ids) // 4 for r in batch.reqs) + drafts
         )
         if result.cuda_graph:
             self.cuda_graph.labels(self.model_name).inc()

@@ -39,15 +39,27 @@ def load_config(model_path: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_path)
 
 
-def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """ "auto": float32 on CPU (fast and exact there), the checkpoint's dtype on CUDA."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type != "cuda":
-        return torch.float32
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype config.json declares (``dtype``, or ``torch_dtype`` before transformers 5),
+    None when it names none of the three."""
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
-        declared = _DTYPES.get(declared)
+        declared = _DTYPES.get(declared.removeprefix("torch."))
+    return declared if declared in _DTYPES.values() else None
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """ "auto": the checkpoint's dtype (config.json's), as vLLM and SGLang pick it. On CUDA
+    a float32 or undeclared checkpoint runs in bfloat16. On CPU a float32 one stays float32
+    (exact, and the C kernels are fast there; vLLM's CPU engine would downcast it) and a
+    16-bit one runs in its own dtype: bfloat16 streams half the bytes per decode step,
+    float16 runs its linears and element-wise passes in C and its attention on torch's
+    path (bench/bench_bf16_cpu.py --dtypes compares them)."""
+    if name != "auto":
+        return _DTYPES[name]
+    declared = checkpoint_dtype(config)
+    if device.type != "cuda":
+        return declared or torch.float32
     return declared if declared in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 

@@ -1,4 +1,5 @@
-"""The worker's engine: a Batch in, one sampled token per request out.
+"""The worker's engine: a Batch in, one sampled token per request out (or, for a request
+carrying drafts, the drafts the model confirms plus its next token: speculative decoding).
 
 It owns the model (with its attention backend and KV pool), the request-slot table and
 the sampler. No scheduling happens here: every KV slot and table row it touches is the
@@ -20,7 +21,14 @@ from transformers import PretrainedConfig
 from services.common.config import WorkerConfig
 from services.worker import prompt_logprobs
 from services.worker.attention.base import AttentionBackend, AttentionMeta, get_backend
-from services.worker.batch import Batch, ForwardOutput, RunnerInfo, Scored, SlotStart
+from services.worker.batch import (
+    Batch,
+    ForwardOutput,
+    ReqInput,
+    RunnerInfo,
+    Scored,
+    SlotStart,
+)
 from services.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from services.worker.grammar import Grammars
 from services.worker.host_pool import HostPool, host_tier_tokens
@@ -115,6 +123,7 @@ class ModelRunner:
         self.graphs = self._capture_graphs(cfg)
         # The last token sampled per request slot: the input of an overlap-scheduled decode.
         self.last_sampled = np.full(cfg.max_running_requests, -1, dtype=np.int64)
+        self._logged_eager_verify = False
         self._info = self._make_info()
         log.info(
             "worker ready: %d KV slots (%.1f MiB), backend %s, %s on %s",
@@ -278,6 +287,11 @@ class ModelRunner:
         sampled = [i for i, r in enumerate(batch.reqs) if r.sample]
         logits, graphed, hidden = self._sampled_logits(batch, sampled, input_ids, positions, meta)
         out = self._sample(batch, sampled, logits)
+        if batch.has_drafts and not self._logged_eager_verify and self.graphs is not None:
+            # Each request's verify rows (1 + its drafts) vary step to step, and a graph
+            # replays fixed shapes: verify steps take the eager extend path.
+            log.info("verify steps (speculative decoding) run eagerly, outside CUDA graphs")
+            self._logged_eager_verify = True
         # A decode step never scores the prompt: its cost stays as it was.
         if not batch.is_decode and any(r.score is not None for r in batch.reqs):
             assert hidden is not None  # only decode steps replay graphs
@@ -300,11 +314,16 @@ class ModelRunner:
         return self._prepare(batch, ids)
 
     def _input_ids(self, batch: Batch) -> list[np.ndarray]:
-        """Each request's new tokens (the slot's last sampled one under use_last_sampled)."""
+        """Each request's new tokens (the slot's last sampled one under use_last_sampled),
+        then its drafts."""
         ids = []
         for r in batch.reqs:
             if r.start is None and not self.sampler.has_state(r.req_slot):
                 raise ValueError(f"{r.where}: req_slot was never started (is_new not set)")
+            if r.drafts is not None:
+                self._check_may_draft(r)
+                ids.append(np.concatenate([r.input_ids, r.drafts]))
+                continue
             if not r.use_last_sampled:
                 ids.append(r.input_ids)
                 continue
@@ -315,6 +334,15 @@ class ModelRunner:
                 )
             ids.append(np.array([last], dtype=np.int32))
         return ids
+
+    def _check_may_draft(self, r: ReqInput) -> None:
+        """Drafts are refused for a constrained request: its grammar would have to accept
+        each draft before the next row could be masked (the scheduler never drafts for one)."""
+        constrained = r.start.constraint is not None if r.start is not None else None
+        if constrained is None:
+            constrained = self.grammars.slots.any_constrained([r.req_slot])
+        if constrained:
+            raise ValueError(f"{r.where}: draft_tokens for a constrained request")
 
     def _start_slots(self, batch: Batch) -> None:
         """Sampling state of the requests that take their slot in this batch."""
@@ -386,13 +414,29 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMeta,
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-        """Logits [n, vocab] of the last new token of each sampled request; whether a
+        """Logits [n, vocab] of the last new token of each sampled request (and, for one
+        with k drafts, of its last k + 1: its input's last token and every draft); whether a
         captured CUDA graph computed them; the hidden states [T, hidden] when eager."""
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(batch.reqs)):
             return self.graphs.replay(input_ids, positions, meta)[sampled], True, None
         hidden = self.model.forward(input_ids, positions, meta)  # [T, hidden]
-        last_rows = meta.qo_indptr[1:].long()[sampled] - 1  # [n]
+        if batch.has_drafts:
+            last_rows = self._verify_rows(batch, sampled).to(hidden.device)  # [n + drafts]
+        else:
+            last_rows = meta.qo_indptr[1:].long()[sampled] - 1  # [n]
         return self.model.compute_logits(hidden[last_rows]), False, hidden
+
+    @staticmethod
+    def _verify_rows(batch: Batch, sampled: list[int]) -> torch.Tensor:
+        """Rows of the hidden states to score, on the host: per sampled request its last
+        1 + k (k drafts, maybe 0), in order."""
+        ends = np.cumsum([r.n_new for r in batch.reqs])  # one past each request's last row
+        rows = []
+        for i in sampled:
+            drafts = batch.reqs[i].drafts
+            k = 0 if drafts is None else len(drafts)
+            rows.append(np.arange(ends[i] - 1 - k, ends[i]))
+        return torch.from_numpy(np.concatenate(rows).astype(np.int64))
 
     def _score_prompts(self, batch: Batch, hidden: torch.Tensor) -> list[list[Scored] | None]:
         """Prompt logprobs of the rows the batch asks for (prompt_logprobs.py)."""
@@ -404,24 +448,55 @@ class ModelRunner:
         return prompt_logprobs.score(self.model.compute_logits, hidden, starts, asks, block)
 
     def _sample(self, batch: Batch, sampled: list[int], logits: torch.Tensor) -> ForwardOutput:
-        """One token per sampled request; -1 (and no logprobs) for the others."""
+        """One token per sampled request (a verify step: the accepted drafts, then one);
+        -1 (and no logprobs) for the others."""
         n = len(batch.reqs)
         out = ForwardOutput([-1] * n, [None] * n, [None] * n)
         if not sampled:
             return out
         slots = [batch.reqs[i].req_slot for i in sampled]
+        drafts = self._drafts_of(batch, sampled)
         constrained = self.grammars.slots.any_constrained(slots)
         if constrained:
-            self.grammars.slots.mask(logits, slots)  # in place: forbidden tokens -> -inf
-        got = self.sampler.sample(logits, slots)
+            self._mask_grammars(logits, slots, drafts)
+        got = self.sampler.sample(logits, slots, drafts=drafts)
         if constrained:
             self._advance_grammars(out, sampled, slots, got.token_ids)
         for j, i in enumerate(sampled):
             out.token_ids[i] = got.token_ids[j]
             out.logprobs[i] = got.logprobs[j]
             out.top_logprobs[i] = got.top_logprobs[j]
-        self.last_sampled[slots] = got.token_ids
+        if drafts is None:
+            self.last_sampled[slots] = got.token_ids
+            return out
+        out.extra_token_ids, out.extra_logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+        for j, i in enumerate(sampled):
+            out.extra_token_ids[i] = got.extra_token_ids[j]
+            out.extra_logprobs[i] = got.extra_logprobs[j]
+            self.last_sampled[slots[j]] = (got.extra_token_ids[j] or [got.token_ids[j]])[-1]
         return out
+
+    @staticmethod
+    def _drafts_of(batch: Batch, sampled: list[int]) -> list[np.ndarray] | None:
+        """Each sampled request's drafts (empty for one without), or None in a batch with none."""
+        if not batch.has_drafts:
+            return None
+        none = np.zeros(0, dtype=np.int32)
+        return [d if (d := batch.reqs[i].drafts) is not None else none for i in sampled]
+
+    def _mask_grammars(
+        self, logits: torch.Tensor, slots: list[int], drafts: list[np.ndarray] | None
+    ) -> None:
+        """Forbidden tokens -> -inf in each constrained row (in place). A constrained request
+        has no drafts, so in a verify step its one row is found among the others' k + 1."""
+        if drafts is None:
+            self.grammars.slots.mask(logits, slots)
+            return
+        first = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
+        index = torch.from_numpy(first).to(logits.device)
+        rows = logits[index]  # [n, vocab]: one row per slot (a copy)
+        self.grammars.slots.mask(rows, slots)
+        logits[index] = rows
 
     def _advance_grammars(
         self, out: ForwardOutput, sampled: list[int], slots: list[int], tokens: list[int]

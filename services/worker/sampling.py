@@ -26,6 +26,19 @@ Choices (documented because clients see them):
   the probabilities differently in the last bits.
 - A temperature below 1e-5 (GREEDY_BELOW) is greedy, as 0 is: dividing logits by less
   overflows float32.
+- Speculative decoding (``sample`` with ``drafts``): a request with k drafts has k + 1
+  rows of logits, row i the target's logits after its last token and drafts[:i]. Each row
+  is processed as the decode step at that position would be (its own draw key from
+  (seed, tokens generated before it), min_tokens by that count, penalties counting
+  drafts[:i] too), so row i's choice is exactly the token decoding one token per step would
+  draw there, given drafts[:i] were the output. Draft i is accepted while it equals row i's
+  choice; the first row that disagrees (or row k) gives one more token. For a
+  deterministic draft this is speculative rejection sampling (Leviathan et al., Chen et
+  al.) by coupling: P(accept d) = P(choice == d) = p(d), and a rejected row's choice is
+  distributed as p with d removed, renormalised (norm(max(0, p - onehot(d)))), since a draw
+  that is not d is each other token v with probability p(v) / (1 - p(d)). So the output
+  distribution is the target's, greedy output is token-exact, and a seeded request draws
+  the very tokens it draws with speculation off (up to the kernels' rounding of the logits).
 - Stopping (EOS, stop ids, ignore_eos, max_tokens) is the scheduler's job. min_tokens is
   ours: a slot's ``min_tokens_ban`` (its EOS ids unless ignore_eos, and its stop ids) is
   -inf while it has generated fewer than min_tokens tokens, unless that leaves its row
@@ -35,7 +48,7 @@ Choices (documented because clients see them):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -117,6 +130,22 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # None where not asked for
     top_logprobs: list[list[tuple[int, float]] | None]  # best first
+    # With drafts: per slot, the tokens committed after token_ids[j] (accepted drafts, then
+    # the target's own choice) and, where logprobs are asked, their (logprob, top) pairs.
+    extra_token_ids: list[list[int]] = field(default_factory=list)  # empty: no drafts
+    extra_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows of one sampling call: one per slot, or 1 + len(drafts) for a slot with drafts."""
+
+    slots: list[int]  # [R] the slot of each row
+    specs: list[SamplingSpec]  # [R]
+    generated: list[int]  # [R] tokens the slot has generated before this row's token
+    # (row, token) pairs penalties count beyond the slot's own counts: row i of a slot
+    # with drafts counts drafts[:i], the output it assumes.
+    draft_pairs: list[tuple[int, int]]
 
 
 # Columns of Sampler.params, one row per request slot (written once, at reset_slot).
@@ -198,59 +227,178 @@ class Sampler:
     # ---- the step --------------------------------------------------------------------
 
     def sample(
-        self, logits: torch.Tensor, slots: list[int], allowed: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        slots: list[int],
+        allowed: torch.Tensor | None = None,
+        drafts: list[np.ndarray] | None = None,
     ) -> SampleOutput:
-        """logits [N, V] float32, one row per slot; allowed [N, V] bool or None (all).
+        """logits [R, V] float32; allowed [R, V] bool or None (all).
+
+        Without ``drafts`` one row per slot. With them (speculative decoding, one int array
+        per slot, maybe empty), slot j has 1 + len(drafts[j]) consecutive rows: the logits
+        after its last token, then after each draft; it returns the accepted drafts and the
+        target's next token (token_ids[j], then extra_token_ids[j]; module docstring).
 
         ``allowed`` is the hook for constrained decoding: the worker's own grammar state
         (not a wire field) says which tokens each row may take."""
+        rows = self._rows(slots, drafts)
+        token_ids, raw, idx, params = self._choose(logits, rows, allowed)
+        if drafts is None or len(rows.slots) == len(slots):
+            self._record(slots, rows.specs, idx, params, token_ids)
+            out = self._output(token_ids, rows.specs, raw)
+            if drafts is not None:
+                out.extra_token_ids = [[] for _ in slots]
+                out.extra_logprobs = [[] for _ in slots]
+            return out
+        return self._verified(slots, drafts, rows, token_ids, raw)
+
+    def _rows(self, slots: list[int], drafts: list[np.ndarray] | None) -> _Rows:
         specs = [self.spec(s) for s in slots]
-        idx, keys = self._step_indices(slots, specs)
-        params = self.params[idx]  # [N, 9]
+        generated = [self.num_generated[s] for s in slots]
+        if drafts is None or not any(len(d) for d in drafts):
+            return _Rows(slots, specs, generated, [])
+        r_slots: list[int] = []
+        r_specs: list[SamplingSpec] = []
+        r_gen: list[int] = []
+        pairs: list[tuple[int, int]] = []
+        for s, sp, gen, d in zip(slots, specs, generated, drafts, strict=True):
+            toks = d.tolist()
+            for i in range(len(toks) + 1):
+                row = len(r_slots)
+                r_slots.append(s)
+                r_specs.append(sp)
+                r_gen.append(gen + i)
+                if sp.has_penalty:
+                    pairs.extend((row, t) for t in toks[:i])
+        return _Rows(r_slots, r_specs, r_gen, pairs)
+
+    def _choose(
+        self, logits: torch.Tensor, rows: _Rows, allowed: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Each row's token [R] (the processing pipeline of the module docstring), the raw
+        logprobs [R, V] when any row asks for logprobs, the rows' slot ids [R] and their
+        params [R, 9] on the device."""
+        specs = rows.specs
+        idx, keys = self._step_indices(rows)
+        params = self.params[idx]  # [R, 9]
         raw_logprobs = None
         if any(sp.logprobs for sp in specs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))  # a copy: input untouched
-        if self.below_min and not self.below_min.isdisjoint(slots):
-            logits = self._min_tokens_masked(logits, slots, specs)
+        if self.below_min and not self.below_min.isdisjoint(rows.slots):
+            logits = self._min_tokens_masked(logits, rows)
         if any(sp.has_penalty for sp in specs):
-            logits = self._penalized(logits, idx, params)
-        if self.biases and not self.biases.keys().isdisjoint(slots):
-            logits = self._biased(logits, slots)
+            logits = self._penalized(logits, self._row_counts(idx, rows), params)
+        if self.biases and not self.biases.keys().isdisjoint(rows.slots):
+            logits = self._biased(logits, rows.slots)
         token_ids = torch.argmax(logits, dim=-1)  # the greedy choice of every row
         if not all(sp.greedy for sp in specs):
             probs = self._processed_probs(logits, params, specs)
             drawn = torch.argmax(probs / exponential_noise(keys, probs.shape[1]).float(), dim=-1)
             token_ids = torch.where(params[:, GREEDY] > 0, token_ids, drawn)
-        self._record(slots, specs, idx, params, token_ids)
-        return self._output(token_ids, specs, raw_logprobs)
+        return token_ids, raw_logprobs, idx, params
 
-    def _step_indices(
-        self, slots: list[int], specs: list[SamplingSpec]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot ids [N], draw keys [N]) on the device, in one copy. A seeded row's key is
-        (seed, tokens generated so far) mixed: the same draw after a retraction."""
+    def _row_counts(self, idx: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """[R, V] float32: each row's slot's generated-token counts, plus the drafts the row
+        assumes were accepted."""
+        counts = self.counts[idx].float()
+        if rows.draft_pairs:
+            rc = torch.tensor(rows.draft_pairs, dtype=torch.int64).T.to(self.device)
+            counts.index_put_((rc[0], rc[1]), torch.ones_like(rc[0], dtype=counts.dtype), True)
+        return counts
+
+    def _step_indices(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot ids [R], draw keys [R]) on the device, in one copy. A seeded row's key is
+        (seed, tokens generated before it) mixed: the same draw after a retraction, and
+        with speculation on or off."""
+        slots = rows.slots
         host = np.empty((2, len(slots)), dtype=np.int64)
         host[0] = slots
         host[1] = self.rng.integers(0, 2**62, size=len(slots))
-        for j, sp in enumerate(specs):
+        for j, sp in enumerate(rows.specs):
             if sp.seed is not None:
-                host[1, j] = step_seed(sp.seed, self.num_generated[slots[j]])
+                host[1, j] = step_seed(sp.seed, rows.generated[j])
         both = torch.from_numpy(host).to(self.device, non_blocking=True)
         return both[0], both[1]
 
-    def _min_tokens_masked(
-        self, logits: torch.Tensor, slots: list[int], specs: list[SamplingSpec]
-    ) -> torch.Tensor:
+    def _verified(
+        self,
+        slots: list[int],
+        drafts: list[np.ndarray],
+        rows: _Rows,
+        token_ids: torch.Tensor,
+        raw: torch.Tensor | None,
+    ) -> SampleOutput:
+        """Per slot: the drafts its rows' choices confirm, then the first choice that
+        differs (or the one after the last draft); those tokens are recorded as generated."""
+        chosen = token_ids.tolist()
+        committed: list[list[int]] = []
+        first_rows: list[int] = []
+        row = 0
+        for d in drafts:
+            toks = d.tolist()
+            m = 0
+            while m < len(toks) and chosen[row + m] == toks[m]:
+                m += 1
+            committed.append(chosen[row : row + m + 1])
+            first_rows.append(row)
+            row += len(toks) + 1
+        for s, toks in zip(slots, committed, strict=True):
+            self._record_tokens(s, toks)
+        lps = self._committed_logprobs(raw, rows.specs, first_rows, committed)
+        specs = [rows.specs[r] for r in first_rows]
+        out = SampleOutput(
+            [t[0] for t in committed],
+            [lp[0][0] if lp else None for lp in lps],
+            [lp[0][1] if lp and specs[j].top_logprobs > 0 else None for j, lp in enumerate(lps)],
+        )
+        out.extra_token_ids = [t[1:] for t in committed]
+        out.extra_logprobs = [lp[1:] for lp in lps]
+        return out
+
+    def _committed_logprobs(
+        self,
+        raw: torch.Tensor | None,
+        specs: list[SamplingSpec],
+        first_rows: list[int],
+        committed: list[list[int]],
+    ) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """Per slot asking for logprobs: (raw logprob, top alternatives) of each committed
+        token at its own row; [] for the others."""
+        out: list[list[tuple[float, list[tuple[int, float]]]]] = [[] for _ in committed]
+        if raw is None:
+            return out
+        want = [j for j, r in enumerate(first_rows) if specs[r].logprobs]
+        row_ids = [first_rows[j] + i for j in want for i in range(len(committed[j]))]
+        toks = [t for j in want for t in committed[j]]
+        index = torch.tensor(row_ids, dtype=torch.int64, device=raw.device)
+        picked = raw[index]  # [n, V]
+        values = picked.gather(1, torch.tensor(toks, device=raw.device)[:, None])[:, 0].tolist()
+        n_top = max(specs[first_rows[j]].top_logprobs for j in want)
+        best = picked.topk(n_top, dim=-1) if n_top > 0 else None
+        at = 0
+        for j in want:
+            k = specs[first_rows[j]].top_logprobs
+            for _ in committed[j]:
+                top: list[tuple[int, float]] = []
+                if best is not None and k > 0:
+                    ids_k = best.indices[at, :k].tolist()
+                    top = list(zip(ids_k, best.values[at, :k].tolist(), strict=True))
+                out[j].append((values[at], top))
+                at += 1
+        return out
+
+    def _min_tokens_masked(self, logits: torch.Tensor, plan: _Rows) -> torch.Tensor:
         """A copy of ``logits`` (the runner's are inference tensors) with each under-floor
         row's banned ids at -inf: one small host-to-device copy of (row, token) pairs, the
         copy, one max over the rows. A row left with nothing (a finished grammar allows only
         EOS) gets its banned values back, by a second scatter (no host sync)."""
         pairs = [
             (j, t)
-            for j, (s, sp) in enumerate(zip(slots, specs, strict=True))
-            if self.num_generated[s] < sp.min_tokens
+            for j, (gen, sp) in enumerate(zip(plan.generated, plan.specs, strict=True))
+            if gen < sp.min_tokens
             for t in sp.min_tokens_ban
         ]
         if not pairs:
@@ -280,13 +428,13 @@ class Sampler:
     def apply_penalties(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Repetition / frequency / presence penalties from each slot's generated tokens."""
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        return self._penalized(logits, idx, self.params[idx])
+        return self._penalized(logits, self.counts[idx].float(), self.params[idx])
 
     def _penalized(
-        self, logits: torch.Tensor, idx: torch.Tensor, params: torch.Tensor
+        self, logits: torch.Tensor, counts: torch.Tensor, params: torch.Tensor
     ) -> torch.Tensor:
-        """Every row at once; rows without penalties have neutral values (unchanged)."""
-        counts = self.counts[idx].float()  # [N, V]
+        """Every row at once (counts [N, V]: its generated tokens); rows without penalties
+        have neutral values (unchanged)."""
         rep, freq, pres = params[:, REP, None], params[:, FREQ, None], params[:, PRES, None]
         seen = counts > 0
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
@@ -324,6 +472,7 @@ class Sampler:
         params: torch.Tensor,
         token_ids: torch.Tensor,
     ) -> None:
+        """One token generated per slot (a plain step)."""
         for s in slots:
             self.num_generated[s] += 1
         if self.below_min:
@@ -334,6 +483,16 @@ class Sampler:
             self.counts.index_put_(
                 (idx, token_ids), params[:, PENALTY].to(torch.int32), accumulate=True
             )
+
+    def _record_tokens(self, slot: int, tokens: list[int]) -> None:
+        """Several tokens generated by one slot (a verify step)."""
+        self.num_generated[slot] += len(tokens)
+        spec = self.spec(slot)
+        if slot in self.below_min and self.num_generated[slot] >= spec.min_tokens:
+            self.below_min.discard(slot)
+        if spec.has_penalty:
+            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def _output(
         self, token_ids: torch.Tensor, specs: list[SamplingSpec], raw: torch.Tensor | None

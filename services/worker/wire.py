@@ -152,6 +152,7 @@ def decode_request(msg: engine_pb2.ForwardRequest, is_decode: bool, limits: Limi
         rid=msg.rid,
         # A decode step never scores the prompt (nothing read from the message for it).
         score=None if is_decode or not msg.prompt_logprob_targets else _prompt_score(msg),
+        drafts=unpack_i32(msg.draft_tokens) if msg.draft_tokens else None,
     )
     _check_request(req, is_decode, limits)
     if req.score is not None:
@@ -203,8 +204,12 @@ def _check_request(req: ReqInput, is_decode: bool, limits: Limits) -> None:
         n_new = 1  # the runner supplies the token
     if n_new == 0:
         raise ValueError(f"{where}: no input_ids")
+    if req.drafts is not None:
+        _check_drafts(req, is_decode)
+        n_new += len(req.drafts)
     if len(req.out_slots) != n_new:
-        raise ValueError(f"{where}: {len(req.out_slots)} out_slots for {n_new} input_ids")
+        what = "input_ids + draft_tokens" if req.drafts is not None else "input_ids"
+        raise ValueError(f"{where}: {len(req.out_slots)} out_slots for {n_new} {what}")
     if is_decode and n_new != 1:
         raise ValueError(f"{where}: a decode batch carries 1 token per request, got {n_new}")
     if req.prefix_len < 0 or req.prefix_len + n_new > limits.max_context:
@@ -232,12 +237,27 @@ def _check_request(req: ReqInput, is_decode: bool, limits: Limits) -> None:
         )
 
 
+def _check_drafts(req: ReqInput, is_decode: bool) -> None:
+    """Drafts are verified only where the step samples, after tokens the wire carries."""
+    where = req.where
+    if is_decode:
+        raise ValueError(
+            f"{where}: draft_tokens in a batch marked is_decode (a verify step is not)"
+        )
+    if not req.sample:
+        raise ValueError(f"{where}: draft_tokens need sample set (they are verified by sampling)")
+    if req.use_last_sampled:
+        raise ValueError(f"{where}: draft_tokens cannot follow use_last_sampled")
+
+
 def check_batch(batch: Batch, limits: Limits) -> None:
     """Batch-wide: each request slot once, token ids in the vocabulary, KV slots in the pool."""
     slots = [r.req_slot for r in batch.reqs]
     if len(set(slots)) != len(slots):
         raise ValueError("a req_slot appears twice in one batch")
-    ids = np.concatenate([r.input_ids for r in batch.reqs])
+    ids = np.concatenate(
+        [r.input_ids for r in batch.reqs] + [r.drafts for r in batch.reqs if r.drafts is not None]
+    )
     if len(ids) and (ids.min() < 0 or ids.max() >= limits.vocab_size):
         raise ValueError(f"input_ids out of the vocabulary [0, {limits.vocab_size})")
     kv = np.concatenate(
@@ -299,6 +319,13 @@ def encode_result(batch_id: int, out: ForwardOutput) -> engine_pb2.ForwardResult
     for i, scored in enumerate(out.prompt_logprobs):
         if scored:
             tokens[i].prompt_logprobs.extend(token_logprob(*s) for s in scored)
+    for i, extra in enumerate(out.extra_token_ids):
+        tokens[i].extra_token_ids.extend(extra)
+        if out.extra_logprobs and out.extra_logprobs[i]:
+            tokens[i].extra_logprobs.extend(
+                token_logprob(t, lp, top)
+                for t, (lp, top) in zip(extra, out.extra_logprobs[i], strict=True)
+            )
     return engine_pb2.ForwardResult(
         batch_id=batch_id,
         tokens=tokens,

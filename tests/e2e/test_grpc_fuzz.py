@@ -10,6 +10,7 @@ Generate and, idle, holds no KV beyond its cache.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -44,8 +45,10 @@ EXPECTED = {
 }
 REFUSED = {S.UNAUTHENTICATED, S.PERMISSION_DENIED}
 WRONG_TOKENS = [None, "Bearer wrong", "Bearer ", "bearer", "Basic dXNlcjpwdw==", "Bearer  x"]
+# The long run (docs/benchmarks.md, "Generated attacks"): RADIXSERVE_FUZZ_SCALE=20 pytest ...
+SCALE = max(1, int(os.environ.get("RADIXSERVE_FUZZ_SCALE", "1")))
 FUZZ = settings(
-    max_examples=100,
+    max_examples=100 * SCALE,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -141,7 +144,7 @@ def _generate(server: Server, body: bytes, keep: int = 3) -> None:
         _check(e, EXPECTED)
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=300 * SCALE)
 @given(st.sampled_from(GENERATE_BASES).flatmap(mutated) | messages(pb.GenerateRequest))
 def test_generate_messages(server, request):
     _generate(server, request.SerializeToString())
@@ -174,7 +177,7 @@ def test_control_with_the_token(control, data):
     _unary(control.channel, CONTROL + name, data.draw(wire_bytes(cls)), control.token)
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=30 * SCALE)
 @given(st.data())
 def test_control_without_the_token_is_refused(control, data):
     name, cls = data.draw(st.sampled_from(CONTROL_RPCS))

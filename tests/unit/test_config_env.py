@@ -85,11 +85,14 @@ def _bad_values(f: dataclasses.Field, tp: type) -> list[tuple[str, str, str]]:
         finite = "a finite number " if tp is float else ""
         cases.append(("bound", str(tp(bad)), f"must be {finite}{bound}"))
         cases.append(("number", "lots", f"not a valid {tp.__name__}"))
+    if (le := f.metadata.get("le")) is not None:
+        finite = "a finite number " if tp is float else ""
+        cases.append(("bound", str(tp(le + 1)), f"must be {finite}<= {le}"))
     return cases
 
 
 CASES = [
-    pytest.param(cmd, f.name, kind, value, says, id=f"{cmd}-{f.name}-{kind}")
+    pytest.param(cmd, f.name, kind, value, says, id=f"{cmd}-{f.name}-{kind}-{value}")
     for cmd, cls in COMMANDS
     for f in dataclasses.fields(cls)
     for kind, value, says in _bad_values(f, type(getattr(cls(), f.name)))

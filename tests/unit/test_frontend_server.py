@@ -147,6 +147,26 @@ def test_stop_string_cuts_text_and_aborts_scheduler(stub, fake, tok):
     _wait_for(lambda: any(a.rid == "stop-1" for a, _ in fake.aborts))
 
 
+def test_several_tokens_per_delta_stop_where_one_per_delta_would(stub, fake):
+    """Speculative decoding streams several tokens per delta: a stop string matched in the
+    middle of one keeps nothing after it (tokens, logprobs, counts), as one per delta."""
+    sp = pb.SamplingParams(stop=["STOP"], logprobs=True)
+    one = _generate(stub, text="hello there", request_id="one-1", sampling=sp)
+    many = _generate(
+        stub, text="hello there", request_id="many-1", sampling=sp, cache_salt="multi:4"
+    )
+    assert any(len(r.token_ids) > 1 for r in many)
+
+    def seen(out):
+        ids = [t for r in out for t in r.token_ids]
+        lps = [lp.token_id for r in out for lp in r.logprobs]
+        return "".join(r.text for r in out), ids, lps, out[-1].completion_tokens
+
+    assert seen(many) == seen(one)
+    assert seen(one)[0] == SCRIPT_TEXT[: SCRIPT_TEXT.index("STOP")]
+    assert seen(one)[1] == seen(one)[2] and seen(one)[3] == len(seen(one)[1])
+
+
 def test_chat_and_input_ids_reach_scheduler_tokenized(stub, fake, tok):
     msgs = pb.ChatMessages(
         messages=[

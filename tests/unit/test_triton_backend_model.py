@@ -115,3 +115,34 @@ def test_graph_runner_pads_batches_and_returns_the_eager_logits(tiny_llama_dir):
         got = graphs.replay(ids, positions, meta)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_backend_runs_verify_steps(tiny_llama_dir):
+    """A verify step (speculative decoding: the last token and its drafts over the cached
+    KV) takes the extend path: through the triton kernels it commits the torch backend's
+    tokens, drafts right and wrong."""
+    from radixserve.internal.v1 import engine_pb2
+    from services.common.transport import pack_i32
+    from services.worker import wire
+
+    prompt = PROMPTS[2]
+    want = _greedy(tiny_llama_dir, "torch")[2]
+    cfg = WorkerConfig(
+        model_path=str(tiny_llama_dir), device="cpu", dtype="float32", attention_backend="triton",
+        max_total_tokens=256, max_running_requests=4, context_length=64, disable_cuda_graph=True,
+    )  # fmt: skip
+    runner = ModelRunner(cfg)
+    n = len(prompt)
+    first = engine_pb2.ForwardRequest(
+        req_slot=0, input_ids=pack_i32(prompt), prefix_len=0, out_slots=pack_i32(range(1, n + 1)),
+        is_new=True, sample=True, sampling=engine_pb2.SamplingParams(temperature=0),
+    )  # fmt: skip
+    toks = wire.forward(runner, engine_pb2.ForwardBatch(batch_id=1, reqs=[first])).tokens
+    assert toks[0].token_id == want[0]
+    drafts = [want[1], want[2], (want[3] + 1) % 300]  # the third is wrong
+    verify = engine_pb2.ForwardRequest(
+        req_slot=0, input_ids=pack_i32([want[0]]), prefix_len=n,
+        out_slots=pack_i32(range(n + 1, n + 5)), sample=True, draft_tokens=pack_i32(drafts),
+    )  # fmt: skip
+    tok = wire.forward(runner, engine_pb2.ForwardBatch(batch_id=2, reqs=[verify])).tokens[0]
+    assert [tok.token_id, *tok.extra_token_ids] == want[1:4]

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "constraint", "prompt_logprobs", "prompt_logprobs_start", "min_tokens", "logit_bias")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "constraint", "prompt_logprobs", "prompt_logprobs_start", "min_tokens", "logit_bias", "disable_speculation")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class SamplingParams(_message.Message):
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -45,7 +46,8 @@ class SamplingParams(_message.Message):
     prompt_logprobs_start: int
     min_tokens: int
     logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ...) -> None: ...
+    disable_speculation: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token_id", "bias")
@@ -177,7 +179,7 @@ class SchedulerToFrontend(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("req_slot", "input_ids", "prefix_len", "out_slots", "is_new", "prefix_slots", "sample", "sampling", "output_ids", "eos_token_ids", "rid", "use_last_sampled", "prompt_logprob_row", "prompt_logprob_targets", "prompt_top_logprobs")
+    __slots__ = ("req_slot", "input_ids", "prefix_len", "out_slots", "is_new", "prefix_slots", "sample", "sampling", "output_ids", "eos_token_ids", "rid", "use_last_sampled", "prompt_logprob_row", "prompt_logprob_targets", "prompt_top_logprobs", "draft_tokens")
     REQ_SLOT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,7 @@ class ForwardRequest(_message.Message):
     PROMPT_LOGPROB_ROW_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_slot: int
     input_ids: bytes
     prefix_len: int
@@ -208,7 +211,8 @@ class ForwardRequest(_message.Message):
     prompt_logprob_row: int
     prompt_logprob_targets: bytes
     prompt_top_logprobs: int
-    def __init__(self, req_slot: _Optional[int] = ..., input_ids: _Optional[bytes] = ..., prefix_len: _Optional[int] = ..., out_slots: _Optional[bytes] = ..., is_new: _Optional[bool] = ..., prefix_slots: _Optional[bytes] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_ids: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rid: _Optional[str] = ..., use_last_sampled: _Optional[bool] = ..., prompt_logprob_row: _Optional[int] = ..., prompt_logprob_targets: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
+    draft_tokens: bytes
+    def __init__(self, req_slot: _Optional[int] = ..., input_ids: _Optional[bytes] = ..., prefix_len: _Optional[int] = ..., out_slots: _Optional[bytes] = ..., is_new: _Optional[bool] = ..., prefix_slots: _Optional[bytes] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_ids: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rid: _Optional[str] = ..., use_last_sampled: _Optional[bool] = ..., prompt_logprob_row: _Optional[int] = ..., prompt_logprob_targets: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[int] = ..., draft_tokens: _Optional[bytes] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
     __slots__ = ("batch_id", "is_decode", "reqs", "trace_context", "trace_links", "grammars", "copies")
@@ -290,20 +294,24 @@ class GrammarStatus(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "grammar_terminated", "grammar_error", "prompt_logprobs", "grammar_dead_end")
+    __slots__ = ("token_id", "logprob", "grammar_terminated", "grammar_error", "prompt_logprobs", "grammar_dead_end", "extra_token_ids", "extra_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_TERMINATED_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_DEAD_END_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: TokenLogprob
     grammar_terminated: bool
     grammar_error: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     grammar_dead_end: bool
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., grammar_terminated: _Optional[bool] = ..., grammar_error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., grammar_dead_end: _Optional[bool] = ...) -> None: ...
+    extra_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., grammar_terminated: _Optional[bool] = ..., grammar_error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., grammar_dead_end: _Optional[bool] = ..., extra_token_ids: _Optional[_Iterable[int]] = ..., extra_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
     __slots__ = ("batch_id", "tokens", "forward_time", "cuda_graph", "error", "worker_instance", "grammars", "storage_loads")

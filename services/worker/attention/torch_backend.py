@@ -1,14 +1,14 @@
 """The plain-PyTorch attention backend: the CPU default and the reference for the kernels.
 
 Store: the new K/V go to their slots with one index_copy_ per layer.
-Decode (one new token per request), float32 on CPU: a small C kernel
+Decode (one new token per request), float32 or bfloat16 on CPU: a small C kernel
 (kernels/cpu_decode_attention.py) reads each context's K/V rows in place through the
 request-to-slot table; nothing is gathered (the gather cost more than the attention).
-Elsewhere (other dtypes, no C compiler): the batch's rows of the table become
+Elsewhere (float16, no C compiler): the batch's rows of the table become
 a padded [B, Lmax] slot matrix once per batch (padding reads slot 0, which is zeros) plus
 a length mask; each layer then does one gather and one batched attention over the batch.
-Extend (prefill, possibly on top of a cached prefix), float32 on CPU: one call of a C
-kernel (kernels/cpu_extend_attention.py) for the whole batch, reading every context in
+Extend (prefill, possibly on top of a cached prefix), float32 or bfloat16 on CPU: one call
+of a C kernel (kernels/cpu_extend_attention.py) for the whole batch, reading every context in
 place through the table: no gather of a cached prefix, no mask (faster than torch's SDPA
 at the peers' shapes: docs/benchmarks.md). Elsewhere:
 per request, scaled_dot_product_attention of its new rows over its whole context

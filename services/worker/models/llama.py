@@ -24,7 +24,12 @@ from torch import nn
 
 from kernels import cpu_gemm
 from services.worker.attention.base import AttentionBackend, AttentionMeta
-from services.worker.cpu_linear import PackedLinear, default_kernel_rows
+from services.worker.cpu_linear import (
+    PackedLinear,
+    default_kernel_rows,
+    default_kernel_rows16,
+    onednn_available,
+)
 from services.worker.forward_context import ForwardContext
 from services.worker.kv_pool import KVPool
 from services.worker.layers import (
@@ -214,7 +219,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self, keep_plain: bool = False) -> int:
         """After load_weights: every projection (and the lm_head) through oneDNN with its
-        weight prepacked, where cpu_linear supports it (float32 on CPU; a no-op on CUDA).
+        weight prepacked and/or the small-M C kernel, where cpu_linear supports it (float32
+        and bfloat16 on CPU, float16 the kernel only; a no-op on CUDA).
         The dense weights are dropped unless keep_plain (see Linear.pack); a tied embedding
         table stays dense for the lookup (TIED_HEAD_COPY_MAX_BYTES). Returns how many
         linears were packed."""
@@ -354,16 +360,23 @@ def _shards_of(module_name: str) -> list[tuple[str, int]]:
 
 
 def _dense_head(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x @ table^T on the plain (unpacked) float32 table, no copy: the C kernel for few rows
-    (TIED_HEAD_COPY_MAX_BYTES' comment), oneDNN for more."""
+    """x @ table^T on the plain (unpacked) table, no copy: the C kernel for few rows
+    (TIED_HEAD_COPY_MAX_BYTES' comment; float32, or the 16-bit kernel for a bfloat16 /
+    float16 table), oneDNN for more (float32 and bfloat16; float16: F.linear)."""
     op = torch.ops.mkldnn._linear_pointwise.default
-    kernel = cpu_gemm.load() if cpu_gemm.supports(table) else None
-    kernel_rows = max(default_kernel_rows(), TIED_HEAD_KERNEL_ROWS) if kernel else 0
+    if table.dtype == torch.float32:
+        kernel = cpu_gemm.load() if cpu_gemm.supports(table) else None
+        crossing = default_kernel_rows()
+    else:
+        kernel = cpu_gemm.load16() if cpu_gemm.supports16(table) else None
+        crossing = default_kernel_rows16(table.dtype)
+    kernel_rows = max(crossing, TIED_HEAD_KERNEL_ROWS) if kernel else 0
+    dnn = onednn_available(table.dtype)
 
     def head(x: torch.Tensor) -> torch.Tensor:
-        if kernel is not None and x.shape[0] < kernel_rows and x.dtype == torch.float32:
+        if kernel is not None and x.shape[0] < kernel_rows and x.dtype == table.dtype:
             return kernel(x, table)
-        if x.shape[0] < 2:
+        if x.shape[0] < 2 or not dnn:
             return F.linear(x, table)
         return op(x, table, None, "none", [], "")
 

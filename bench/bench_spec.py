@@ -1,0 +1,328 @@
+"""Speculative decoding side by side: speculation off, ngram and suffix, one server each,
+on four workloads at batch 1 and batch 16. Prints one markdown table (output tokens/s,
+acceptance, tokens per verify step, ratio vs off) for docs/benchmarks.md.
+
+    .venv/bin/python bench/bench_spec.py [--quick] [--model-path DIR] [--output-len N]
+
+Workloads (the text is the Zen of Python, read from the `this` module's source):
+- code-edit: "rewrite this text" followed by a document; the answer repeats most of it
+  (drafts from the request's own prompt: both ngram and suffix);
+- multi-turn: chat conversations (the model's template) whose every user turn asks for
+  the same text again, so each answer repeats the earlier answer in the history (and
+  other conversations' answers: suffix's index); answers end at the model's EOS;
+- agentic: an agent transcript of tool calls; each step the model writes the next call,
+  whose arguments repeat an earlier call's, ending at the stop string "</tool_call>" (the
+  transcript grows by its own output);
+- random: a random prompt, sampled at temperature 3 (seeded), so the output repeats
+  nothing: the adaptive length must switch speculation off, costing (almost) nothing.
+  (The shipped model has memorised its text so firmly that at temperature 1.5 it still
+  recites: 40-60 % of drafts accepted in a trial; at 3, one in ten, and that run's drafts
+  stopped after a few steps.)
+Greedy, and seeded sampling, are token-exact with speculation off, so every algorithm
+produces the same tokens (the table's last column checks it) and tokens/s compare alike.
+
+Model. The default is the shipped radixserve-zen, and deliberately: it is the one model in
+the repo whose outputs are text, not noise, and having memorised the Zen it copies what it
+is shown, which is what these workloads need (a random-weight model never repeats its
+prompt, so every draft would fail and the figures would only show the off switch). Its
+limit is 512 positions: the code-edit prompt is the whole Zen once (~200 tokens), not the
+~1k tokens of a real edit; pass --model-path (any HF Llama/Qwen folder, e.g. a 0.5B
+instruct model) and --prompt-tokens 1024 for that shape. The figures are CPU-bound and
+noisy on a shared machine: run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import importlib.util
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # for tests.* when run as `python bench/...`
+
+from radixserve.v1 import generation_pb2 as pb  # noqa: E402
+from services.common.config import DEFAULT_MODEL_PATH  # noqa: E402
+from tests.server_util import Server, scrape_metrics  # noqa: E402
+
+ALGORITHMS = ("none", "ngram", "suffix")
+WORKLOADS = ("code-edit", "multi-turn", "agentic", "random")
+P = "radixserve:"
+
+
+def zen() -> str:
+    """The Zen of Python, from the `this` module's source (importing it prints it)."""
+    spec = importlib.util.find_spec("this")
+    assert spec is not None and spec.origin is not None
+    source = Path(spec.origin).read_text()
+    m = re.search(r's = """(.*?)"""', source, re.S)
+    assert m is not None
+    return codecs.decode(m.group(1), "rot13").strip()
+
+
+@dataclass
+class Call:
+    """One Generate: a prompt (text, or chat messages for the model's template) and how to
+    sample it."""
+
+    text: str
+    sampling: pb.SamplingParams
+    messages: list[tuple[str, str]] = field(default_factory=list)  # (role, content)
+
+    def request(self) -> dict:
+        if self.messages:
+            chat = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c)
+                                             for r, c in self.messages])  # fmt: skip
+            return {"messages": chat, "sampling": self.sampling}
+        return {"text": self.text, "sampling": self.sampling}
+
+
+@dataclass
+class Stream:
+    """Calls run in order (a conversation, an agent); ``follow`` builds the next call from
+    the previous one, its answer and the number of calls made (None: the stream is done)."""
+
+    first: Call
+    follow: Callable[[Call, str, int], Call | None] | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def greedy(n: int) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def document(tokens: int, tokenizer) -> str:
+    """The Zen, repeated and line-shuffled (seeded) to about ``tokens`` tokens."""
+    lines, rng, out = zen().splitlines(), random.Random(7), []
+    while len(tokenizer.encode("\n".join(out))) < tokens:
+        out.extend(rng.sample(lines, len(lines)))
+    while len(out) > 1 and len(tokenizer.encode("\n".join(out))) > tokens:
+        out.pop()
+    return "\n".join(out)
+
+
+def code_edit(i: int, args, tok) -> Stream:
+    doc = document(args.prompt_tokens, tok)
+    lines = doc.splitlines()
+    start = i % max(1, len(lines) - 1)
+    text = f"Rewrite this text, changing nothing:\n{doc}\n\nRewritten:\n{lines[start]}\n"
+    return Stream(Call(text, greedy(args.output_len)))
+
+
+def multi_turn(i: int, args, tok) -> Stream:
+    """Chat turns through the model's template, each asking for the text again."""
+    ask = "Recite the Zen of Python."
+    turns = args.turns
+    sp = pb.SamplingParams(max_tokens=args.turn_len, temperature=0.0)  # to its EOS
+
+    def follow(prev: Call, answer: str, n: int) -> Call | None:
+        if n >= turns:
+            return None
+        return Call("", sp, [*prev.messages, ("assistant", answer), ("user", ask)])
+
+    return Stream(Call("", sp, [("user", ask)]), follow)
+
+
+def agentic(i: int, args, tok) -> Stream:
+    lines = zen().splitlines()
+    rng = random.Random(i)
+
+    def call(k: int) -> str:
+        text = " ".join(lines[(k + j) % len(lines)] for j in range(3))
+        return f'{{"name": "write_file", "arguments": {{"path": "zen_{k}.txt", "text": "{text}"}}}}'
+
+    transcript = "".join(f"<tool_call>{call(rng.randrange(6))}</tool_call>\nok\n" for _ in range(3))
+    steps = args.agent_steps
+    sp = pb.SamplingParams(max_tokens=args.step_len, temperature=0.0, stop=["</tool_call>"])
+
+    def follow(prev: Call, answer: str, n: int) -> Call | None:
+        if n >= steps:
+            return None
+        return Call(f"{prev.text}{answer}</tool_call>\nok\n<tool_call>", sp)
+
+    return Stream(Call(transcript + "<tool_call>", sp), follow)
+
+
+def random_text(i: int, args, tok) -> Stream:
+    rng = random.Random(1000 + i)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)) for _ in range(40)]
+    t = args.random_temperature
+    sp = pb.SamplingParams(max_tokens=args.output_len, temperature=t, seed=i, ignore_eos=True)
+    return Stream(Call(" ".join(words), sp))
+
+
+MAKERS = {
+    "code-edit": code_edit,
+    "multi-turn": multi_turn,
+    "agentic": agentic,
+    "random": random_text,
+}
+
+
+def fit(call: Call, tok, context: int) -> Call | None:
+    """The call with max_tokens capped to what the context leaves after its prompt (the
+    server refuses more); None when under 8 tokens are left (the stream ends)."""
+    if call.messages:
+        chat = [{"role": r, "content": c} for r, c in call.messages]
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    else:
+        text = call.text
+    room = context - len(tok.encode(text)) - 4  # a margin for the server's own rendering
+    if room < 8:
+        return None
+    sp = pb.SamplingParams()
+    sp.CopyFrom(call.sampling)
+    sp.max_tokens = min(sp.max_tokens, room)
+    return Call(call.text, sp, call.messages)
+
+
+def run_stream(server: Server, s: Stream, tok, context: int) -> int:
+    """Runs the stream's calls in order; returns the output tokens."""
+    call: Call | None = fit(s.first, tok, context)
+    n = total = 0
+    while call is not None:
+        ids, text, _ = server.generate(timeout=600, **call.request())
+        s.outputs.append(ids)
+        total += len(ids)
+        n += 1
+        nxt = s.follow(call, text, n) if s.follow is not None else None
+        call = fit(nxt, tok, context) if nxt is not None else None
+    return total
+
+
+def counters(server: Server) -> dict[str, float]:
+    m = scrape_metrics(server.sched_metrics)
+    names = ("draft_tokens", "accepted_tokens", "drafts")
+    return {n: m.get(f"{P}spec_decode_num_{n}_total", 0.0) for n in names}
+
+
+@dataclass
+class Row:
+    tok_s: float
+    accept: float  # accepted / drafted tokens
+    per_step: float  # tokens per verify step: 1 + accepted / drafts
+    outputs: list[list[list[int]]]
+
+
+def measure(server: Server, workload: str, batch: int, args, tok) -> Row:
+    """``batch`` streams at once (one after another per stream), cold cache and index."""
+    assert server.stub.FlushCache(pb.FlushCacheRequest()).flushed
+    streams = [MAKERS[workload](i, args, tok) for i in range(args.streams(batch))]
+    before = counters(server)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        tokens = sum(pool.map(lambda s: run_stream(server, s, tok, args.context), streams))
+    wall = time.perf_counter() - start
+    after = counters(server)
+    d = {k: after[k] - before[k] for k in after}
+    return Row(
+        tokens / wall,
+        d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
+        1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else 1.0,
+        [s.outputs for s in streams],
+    )
+
+
+def median_row(rows: list[Row]) -> Row:
+    """Medians of the repeats; the outputs of the first (every repeat's are the same
+    tokens: greedy, or sampled with seeds)."""
+    return Row(
+        statistics.median(r.tok_s for r in rows),
+        statistics.median(r.accept for r in rows),
+        statistics.median(r.per_step for r in rows),
+        rows[0].outputs,
+    )
+
+
+def warm_up(server: Server, args, tok) -> None:
+    """One code-edit call (a long prefill, decode and verify steps) before anything is
+    timed: the CPU kernels are built and the allocator warmed on first use."""
+    run_stream(server, code_edit(0, args, tok), tok, args.context)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=DEFAULT_MODEL_PATH)
+    p.add_argument("--quick", action="store_true", help="fewer streams and turns")
+    p.add_argument("--batches", default="1,16", help="concurrent streams, comma separated")
+    p.add_argument("--output-len", type=int, default=160, help="tokens per single-call answer")
+    p.add_argument("--turn-len", type=int, default=256, help="max tokens of a chat answer")
+    p.add_argument("--turns", type=int, default=2, help="turns per conversation (512 positions)")
+    p.add_argument("--step-len", type=int, default=96, help="max tokens of an agent step")
+    p.add_argument("--agent-steps", type=int, default=4, help="steps per agent")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="code-edit document length")
+    p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
+    p.add_argument("--random-temperature", type=float, default=3.0, help="random's sampling")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--context-length", type=int, default=0, help="0: the model's")
+    p.add_argument("--flags", default="", help="more server flags, space separated")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each measurement (median)")
+    args = p.parse_args()
+    if args.quick:
+        args.agent_steps, args.output_len = 2, 64
+    args.streams = lambda batch: batch if batch > 1 else (2 if args.quick else 4)
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    args.context = (
+        args.context_length or AutoConfig.from_pretrained(args.model_path).max_position_embeddings
+    )
+    batches = [int(b) for b in args.batches.split(",")]
+    workloads = args.workloads.split(",")
+    results: dict[tuple[str, str, int], Row] = {}
+    if args.context_length:
+        args.flags += f" --context-length {args.context_length}"
+
+    def flags(algorithm: str) -> list[str]:
+        return ["--speculative-algorithm", algorithm,
+                "--speculative-num-draft-tokens", str(args.draft_tokens),
+                "--max-running-requests", str(max(batches)), *args.flags.split()]  # fmt: skip
+
+    # All three servers up at once; each measurement runs off / ngram / suffix back to back
+    # (the order reversed every repeat), so a drift in the machine's speed hits all alike.
+    with ExitStack() as stack:
+        servers = {
+            a: stack.enter_context(Server(*flags(a), model=args.model_path, metrics=True,
+                                          timeout=600))
+            for a in ALGORITHMS
+        }  # fmt: skip
+        for server in servers.values():
+            warm_up(server, args, tok)
+        for w in workloads:
+            for b in batches:
+                runs: dict[str, list[Row]] = {a: [] for a in ALGORITHMS}
+                for rep in range(args.repeats):
+                    for a in ALGORITHMS if rep % 2 == 0 else ALGORITHMS[::-1]:
+                        runs[a].append(measure(servers[a], w, b, args, tok))
+                for a in ALGORITHMS:
+                    r = results[a, w, b] = median_row(runs[a])
+                    print(f"{a} {w} batch {b}: {r.tok_s:.1f} tok/s (median of "
+                          f"{args.repeats}), accept {r.accept:.2f}, {r.per_step:.2f} "
+                          "tokens/step", file=sys.stderr, flush=True)  # fmt: skip
+    print(f"\nmodel {Path(args.model_path).name}, k = {args.draft_tokens}\n")
+    print("| workload | batch | off tok/s | ngram tok/s | ngram vs off | ngram accept (tok/step) "
+          "| suffix tok/s | suffix vs off | suffix accept (tok/step) | same tokens |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for w in workloads:
+        for b in batches:
+            off, ng, sf = (results[a, w, b] for a in ALGORITHMS)
+            same = "yes" if off.outputs == ng.outputs == sf.outputs else "NO"
+            print(
+                f"| {w} | {b} | {off.tok_s:.1f} | {ng.tok_s:.1f} | {ng.tok_s / off.tok_s:.2f}x | "
+                f"{ng.accept:.2f} ({ng.per_step:.2f}) | {sf.tok_s:.1f} | "
+                f"{sf.tok_s / off.tok_s:.2f}x | {sf.accept:.2f} ({sf.per_step:.2f}) | {same} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

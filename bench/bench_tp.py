@@ -1,0 +1,127 @@
+"""Tensor parallelism on the CPU: TP=2 x 1 thread against TP=1 x 2 threads (issue 40).
+
+The same cores either way; what differs is who splits the work: two gloo ranks each
+running half the heads and rows on one thread (two all-reduces per layer, one for the
+embedding, a logits gather, the step broadcast), or one process whose torch ops use two
+threads. It shows what the collectives cost honestly; TP exists for models that do not fit
+one device, not to beat threads on one CPU.
+
+Each configuration runs in fresh processes (services/worker/parallel/rank_runner.py, the
+follower loop the worker's ranks run): a prefill of --prompts prompts of --prompt-len
+tokens (--rounds times, tokens/s), then --steps decode steps of a batch of --batch
+(ms/step, median). Timing belongs on a quiet machine; --smoke runs a few steps only.
+
+    .venv/bin/python bench/bench_tp.py                       # the embedded default model
+    .venv/bin/python bench/bench_tp.py --model-path ~/.cache/radixserve-peers/models/small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from services.common.config import DEFAULT_MODEL_PATH
+from services.worker.parallel.group import TpGroup, destroy_group, init_group
+from services.worker.parallel.launch import store_path
+from services.worker.parallel.rank_runner import RankModel, RankShape, make_step
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_path: str
+    prompts: int
+    prompt_len: int
+    rounds: int
+    batch: int
+    steps: int
+
+
+def run_plan(rank: RankModel, plan: Plan) -> dict[str, float]:
+    """Rank 0's timings (the others follow)."""
+    span = max(plan.prompt_len, 1) + plan.steps + 1
+    rng = np.random.default_rng(0)
+    vocab = rank.config.vocab_size
+    prefill = []
+    for _ in range(plan.rounds):
+        ids = [rng.integers(1, vocab, plan.prompt_len) for _ in range(plan.prompts)]
+        out = [1 + i * span + np.arange(plan.prompt_len) for i in range(plan.prompts)]
+        step = make_step(ids, out, range(plan.prompts), [0] * plan.prompts, False,
+                         np.cumsum([plan.prompt_len] * plan.prompts) - 1)  # fmt: skip
+        t0 = time.perf_counter()
+        rank.lead(step)
+        prefill.append(plan.prompts * plan.prompt_len / (time.perf_counter() - t0))
+    # decode: the batch's first tokens at position 0, then one token per request per step
+    b = plan.batch
+    decode = []
+    for k in range(plan.steps + 1):
+        step = make_step(
+            [rng.integers(1, vocab, 1) for _ in range(b)],
+            [np.array([1 + i * span + k]) for i in range(b)],
+            range(b),
+            [k] * b,
+            k > 0,
+            np.arange(b),
+        )
+        t0 = time.perf_counter()
+        rank.lead(step)
+        if k:  # the first one starts the requests
+            decode.append(1000 * (time.perf_counter() - t0))
+    rank.stop()
+    return {"prefill_tok_s": statistics.median(prefill), "decode_ms": statistics.median(decode)}
+
+
+def _rank(index: int, world: int, threads: int, store: str, plan: Plan, out: str) -> None:
+    torch.set_num_threads(threads)
+    tp = init_group(index, world, store, torch.device("cpu"), 120.0) if world > 1 else TpGroup()
+    span = max(plan.prompt_len, 1) + plan.steps + 1
+    rows = max(plan.prompts, plan.batch)
+    shape = RankShape(num_slots=rows * span + 1, max_running_requests=rows, max_context=span)
+    rank = RankModel(plan.model_path, tp, torch.device("cpu"), shape)
+    tp.barrier()
+    if tp.is_first:
+        Path(out).write_text(json.dumps(run_plan(rank, plan)))
+    else:
+        rank.follow()
+    destroy_group(tp)
+
+
+def measure(world: int, threads: int, plan: Plan) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="radixserve-bench-tp-") as folder:
+        out = os.path.join(folder, "result.json")
+        mp.spawn(_rank, args=(world, threads, store_path(folder), plan, out), nprocs=world)
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=DEFAULT_MODEL_PATH)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="a few steps: checks it runs, no timing")
+    a = p.parse_args()
+    plan = Plan(a.model_path, a.prompts, a.prompt_len, a.rounds, a.batch, a.steps)
+    if a.smoke:
+        plan = Plan(a.model_path, 2, 16, 1, 2, 3)
+    print(f"model {Path(plan.model_path).name}; {json.dumps(asdict(plan) | {'model_path': ''})}")
+    print(f"| configuration | prefill tokens/s | decode ms/step (batch {plan.batch}) |")
+    print("|---|---|---|")
+    for name, world, threads in (("TP=1 x 2 threads", 1, 2), ("TP=2 x 1 thread", 2, 1)):
+        r = measure(world, threads, plan)
+        print(f"| {name} | {r['prefill_tok_s']:.0f} | {r['decode_ms']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

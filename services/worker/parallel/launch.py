@@ -1,0 +1,132 @@
+"""Starting ranks 1..N-1 beside rank 0, and going down together.
+
+Rank 0 (the worker process the scheduler talks to) starts the others as child processes
+on the same flags (``start_followers``), each told its rank and the rendezvous store. The
+group lives or dies as one, because a model split N ways cannot serve with a rank gone:
+
+- a follower dies with rank 0: the kernel kills it (PR_SET_PDEATHSIG, SIGKILL: a follower
+  holds nothing to drain, and may be blocked in a collective that would never return);
+  ``ParentWatch`` is the fallback where prctl is missing;
+- rank 0 dies with any follower: ``RankWatch`` sees it exit and ends rank 0 at once, so
+  its supervisor (``radixserve serve``, the pod's kubelet) restarts the whole engine and
+  the scheduler fails the requests in flight with UNAVAILABLE meanwhile;
+- a follower that hangs is caught by the collectives' timeout (group.py).
+
+Popen must run on the main thread: PDEATHSIG fires when the thread that forked exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+EXIT_RANK_LOST = 70  # rank 0's exit status when another rank died (EX_SOFTWARE)
+
+
+def rendezvous_dir() -> str:
+    """A fresh private folder (0700) for the ranks' FileStore; rank 0 removes it at exit."""
+    return tempfile.mkdtemp(prefix="radixserve-tp-")
+
+
+def store_path(folder: str) -> str:
+    return os.path.join(folder, "store")
+
+
+def remove_rendezvous(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In the child, before exec: the kernel sends ``sig`` when its parent goes away."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:
+        pass  # ParentWatch covers it
+
+
+def start_followers(
+    commands: Sequence[Sequence[str]], env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
+    """Ranks 1..N-1, command i being rank i + 1's; each dies with this process."""
+    return [subprocess.Popen(list(cmd), preexec_fn=die_with_parent, env=env) for cmd in commands]
+
+
+def stop_followers(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is left after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
+
+
+def _exit_now(rank: int, returncode: int) -> None:
+    log.error(
+        "tensor parallelism: rank %d is gone (%s); this engine goes down so that its "
+        "supervisor restarts every rank",
+        rank,
+        describe_exit(returncode),
+    )
+    os._exit(EXIT_RANK_LOST)
+
+
+class RankWatch(threading.Thread):
+    """Rank 0's watch over its followers (rank i + 1 is ``procs[i]``): the first to exit
+    calls ``on_lost(rank, returncode)``, by default ending this process at once (os._exit:
+    its main thread may be blocked in a collective). ``stop()`` before stopping them."""
+
+    def __init__(
+        self,
+        procs: Sequence[subprocess.Popen],
+        on_lost: Callable[[int, int], None] = _exit_now,
+        poll_s: float = POLL_S,
+    ):
+        super().__init__(name="tp-rank-watch", daemon=True)
+        self.procs, self.on_lost, self.poll_s = list(procs), on_lost, poll_s
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.poll_s):
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None and not self._stopped.is_set():
+                    self.on_lost(rank, code)
+                    return
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+class ParentWatch(threading.Thread):
+    """A follower's fallback to PDEATHSIG: once its parent is gone, it exits."""
+
+    def __init__(self, poll_s: float = POLL_S):
+        super().__init__(name="tp-parent-watch", daemon=True)
+        self.parent, self.poll_s = os.getppid(), poll_s
+
+    def run(self) -> None:
+        while os.getppid() == self.parent:
+            threading.Event().wait(self.poll_s)
+        log.error("tensor parallelism: rank 0 is gone; this rank exits")
+        os._exit(EXIT_RANK_LOST)

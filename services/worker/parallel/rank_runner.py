@@ -1,0 +1,192 @@
+"""One rank's model, KV pool and request table, and the step loop of ranks 1..N-1.
+
+Rank 0 (the ModelRunner's TP path) stages each batch as it always does, sends it as a
+ForwardStep (step_channel.py) and runs it; every other rank runs ``follow``: receive,
+write the same table rows, run the same forward on its shard, take part in the logits
+gather, until rank 0 says STOP (or dies: launch.py). Sampling, grammars and the sampler's
+state live on rank 0 alone, so a follower holds just what a forward needs.
+
+    rank 0:  wire batch -> stage -> ForwardStep.send -> forward_step -> logits -> sample
+    rank k:                         recv -> ForwardStep -> forward_step -> (gather) -> loop
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.attention.base import AttentionBackend, AttentionMeta
+from services.worker.attention.torch_backend import TorchBackend
+from services.worker.kv_pool import KVPool, KVShape
+from services.worker.model_loader import (
+    architecture_of,
+    load_config,
+    load_model,
+    safetensors_files,
+)
+from services.worker.models import get_model_class
+from services.worker.models.llama import _STACKED, LlamaForCausalLM, head_dim_of
+from services.worker.parallel.checkpoint import ShardedCheckpoint
+from services.worker.parallel.group import TpGroup
+from services.worker.parallel.shard_model import load_shard, local_heads, shard_model
+from services.worker.parallel.step_channel import ForwardStep, Op, StepChannel
+from services.worker.req_table import ReqToTokenTable
+from services.worker.step_inputs import host_arrays
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """The sizes every rank must agree on (rank 0's flags)."""
+
+    num_slots: int
+    max_running_requests: int
+    max_context: int
+    dtype: torch.dtype = torch.float32
+    pack_linears: bool = True
+
+    def send(self, channel: StepChannel) -> None:
+        """Rank 0: the sizes it chose (its pool sizing, from its device's memory), so that
+        every rank's pool and table have the same slots and rows."""
+        ints = [self.num_slots, self.max_running_requests, self.max_context]
+        channel.send(Op.SETUP, ints, [])
+
+    @classmethod
+    def recv(cls, channel: StepChannel, dtype: torch.dtype, pack_linears: bool) -> RankShape:
+        message = channel.recv()
+        if message.op != Op.SETUP:
+            raise ValueError(f"tensor parallelism: expected the sizes first, got {message.op!r}")
+        slots, rows, context = message.ints
+        return cls(slots, rows, context, dtype, pack_linears)
+
+
+class RankModel:
+    """A rank's shard of the model with its pool, table and attention backend (``backend``:
+    the class the worker picked, services/worker/attention)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        tp: TpGroup,
+        device: torch.device,
+        shape: RankShape,
+        backend: type[AttentionBackend] = TorchBackend,
+    ):
+        self.tp, self.device = tp, device
+        self.bytes_read = 0  # by this rank, of the checkpoint (its slices only under TP)
+        self.config = c = load_config(model_path)
+        self.model = self._load(model_path, c, shape.dtype).eval()
+        if shape.pack_linears and device.type == "cpu":
+            self.model.pack_linears()
+        heads, kv_heads = local_heads(c, tp)
+        d = head_dim_of(c)
+        self.kv_pool = KVPool(
+            KVShape(c.num_hidden_layers, kv_heads, d, shape.dtype), shape.num_slots, device
+        )
+        self.model.attach(backend(heads, kv_heads, d, d**-0.5), self.kv_pool)
+        self.table = ReqToTokenTable(shape.max_running_requests, shape.max_context, device)
+        self.channel = StepChannel(tp)
+        self.hidden = torch.empty(0, c.hidden_size, device=device)
+
+    def _load(self, model_path: str, c, dtype: torch.dtype) -> LlamaForCausalLM:
+        """This rank's shard from its slices; with one rank, the worker's own loader (so
+        TP=1 here is exactly what the worker runs without tensor parallelism)."""
+        if self.tp.world == 1:
+            return load_model(model_path, dtype, self.device, config=c, progress=False)[0]
+        with torch.device("meta"):
+            model = get_model_class(architecture_of(c))(c)
+        shard_model(model, self.tp).to(dtype).to_empty(device=self.device)
+        ckpt = ShardedCheckpoint(safetensors_files(model_path))
+        self.bytes_read = load_shard(model, ckpt, _STACKED)
+        return model
+
+    def forward_step(self, step: ForwardStep) -> torch.Tensor:
+        """Runs one step on this rank: logits [n, vocab] of ``step.logit_rows`` on rank 0,
+        an empty tensor elsewhere."""
+        for row, slots in step.prefixes():
+            self.table.write_prefix(row, torch.from_numpy(slots))
+        s = step.inputs(self.device)
+        self.table.write_tokens(s.token_rows, s.positions, s.out_slots)
+        meta = AttentionMeta(
+            is_decode=step.is_decode,
+            out_slots=s.out_slots,
+            qo_indptr=s.qo_indptr,
+            req_to_token=self.table.table,
+            req_slots=s.req_slots,
+            prefix_lens=s.prefix_lens,
+            extend_lens=s.extend_lens,
+            seq_lens=s.seq_lens,
+            max_seq_len=s.max_seq_len,
+            max_extend_len=s.max_extend_len,
+        )
+        # [T, hidden], whole on every rank; kept for the step's LOGITS messages (logprobs)
+        self.hidden = self.model.forward(s.input_ids, s.positions, meta)
+        return self.rows_logits(step.logit_rows)
+
+    def rows_logits(self, rows: np.ndarray) -> torch.Tensor:
+        """Logits of rows of the last forward's hidden states (on rank 0; empty elsewhere)."""
+        index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.hidden.device)
+        return self.model.compute_logits(self.hidden[index])
+
+    def lead(self, step: ForwardStep) -> torch.Tensor:
+        """Rank 0: sends the step to the others, then runs it."""
+        step.send(self.channel)
+        return self.forward_step(step)
+
+    def lead_logits(self, rows: np.ndarray) -> torch.Tensor:
+        """Rank 0: more rows of the last forward through the lm_head (prompt logprobs score
+        a prompt block by block), every rank taking part in the gather."""
+        self.channel.send(Op.LOGITS, [], [np.ascontiguousarray(rows, dtype=np.int64)])
+        return self.rows_logits(rows)
+
+    def follow(self) -> int:
+        """Ranks 1..N-1: runs rank 0's steps until STOP. Returns the steps run."""
+        steps = 0
+        while True:
+            message = self.channel.recv()
+            if message.op == Op.STOP:
+                return steps
+            if message.op == Op.LOGITS:
+                self.rows_logits(message.arrays[0].numpy())
+                continue
+            if message.op != Op.FORWARD:
+                raise ValueError(f"tensor parallelism: rank {self.tp.rank} got {message.op!r}")
+            self.forward_step(ForwardStep.of(message))
+            steps += 1
+
+    def stop(self) -> None:
+        self.channel.send(Op.STOP, [], [])
+
+
+def make_step(
+    ids: Sequence[np.ndarray],
+    out_slots: Sequence[np.ndarray],
+    req_slots: Sequence[int],
+    prefix_lens: Sequence[int],
+    is_decode: bool,
+    logit_rows: np.ndarray,
+    prefixes: Sequence[tuple[int, np.ndarray]] = (),
+) -> ForwardStep:
+    """A ForwardStep from a batch's host arrays (the same ones StepStager.stage takes)."""
+    rows = np.asarray(req_slots, dtype=np.int64)
+    arrays, t, b = host_arrays(ids, out_slots, rows, np.asarray(prefix_lens, dtype=np.int64))
+    none = np.zeros(0, dtype=np.int64)
+    return ForwardStep(
+        flat=np.concatenate(arrays),
+        t=t,
+        b=b,
+        max_seq_len=int(arrays[7].max()) if b else 0,
+        max_extend_len=int(arrays[6].max()) if b else 0,
+        is_decode=is_decode,
+        prefix_rows=np.array([r for r, _ in prefixes], dtype=np.int64),
+        prefix_lens=np.array([len(s) for _, s in prefixes], dtype=np.int64),
+        prefix_slots=np.concatenate([s for _, s in prefixes]).astype(np.int64)
+        if prefixes
+        else none,
+        logit_rows=np.asarray(logit_rows, dtype=np.int64),
+    )
