@@ -39,8 +39,8 @@ import grpc  # noqa: E402
 from bench.bench_hicache import MODEL as REUSE_MODEL  # noqa: E402  (the ~25M Llama)
 from radixserve.internal.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from radixserve.v1 import generation_pb2  # noqa: E402
-from services.bench import serving  # noqa: E402
 from services.common.curve import load_keys  # noqa: E402
+from services.loadgen import serving  # noqa: E402
 from tests.cluster_util import Cluster, until  # noqa: E402
 from tests.conftest import make_tiny_zen_model  # noqa: E402
 from tests.redis_util import RedisServer  # noqa: E402

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # for tests.* when run as `python bench/...`
 
 from radixserve.v1 import generation_pb2  # noqa: E402
-from services.bench import serving  # noqa: E402
+from services.loadgen import serving  # noqa: E402
 from tests.conftest import make_tiny_zen_model  # noqa: E402
 from tests.server_util import Server, greedy, scrape_metrics  # noqa: E402
 

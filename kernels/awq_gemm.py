@@ -7,7 +7,7 @@
     bias:     [N] or None
     returns:  [M, N]        x's dtype
 
-    W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]        (services/worker/quant/awq.py)
+    W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]        (kernels/awq_pack.py)
 
 One program computes a [BLOCK_M, BLOCK_N] tile of the output over a range of K. Per
 [BLOCK_K, BLOCK_N] tile of W it loads the [BLOCK_K, BLOCK_N / 8] int32 words once
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import dot_precision, tl, triton
-from services.worker.quant.awq import PACK, dequantize
+from kernels.awq_pack import PACK, dequantize
 
 
 @triton.jit

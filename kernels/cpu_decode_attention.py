@@ -1,38 +1,13 @@
 """Decode attention on CPU straight from the paged KV pool: a small C kernel.
 
-Why: the torch backend's decode gathered every request's K and V rows out of the pool into
-a padded [B, Lmax] copy per layer (``index_select``) and then ran SDPA over the copy; that
-copy of scattered rows cost about as much as the attention itself. This kernel reads each
-K/V row where it lies, once: per (request, kv head) it scores the g = Hq/Hkv query heads
-against the context's slots (read through the request-to-slot table, as the Triton kernel
-does), takes an exact two-pass softmax, and sums the V rows. OpenMP spreads the (request,
-kv head) items over ``nthreads``; the library links the libgomp that torch has already
-loaded, so both share one thread pool.
-
-The softmax runs on vectors (the 16-lane AVX-512 or 8-lane AVX2 exp of kernels/_cc.py, the
-same polynomial as the extend kernel's; libm's scalar ``expf`` per score had been a third
-of the kernel) and, with AVX-512, each score's dot product on 16 lanes. With AVX-512 and
-head dims 64 or 128, scores are taken 16 slots at a time (16 independent dot products per
-query head, their lane sums in one transposing shuffle tree instead of 16
-``_mm512_reduce_add_ps``) and the P.V sums run as register tiles of up to 6 query heads x
-the head dim, each V row loaded once for the tile. The tree adds in the order that
-``_mm512_reduce_add_ps`` does, so the results are bit-identical to a per-slot loop's.
-Figures: docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
-
-Numerics: float32 throughout, another summation order than SDPA (max |diff| ~1e-6
-relative); ``decode_attention_ref`` is the plain-PyTorch reference the tests compare with.
-
-bfloat16 pools (q and the output bfloat16 too): the same passes with every K and V row
-widened to float32 as it is loaded (a 16-bit shift: exact), the query rows widened once per
-work item and the float32 output rounded once at the end; so scores, softmax and P.V sums
-are float32 and the only rounding is the output's (half a bfloat16 ulp, ~2e-3 relative).
-The pool's bytes, what bounds this kernel at long contexts, are half of float32's. float16
-pools stay on torch's path.
-
-The C source is kernels/cpu/decode_attention.c, built by kernels/_cc.py (shared with the
-other C kernels: the system ``cc -O3 -march=native -fopenmp`` on first use, cached by
-source + flags + CPU flags, atomic write). No compiler, a failed build or
-``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None and the caller keeps its torch path.
+Why: the torch path gathered every request's K/V rows into a padded copy per layer before
+SDPA, a copy that cost about as much as the attention; this kernel reads each row where it
+lies, through the request-to-slot table, with an exact two-pass softmax, OpenMP over
+(request, kv head) on torch's own thread pool. float32 and bfloat16 pools;
+``decode_attention_ref`` is the reference the tests compare with. Source
+kernels/cpu/decode_attention.c, built by kernels/_cc.py; no compiler, a failed build or
+``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None. Tiling and numerics:
+docs/cpu-kernels.md.
 """
 
 from __future__ import annotations

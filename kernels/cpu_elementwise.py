@@ -1,47 +1,12 @@
 """Fused element-wise ops of a CPU forward: rotary, SiLU-gated product, RMSNorm.
 
-Why: in a cold float32 prefill on CPU about an eighth of the time went to element-wise
-torch ops around the linears, chains of passes over the same rows: the rotary embedding
-(``cat(x1*c - x2*s, x2*c + x1*s)``: six passes, each writing a temporary), the gated MLP's
-``silu(gate) * up`` (a strided read of ``gate`` out of the fused gate/up output, a
-temporary, a second pass) and ``F.rms_norm`` (square, mean, add, rsqrt, two products, each
-a pass and a parallel region). Each becomes one pass here that reads its inputs once and
-writes the result once; ``rms_norm`` optionally adds the residual first (``x + h`` then its
-norm, as a decoder layer's post-attention norm does). Figures: docs/benchmarks.md
-("Worker") and docs/benchmarks-history.md.
-
-Numerics:
-- ``rotary``: the same float operations as the torch expression, each rounded (the library
-  is built with ``-ffp-contract=off``: a fused multiply-add would round ``x1*c - x2*s``
-  once instead of twice), so the result is bit-identical to torch's.
-- ``silu_mul``: ``g / (1 + exp(-g)) * u`` as torch's CPU silu computes it, with an 8-lane
-  AVX2 exp (Cephes' degree-6 polynomial after a two-constant ln 2 reduction, ~1 ulp, as
-  torch's SLEEF exp): max relative error against float64 2.0e-7 over |g| < 80 (torch's
-  1.7e-7).
-  exp(-g) overflows to inf for g < -88.03 (the result is -0, as torch's from -88.72), and
-  underflows to 2^-126 for g > 87.3 (the result is g * u). Without AVX2/FMA there is no
-  ``silu_mul`` (libm's scalar ``expf`` would make it slower than torch's vectorized
-  silu + mul); the rotary is plain C either way.
-- ``rms_norm``: the residual sum is the same float add as torch's (a bit-identical residual
-  stream); the sum of squares runs in 16 partial sums in a fixed order, so the norm differs
-  from ``F.rms_norm`` by float32 rounding (<= 2e-6 in the tests).
-
-bfloat16 / float16 tensors (``rs_*16``): the same passes reading and writing 16-bit rows,
-every value rounded where torch's expression in that dtype rounds (each torch op computes
-in float32 and rounds its result): the rotary's four products and two sums, RMSNorm's
-residual sum, its normalised row (float32 statistics, as ``layers.RMSNorm``'s fallback and
-transformers compute them) and its product with the weight, silu's output and its
-product with ``up``. So the rotary is bit-identical to torch's bf16 expression, RMSNorm
-differs by float32 rounding of the statistics (a bf16 ulp now and then), silu_mul by the
-exp's ~1 ulp before rounding. AVX2 vectors where the CPU has them (float16 through F16C),
-scalar C otherwise (silu_mul: AVX2/FMA only, as for float32).
-
-The C source is kernels/cpu/elementwise.c, built by kernels/_cc.py (system ``cc`` on first
-use, cached by source + flags + CPU flags); OpenMP over rows with
-``torch.get_num_threads()`` threads, one thread below ``PARALLEL_MIN`` elements (a parallel
-region costs more than such a pass). ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed
-build: ``load()`` returns None and the callers (services/worker/layers.py) keep the torch
-expressions.
+Why: each of these is a chain of torch passes over the same rows (six for the rotary);
+here each is one pass that reads its inputs once and writes once, ``rms_norm`` optionally
+adding the residual first. The rotary is bit-identical to torch's expression, the others
+differ by float32 rounding (numerics per op and per dtype: docs/cpu-kernels.md).
+Source kernels/cpu/elementwise.c, built by kernels/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``,
+no compiler or a failed build: ``load()`` returns None and services/worker/layers.py keeps
+the torch expressions.
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
 """Causal extend (prefill) attention on CPU straight from the paged KV pool: a C kernel.
 
-Why: torch's CPU flash SDPA ran well below the linears' rate in a cold float32 prefill,
-and a prefix (radix cache) hit also paid an ``index_select`` gather of the whole context
-and a boolean mask per request and layer. This kernel runs every extend request of the
-batch in one call and reads each K/V row where it lies in the pool, through the
-request-to-slot table, so a cached prefix costs no copy and no mask. Work items are
-(request, kv head, block of query rows), largest first, spread over ``nthreads`` by OpenMP
-(the libgomp torch has loaded: one thread pool); a call below ``PARALLEL_MIN`` runs on one
-thread.
-
-Per item, flash style: the g = Hq/Hkv query heads of the block share every K/V block they
-read (GQA). Queries are packed transposed and pre-scaled, 16 to a tile, so both products
-are broadcast-FMA register tiles of 6 x 16 (12 accumulators): scores = 6 keys (broadcast
-from their pool rows) x 16 queries, and the output, kept transposed, = 6 head-dim lanes
-(broadcast from the V rows) x 16 queries. The softmax is online, per query lane, in the
-same 8-lane layout; causality skips every key tile past a query tile's last position.
-With AVX-512 a tile's 16 query lanes are one zmm vector: Q.K tiles of 12 keys x 16 queries
-and P.V tiles of 16 head-dim rows, the layout and the work items unchanged. Each key
-block's K and V rows are copied side by side into a per-thread buffer (18 KiB), so that a
-tile reads them at fixed offsets from one pointer: with 12 row pointers gcc ran out of
-general registers and shuttled them through vector registers on the FMA ports. Figures:
-docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
-
-Numerics: float32, an 8-lane AVX2 (16-lane AVX-512) exp (Cephes' polynomial, ~1 ulp),
-another summation order than SDPA (max diff ~1e-6 relative); ``extend_attention_ref`` is
-the plain-PyTorch reference the tests compare with. Without AVX2/FMA there is no kernel
-(``load()`` is None).
-
-bfloat16 (q, pools and output): each block's K and V rows are widened to float32 as they
-are copied into the block buffers (exact), the queries as they are packed; the tiles, the
-softmax and the sums are the float32 ones, and the output is rounded to bfloat16 once.
-float16 stays on the SDPA path.
-
-The C source is kernels/cpu/extend_attention.c, built by kernels/_cc.py (system ``cc -O3
--march=native -fopenmp`` on first use, cached by source + flags + CPU flags); no compiler,
-a failed build or ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None and the caller
-keeps its SDPA path.
+Why: torch's CPU SDPA ran below the linears' rate and a radix-cache hit paid a gather of
+the whole context plus a mask per request and layer; this kernel runs every extend request
+of a batch in one call, flash style, reading K/V rows where they lie in the pool, so a
+cached prefix costs no copy. float32 and bfloat16; ``extend_attention_ref`` is the
+reference the tests compare with. Source kernels/cpu/extend_attention.c, built by
+kernels/_cc.py; without AVX2/FMA, a compiler or with ``RADIXSERVE_CPU_KERNELS=0``:
+``load()`` returns None. Tiling and numerics: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,11 @@
-"""Small-M float32 GEMM on CPU: ``y = x @ W^T (+ b)`` over the plain [N, K] weight, a C kernel.
+"""Small-M GEMM on CPU: ``y = x @ W^T (+ b)`` over the plain [N, K] weight, a C kernel.
 
-Why: a decode step's linears run at M = 1..64 rows, and every step the model's weights
-stream from memory, cold; oneDNN's packed path reads them far below the memory bandwidth
-there. This kernel streams each weight row from memory once and reuses it from L1 for all
-M rows: blocks of 4 weight rows (a contiguous run of W per thread, OpenMP over the blocks),
-K in chunks of 512 so that the 4 x 512 weight chunk (8 KiB) stays in L1 while tiles of
-3 x rows run over it, 3 x 4 AVX2/FMA (or AVX-512) accumulators in registers, lanes summed
-once at the end. Where it beats oneDNN: services/worker/cpu_linear.py.
-
-The next block's rows are prefetched meanwhile, spread over the block's tiles (tile t
-fetches rows t, t + T, ...: fetching all 128 lines in the first tile overflowed the line
-fill buffers), into L2 (``_MM_HINT_T1``: into L1 they evicted the chunk in use on a core
-with a 32 KiB L1d). The rows are split evenly over the tiles (M = 16: 3,3,3,3,2,2), since a
-trailing 1-row tile has too few accumulators to hide the FMA latency. A prefetch changes no
-arithmetic. Figures: docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
-
-Numerics: float32 with FMA, a fixed order (per lane k ascending, then a fixed tree over
-the lanes, then + bias), no -ffast-math. The order does not depend on M, on which tile a
-row lands in or on the thread count, so a row's result is bit-identical whatever batch it
-is in. Against float64: max|err| / max|ref| ~1e-6, as oneDNN's. Other CPUs: the AVX2
-intrinsics sit behind ``__AVX2__`` / ``__FMA__``; elsewhere a portable C path with the same
-blocking builds instead.
-
-16-bit weights (``load16``, kernels/cpu/gemm16.c): the same blocking over a bfloat16 or
-float16 [N, K] weight, half the bytes to stream. x (float32, bfloat16 or float16) is
-rounded to the weight's dtype, every product is exact and the sums are float32; y comes
-back in x's dtype (one rounding of the float32 sum plus bias). With AVX512_BF16 a
-bfloat16 weight runs ``vdpbf16ps`` (32 elements per instruction); otherwise the weights are
-widened to float (a 16-bit shift; ``vcvtph2ps`` for float16) for AVX-512 or AVX2 FMAs
-(``isa16()`` says which). The order is fixed as in gemm.c, so rows are batch-invariant;
-against float64 on the rounded inputs the error is float32's (~1e-6 relative).
-
-The C sources are kernels/cpu/gemm.c and gemm16.c, built by kernels/_cc.py (system ``cc
--O3 -march=native -fopenmp`` on first use, cached by source + flags + CPU flags, atomic
-write);
-``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()`` returns None.
+Why: a decode step's linears run at M = 1..64 rows over cold weights, where oneDNN's packed
+path reads them far below memory bandwidth; this kernel streams each weight row once for
+all M rows. A fixed summation order makes every row bit-identical whatever batch it is in.
+Sources kernels/cpu/gemm.c and gemm16.c (``load16``: bfloat16/float16 weights), built by
+kernels/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()``
+returns None. Blocking, prefetch and numerics: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Issue 18 asks whether radixserve beats vLLM's CPU engine. Both servers are started here on
 loopback with the same model folder (bench/peers/make_model.py), the same torch thread
 count and the same KV memory, and driven by the same client (`radixserve bench`,
-services/bench/serving.py) over streaming /v1/completions.
+services/loadgen/serving.py) over streaming /v1/completions.
 
 Fairness:
 - threads: radixserve's worker gets `--cpu-threads N`; vLLM's engine gets OMP threads
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 from make_model import PEERS_DIR, make  # noqa: E402
 
-from services.bench.serving import add_bench_args, benchmark  # noqa: E402
+from services.loadgen.serving import add_bench_args, benchmark  # noqa: E402
 
 VLLM_PYTHON = Path(os.environ.get("RADIXSERVE_VLLM_VENV", PEERS_DIR / "vllm")) / "bin" / "python"
 DOCS = REPO / "docs" / "benchmarks.md"

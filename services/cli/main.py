@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
         add_dataclass_args(p, cls)
-    from services.bench.serving import add_bench_args
     from services.frontend.client import add_generate_args
+    from services.loadgen.serving import add_bench_args
 
     keys = sub.add_parser("keys", help="CURVE keys of the internal links (--internal-keys-dir)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_generate(ns)
     if ns.command == "bench":
-        from services.bench.serving import run_bench
+        from services.loadgen.serving import run_bench
 
         return run_bench(ns)
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.bearer import AioBearerInterceptor, MethodKeys, bearer_matches
-from services.frontend.openai_protocol import ApiError
+from services.frontend.openai_errors import ApiError
 from services.frontend.server import SERVICE_NAME
 
 Scope = MutableMapping[str, Any]

@@ -1,8 +1,9 @@
 """The HTTP routes of the frontend (FastAPI on uvicorn, in the frontend's asyncio loop).
 
 OpenAI's ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``, plus health,
-Prometheus metrics and cache control. The routes only pick the pieces: the protocol and
-its conversions are in openai_protocol.py, and both generating routes run through the one
+Prometheus metrics and cache control. The routes only pick the pieces: request bodies and
+their conversions are in openai_protocol.py, answers in openai_answers.py, errors in
+openai_errors.py, and both generating routes run through the one
 completion path in http_completion.py, on the same Frontend as the gRPC API.
 """
 
@@ -31,18 +32,13 @@ from services.frontend.http_completion import complete
 from services.frontend.http_limits import BodyLimit
 from services.frontend.http_native import native_routes
 from services.frontend.key_limits import KeyConcurrency, KeyConcurrencyLimit
+from services.frontend.openai_answers import ChatShape, CompletionShape, ModelCard, ModelList
+from services.frontend.openai_errors import ApiError, body_error, check_model
 from services.frontend.openai_protocol import (
-    ApiError,
     ChatCompletionRequest,
-    ChatShape,
     CompletionRequest,
-    CompletionShape,
-    ModelCard,
-    ModelList,
-    body_error,
     chat_plan,
     chat_to_request,
-    check_model,
     check_unserved,
     completion_to_request,
 )

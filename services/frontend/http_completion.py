@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from radixserve.v1 import generation_pb2 as pb
 from services.frontend import sse
-from services.frontend.openai_protocol import ApiError, api_error
+from services.frontend.openai_errors import ApiError, api_error
 from services.frontend.pipeline import Frontend, FrontendError
 from services.frontend.spans import carrier_from
 

@@ -1,7 +1,7 @@
 """What each HTTP route declares in /openapi.json beyond its 200: the answers it really gives.
 
 FastAPI documents a 200 in JSON and a 422 it never sends (a bad body or query answers 400,
-openai_protocol.body_error). These tell the truth instead, so clients and schemathesis
+openai_errors.body_error). These tell the truth instead, so clients and schemathesis
 (tests/e2e/test_openapi_fuzz.py) can hold the server to its schema.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from services.frontend.openai_protocol import ErrorResponse
+from services.frontend.openai_errors import ErrorResponse
 
 Responses = dict[int | str, dict[str, Any]]
 

@@ -43,7 +43,8 @@ from services.common.sampling_limits import MAX_TOP_LOGPROBS
 from services.frontend import http_docs as docs
 from services.frontend import sse
 from services.frontend.http_completion import complete
-from services.frontend.openai_protocol import ApiError, logit_bias_entries
+from services.frontend.openai_errors import ApiError
+from services.frontend.openai_protocol import logit_bias_entries
 from services.frontend.pipeline import Frontend
 from services.frontend.tokenizer import Tokenizer
 

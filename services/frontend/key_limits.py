@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapp
 from contextlib import contextmanager
 from typing import Any
 
-from services.frontend.openai_protocol import ApiError
+from services.frontend.openai_errors import ApiError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -1,57 +1,16 @@
 """Prepacked CPU linears: ``y = x @ W^T + b`` through oneDNN instead of MKL.
 
-Why: ``F.linear`` on a float32 CPU tensor runs MKL's sgemm, which copies the weight into
-its internal panel layout on every call. oneDNN (``torch.ops.mkldnn._linear_pointwise``,
-the op inductor's CPU freezing emits for dynamic shapes) runs its brgemm kernels (avx2 /
-avx512 / amx, picked at runtime) over a weight reordered *once*, at load, into its blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight``). That wins from two rows up and is
-level with MKL at large M (long prefills). A single row is a matrix-vector product, a poor
-fit for the blocked layout: it stays on ``F.linear`` unless the small-M kernel serves.
-
-Small M with the weights cold (a decode step streams the whole model's weights from memory
-every step): kernels/cpu_gemm.py streams each row of the plain [N, K] weight once for all
-rows and beats oneDNN below a crossing that depends on the CPU's vector width and vendor
-(``default_kernel_rows()``). Figures and commands: docs/benchmarks.md ("Worker") and
-docs/benchmarks-history.md.
-
-Exactness: oneDNN computes in float32 with another summation order (<= 1.4e-6 relative to
-``F.linear``), the C kernel in a fixed order (<= 5.7e-7 against float64): both well inside
-the 1e-5 that greedy parity with transformers needs (tests/unit/test_model_parity.py).
-radixserve never lowers ``torch.backends.mkldnn.matmul.fp32_precision``.
-
-Use: pack once, after the weights are loaded, call in forward::
+Why: MKL's sgemm repacks the weight on every call; oneDNN runs over a weight reordered once,
+at load, and wins from two rows up. Small M (decode, cold weights) goes to the C kernel of
+kernels/cpu_gemm.py below ``default_kernel_rows()``. The path is chosen at pack time
+(oneDNN for float32/bfloat16 CPU weights where torch has it, ``F.linear`` otherwise), so
+callers never branch::
 
     qkv = PackedLinear(layer.qkv_proj.weight, layer.qkv_proj.bias)
     y = qkv(x)            # x: [..., in_features], any leading shape, any M (0 and 1 too)
 
-The path is chosen once, at pack time: oneDNN when the weight is a float32 CPU tensor and
-torch has a working oneDNN (``torch.backends.mkldnn.enabled``), otherwise plain
-``F.linear`` over the original tensors (CUDA, float16/float64, builds without oneDNN), so
-callers never branch. The only per-call choice is by size, and only while the original
-(plain) weight is kept: fewer than ``min_rows`` rows go to ``F.linear`` on it, then fewer
-than ``kernel_rows`` (default ``default_kernel_rows()``; float32 and oneDNN, where the C
-kernel builds) to kernels/cpu_gemm.py on it, the rest to oneDNN. ``min_rows`` defaults to
-0 when the kernel serves (it beats ``F.linear`` at one row too), else to 2.
-
-16-bit weights (a model loaded in bfloat16 or float16, or ``bf16=True``, which stores a
-float32 weight in bfloat16): oneDNN's bfloat16 kernels over the packed copy where this CPU
-has them (``onednn_available(dtype)``: avx512_bf16 / amx / avx_ne_convert), and
-below ``kernel_rows`` (``default_kernel_rows16(dtype)``) the 16-bit C kernel
-(kernels/cpu_gemm.py ``load16``) on the plain weight: a decode step streams half the bytes
-of float32. Without oneDNN's path (float16 always) the kernel runs up to
-``KERNEL_ROWS_16_ALONE`` rows and ``F.linear`` in the weight's dtype beyond (several times
-slower than float32 on an AVX2-only CPU: serve float32 there). The result comes back in
-x's dtype; float32 x meets the weight rounded to its dtype (oneDNN: the product rounded to
-it too, the kernel: not).
-
-Memory: the packed weight is a second copy (the blocked layout pads N to 64 and K to 16).
-By default (``keep_plain=True``) the original tensor stays referenced (not copied) for the
-small-M paths, so float32 linear weights take twice their size. ``keep_plain=False``
-keeps only the packed copy (``to_dense()`` rebuilds the original) at the price of every M
-on oneDNN. The worker's ``--cpu-linear packed`` is that; ``hybrid`` keeps both and so gets
-the kernel; the default ``auto`` is ``hybrid`` while the linears' weights take at most
-2 GiB. Pack after ``load_weights``: the packed copy does not follow later in-place changes
-of the original. Inference only: the oneDNN op has no backward.
+Exactness, 16-bit weights and the memory price of keeping both copies
+(``--cpu-linear``): docs/cpu-kernels.md.
 """
 
 from __future__ import annotations

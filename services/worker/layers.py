@@ -33,9 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_elementwise
+from kernels.awq_pack import PACK, dequantize
 from services.worker.cpu_linear import PackedLinear
 from services.worker.forward_context import ForwardContext
-from services.worker.quant.awq import PACK, dequantize, packed_shapes
+from services.worker.quant.awq import packed_shapes
 
 
 class RMSNorm(nn.Module):

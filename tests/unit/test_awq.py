@@ -42,11 +42,12 @@ from test_model_parity import (
     prefill_batch,
 )
 
+from kernels.awq_pack import dequantize, unpack
 from services.worker.layers import AwqLinear, FusedLinear
 from services.worker.model_loader import load_model, num_parameters, weight_nbytes
 from services.worker.models import get_model_class
 from services.worker.offline import generate
-from services.worker.quant.awq import AwqConfig, dequantize, parse_quantization_config, unpack
+from services.worker.quant.awq import AwqConfig, parse_quantization_config
 
 CPU = torch.device("cpu")
 

@@ -15,12 +15,8 @@ import xgrammar as xgr
 from radixserve.v1 import generation_pb2 as pb
 from services.common.config import DEFAULT_MODEL_PATH
 from services.frontend.chat_tools import ChatOutput, ChatParsers
-from services.frontend.openai_protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    chat_plan,
-    chat_to_request,
-)
+from services.frontend.openai_errors import ApiError
+from services.frontend.openai_protocol import ChatCompletionRequest, chat_plan, chat_to_request
 from services.frontend.pipeline import template_chat
 from services.frontend.reasoning_parser import get_reasoning_parser
 from services.frontend.tokenizer import ChatToolsError, Tokenizer

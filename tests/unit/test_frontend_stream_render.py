@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from radixserve.v1 import generation_pb2 as pb
 from services.frontend import sse
 from services.frontend.http_native import NativeShape, parse_generate
-from services.frontend.openai_protocol import ChatShape, CompletionShape
+from services.frontend.openai_answers import ChatShape, CompletionShape
 from services.frontend.tokenizer import Tokenizer
 
 try:

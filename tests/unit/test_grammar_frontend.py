@@ -11,11 +11,10 @@ import pytest
 from radixserve.internal.v1 import engine_pb2
 from radixserve.v1 import generation_pb2 as pb
 from services.frontend.engine_messages import sampling_to_engine
+from services.frontend.openai_errors import ApiError, api_error
 from services.frontend.openai_protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    api_error,
     chat_to_request,
     completion_to_request,
 )

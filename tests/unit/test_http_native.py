@@ -17,7 +17,7 @@ from services.frontend.http_native import (
     native_error,
     parse_generate,
 )
-from services.frontend.openai_protocol import ApiError
+from services.frontend.openai_errors import ApiError
 from services.frontend.pipeline import Frontend
 from services.frontend.tokenizer import Tokenizer
 from tests.fake_scheduler import (

@@ -13,8 +13,8 @@ from radixserve.v1 import generation_pb2 as pb
 from services.common.sampling_limits import MAX_LOGIT_BIAS
 from services.frontend.engine_messages import sampling_to_engine
 from services.frontend.http_native import parse_generate
+from services.frontend.openai_errors import ApiError
 from services.frontend.openai_protocol import (
-    ApiError,
     CompletionRequest,
     check_unserved,
     completion_to_request,

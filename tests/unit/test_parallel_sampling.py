@@ -310,7 +310,8 @@ def test_each_choice_echoes_the_prompt(client):
 
 
 def test_best_of_keeps_the_highest_cumulative_logprobs_best_first(tok):
-    from services.frontend.openai_protocol import CompletionRequest, CompletionShape
+    from services.frontend.openai_answers import CompletionShape
+    from services.frontend.openai_protocol import CompletionRequest
 
     body = CompletionRequest(prompt="x", n=2, best_of=4)
     shape = CompletionShape.of(body, tok[1], "tiny")

@@ -9,15 +9,8 @@ W transposed, ``in`` rows by ``out`` columns, quantized per group of ``group_siz
 
     W^T[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]
 
-Packing: the 8 columns 8c .. 8c+7 share int32 number c; nibble i (bits 4i .. 4i+3) holds
-column 8c + AWQ_ORDER[i]. So the column order inside an int32 is interleaved:
-
-    nibble (low to high)  0  1  2  3  4  5  6  7
-    column 8c +           0  2  4  6  1  3  5  7
-
-Dequantized in float32 the product is exact (q - z is a small integer, s has 11 significant
-bits), so the float32 weights are the checkpoint's own values; another compute dtype rounds
-them once.
+The packing and the exact dequantization live in kernels/awq_pack.py (the kernels use them
+too).
 """
 
 from __future__ import annotations
@@ -26,15 +19,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from kernels.awq_pack import BITS, PACK
 
 log = logging.getLogger(__name__)
 
-BITS = 4
-PACK = 32 // BITS  # values per int32
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-# Bit offset of column j (of its 8) inside its int32: 4 * (nibble holding j).
-COLUMN_SHIFTS = tuple(BITS * AWQ_ORDER.index(j) for j in range(PACK))  # 0 16 4 20 8 24 12 28
 
 SUPPORTED = "quant_method awq, bits 4, version gemm, zero_point true"
 # Keys transformers writes into an AwqConfig that say how *it* runs the model (fused
@@ -121,24 +109,6 @@ def check_linear(name: str, in_features: int, out_features: int, cfg: AwqConfig)
             "(8 four-bit values per int32)"
         )
     return group
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """[R, C / 8] int32 -> [R, C] int32 values 0..15, in column order."""
-    shifts = torch.tensor(COLUMN_SHIFTS, dtype=torch.int32, device=packed.device)
-    # An arithmetic shift keeps the sign bits above nibble 7; the mask drops them.
-    values = (packed[:, :, None] >> shifts) & 0xF  # [R, C/8, 8]
-    return values.reshape(packed.shape[0], -1)
-
-
-def dequantize(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int
-) -> torch.Tensor:
-    """W^T as [in, out] float32, exactly (see the module docstring)."""
-    rows, cols = qweight.shape[0], scales.shape[1]
-    q = unpack(qweight).view(rows // group, group, cols)  # [G, group, out]
-    z = unpack(qzeros)[:, None, :]  # [G, 1, out]
-    return ((q - z).float() * scales.float()[:, None, :]).view(rows, cols)
 
 
 def packed_shapes(in_features: int, out_features: int, group: int) -> dict[str, tuple[int, ...]]:

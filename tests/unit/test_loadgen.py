@@ -24,8 +24,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.bench import workloads
-from services.bench.serving import (
+from services.common.config import DEFAULT_MODEL_PATH
+from services.loadgen import workloads
+from services.loadgen.serving import (
     Result,
     ServerError,
     StreamReader,
@@ -33,7 +34,6 @@ from services.bench.serving import (
     benchmark,
     run_bench,
 )
-from services.common.config import DEFAULT_MODEL_PATH
 
 FIRST_S, STEP_S = 0.15, 0.02
 

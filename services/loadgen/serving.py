@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from services.bench import workloads
-from services.bench.workloads import SEP, Session, TextMaker
+from services.loadgen import workloads
+from services.loadgen.workloads import SEP, Session, TextMaker
 
 if TYPE_CHECKING:
     import httpx
