@@ -168,7 +168,26 @@ class WorkerConfig:
     disable_cuda_graph: bool = _opt(False, "do not capture decode in CUDA graphs")
     cuda_graph_max_bs: int = _opt(64, "largest decode batch captured in a CUDA graph")
     random_seed: int = _opt(0, "seed for requests that give none")
-    cpu_threads: int = _opt(0, "torch threads on CPU (0: one per core this process may use)")
+    tp_size: int = _opt(
+        1,
+        "tensor parallelism: the worker runs as this many ranks (processes on one node, one "
+        "GPU each on cuda), each holding 1/N of the weights and of the KV heads",
+        ge=1,
+        le=64,
+    )
+    tp_timeout: float = _opt(
+        600.0,
+        "tensor parallelism: seconds a collective waits for the other ranks before the engine "
+        "goes down (a hung rank never hangs it forever)",
+        gt=0,
+    )
+    tp_rank: int = _opt(
+        0, "tensor parallelism, set by rank 0 for the ranks it starts: this process's rank", ge=0
+    )
+    tp_store: str = _opt("", "tensor parallelism, set by rank 0: the ranks' rendezvous file")
+    cpu_threads: int = _opt(
+        0, "torch threads on CPU (0: one per core this process may use, split between TP ranks)"
+    )
     cpu_wait: str = _opt(
         "adaptive",
         "how CPU worker threads wait between parallel ops: spin ~0.5 ms then sleep (spin), "
@@ -229,6 +248,10 @@ class WorkerConfig:
             raise ValueError("--hicache-storage-tls-ca needs a rediss:// --hicache-storage-url")
         check_tls_files(self, "control_")
         check_bounds(self)
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"--tp-rank {self.tp_rank} must be below --tp-size {self.tp_size}")
+        if self.tp_rank and not self.tp_store:
+            raise ValueError("--tp-rank needs --tp-store (rank 0 sets both)")
 
 
 @dataclass(frozen=True)

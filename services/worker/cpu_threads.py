@@ -40,6 +40,12 @@ WAIT_MODES = ("adaptive", "spin", "passive")
 SPIN_COUNT = 30_000
 
 
+def default_threads(requested: int, tp_size: int = 1) -> int:
+    """--cpu-threads, or one torch thread per core this process may use, split evenly
+    between the ranks of a tensor-parallel worker (they share the host's cores)."""
+    return requested or max(1, len(os.sched_getaffinity(0)) // tp_size)
+
+
 def set_openmp_wait(mode: str) -> None:
     """Before torch loads libgomp (it reads these once). An explicit setting wins."""
     if mode not in WAIT_MODES:

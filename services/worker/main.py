@@ -6,9 +6,11 @@ returns plain dataclasses, so a malformed message fails in wire.py with the culp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -22,16 +24,24 @@ from opentelemetry import trace
 
 from radixserve.internal.v1 import engine_pb2
 from services.common import tracing, transport
-from services.common.config import WorkerConfig
-from services.common.curve import InsecureLink, check_link, load_keys, serve_securely
+from services.common.config import WorkerConfig, secret_env, to_argv
+from services.common.curve import (
+    InsecureLink,
+    InternalKeys,
+    check_link,
+    load_keys,
+    serve_securely,
+)
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind
 from services.common.logs import setup_logging
 from services.common.tls import server_credentials
 from services.worker import wire
 from services.worker.batch import RunnerInfo
-from services.worker.cpu_threads import ThreadGovernor
+from services.worker.cpu_threads import ThreadGovernor, default_threads
 from services.worker.metrics import WorkerMetrics
-from services.worker.model_runner import ModelRunner
+from services.worker.model_loader import load_config
+from services.worker.model_runner import ModelRunner, check_tensor_parallel, resolve_device
+from services.worker.parallel.launch import Ranks
 
 log = logging.getLogger("radixserve.worker")
 POLL_MS = 100
@@ -41,13 +51,31 @@ DRAIN_IDLE_S = 1.0
 _tracer = tracing.tracer("radixserve.worker")
 
 
-def set_cpu_threads(requested: int) -> int:
-    """Default: one torch thread per core this process may use: with the whole server on
-    2 busy cores, 2 threads beat 1 in decode and cold prefill, and the scheduler and the
-    frontend did not starve (docs/benchmarks-history.md, "Threads"). Returns the count."""
-    threads = requested or len(os.sched_getaffinity(0))
+def set_cpu_threads(requested: int, tp_size: int = 1) -> int:
+    """Default: one torch thread per core this process may use (split between TP ranks):
+    with the whole server on 2 busy cores, 2 threads beat 1 in decode and cold prefill, and
+    the scheduler and the frontend did not starve (docs/benchmarks-history.md, "Threads").
+    Returns the count."""
+    threads = default_threads(requested, tp_size)
     torch.set_num_threads(threads)
     return threads
+
+
+def start_ranks(cfg: WorkerConfig) -> Ranks:
+    """Under --tp-size N: ranks 1..N-1 as this process's children, on its own flags plus
+    their rank (parallel/follower.py), then the group. Refusals come first, named."""
+    device = resolve_device(cfg.device)
+    try:
+        check_tensor_parallel(cfg, load_config(cfg.model_path), device)
+    except ValueError as e:
+        raise SystemExit(f"worker: {e}") from None
+
+    def commands(store: str) -> list[list[str]]:
+        ranks = (dataclasses.replace(cfg, tp_rank=r, tp_store=store) for r in range(1, cfg.tp_size))
+        return [[sys.executable, "-m", "services.cli", "worker", *to_argv(c)] for c in ranks]
+
+    log.info("tensor parallelism: starting ranks 1..%d", cfg.tp_size - 1)
+    return Ranks.start(commands, {**os.environ, **secret_env(cfg)}, device, cfg.tp_timeout)
 
 
 def thread_governor(cfg: WorkerConfig, runner: ModelRunner, threads: int) -> ThreadGovernor | None:
@@ -112,6 +140,11 @@ def handle(
 
 
 def main(cfg: WorkerConfig) -> None:
+    if cfg.tp_rank:  # ranks 1..N-1, started by rank 0 below
+        from services.worker.parallel.follower import follow
+
+        setup_logging(cfg.log_level, f"worker rank {cfg.tp_rank}")
+        return follow(cfg)
     setup_logging(cfg.log_level, "worker")
     tracing.setup_tracing("radixserve-worker", cfg.otlp_traces_endpoint)
     if not cfg.worker_addr:
@@ -121,8 +154,19 @@ def main(cfg: WorkerConfig) -> None:
         check_link(cfg.worker_addr, keys, cfg.insecure_internal, "--worker-addr")
     except InsecureLink as e:
         raise SystemExit(f"worker: {e}") from None
-    threads = set_cpu_threads(cfg.cpu_threads)
-    runner = ModelRunner(cfg)  # SIGTERM meanwhile ends the process at once (nothing to drain)
+    ranks = start_ranks(cfg) if cfg.tp_size > 1 else None  # before this rank's threads
+    try:
+        run(cfg, keys, ranks)
+    finally:
+        if ranks is not None:
+            ranks.stop()
+
+
+def run(cfg: WorkerConfig, keys: InternalKeys | None, ranks: Ranks | None) -> None:
+    """Rank 0 (the worker itself without TP): the model, then the scheduler's batches."""
+    threads = set_cpu_threads(cfg.cpu_threads, cfg.tp_size)
+    # SIGTERM while loading ends the process at once (nothing to drain; the ranks follow)
+    runner = ModelRunner(cfg, ranks.group if ranks else None)
     governor = thread_governor(cfg, runner, threads)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -146,6 +190,7 @@ def main(cfg: WorkerConfig) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        runner.stop_ranks()
         server.stop(grace=None)
         ctx.destroy(linger=0)
         tracing.shutdown()
@@ -196,6 +241,7 @@ def serve(
             last_msg = time.monotonic()
             log.info("worker: SIGTERM; serving the scheduler's drain for up to %g s", grace_s)
         if not sock.poll(POLL_MS):
+            runner.ping_ranks()
             continue
         try:
             identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)

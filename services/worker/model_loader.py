@@ -25,7 +25,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from services.worker.layers import AwqLinear
+from services.worker.layers import AwqLinear, Linear
 from services.worker.models import get_model_class
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.quant.awq import AwqConfig, parse_quantization_config
@@ -33,6 +33,8 @@ from services.worker.quant.awq import AwqConfig, parse_quantization_config
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --cpu-linear auto keeps the dense weights beside the packed ones up to this size.
+AUTO_HYBRID_MAX_BYTES = 2 << 30
 
 
 def load_config(model_path: str) -> PretrainedConfig:
@@ -197,3 +199,20 @@ def eos_token_ids(model_path: str, config: PretrainedConfig) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def pack_for_cpu(model: LlamaForCausalLM, mode: str, device: torch.device) -> int:
+    """CPU: the linears through oneDNN with prepacked weights (layers.Linear.pack), per
+    --cpu-linear; how many were packed. After the KV pool is sized: it counts the dense
+    weights (the packed ones take as much; "hybrid" keeps both)."""
+    if device.type != "cpu" or mode == "plain":
+        return 0
+    if mode == "auto":
+        # Decode batches (few rows) run ~1.2x faster on the dense weights (the small-M
+        # kernel, kernels/cpu_gemm.py) but keeping them doubles the linears' memory:
+        # worth it for small models, not for a 7B one (28 GiB more in float32).
+        dense = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Linear))
+        mode = "hybrid" if dense <= AUTO_HYBRID_MAX_BYTES else "packed"
+    packed = model.pack_linears(keep_plain=mode == "hybrid")
+    log.info("%d linears packed for oneDNN (--cpu-linear %s)", packed, mode)
+    return packed

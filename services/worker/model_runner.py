@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -32,14 +33,20 @@ from services.worker.batch import (
 from services.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from services.worker.grammar import Grammars
 from services.worker.host_pool import HostPool, host_tier_tokens
-from services.worker.kv_pool import KVPool, KVShape, RuntimeReserve, pool_size_tokens
-from services.worker.layers import Linear
+from services.worker.kv_pool import (
+    DEFAULT_MEM_FRACTION,
+    KVPool,
+    KVShape,
+    RuntimeReserve,
+    pool_size_tokens,
+)
 from services.worker.model_loader import (
     architecture_of,
     eos_token_ids,
     load_config,
     load_model,
     num_parameters,
+    pack_for_cpu,
     resolve_dtype,
     safetensors_files,
     weight_nbytes,
@@ -47,14 +54,17 @@ from services.worker.model_loader import (
 )
 from services.worker.models.llama import head_dim_of
 from services.worker.page_store import DirectoryBackend, PageBackend, PageStore
+from services.worker.parallel.group import TpGroup
+from services.worker.parallel.launch import EXIT_RANK_LOST
+from services.worker.parallel.rank_runner import RankShape, make_step
+from services.worker.parallel.shard_model import check_shardable, load_rank_model, local_heads
+from services.worker.parallel.step_channel import LeadChannel, Op
 from services.worker.req_table import ReqToTokenTable
 from services.worker.sampling import Sampler
 from services.worker.step_inputs import StepStager
 
 log = logging.getLogger(__name__)
 
-# --cpu-linear auto keeps the dense weights beside the packed ones up to this size.
-AUTO_HYBRID_MAX_BYTES = 2 << 30
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -90,27 +100,49 @@ def _context_length(cfg: WorkerConfig, c: PretrainedConfig) -> int:
     return int(length)
 
 
+def check_tensor_parallel(cfg: WorkerConfig, c: PretrainedConfig, device: torch.device) -> None:
+    """Refuses, before any rank starts, what --tp-size cannot run (ValueError, named)."""
+    n = cfg.tp_size
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(f"--tp-size {n} needs {n} GPUs; CUDA shows {torch.cuda.device_count()}")
+    if cfg.hicache_ratio or cfg.hicache_size:
+        raise ValueError(
+            "the hierarchical cache (--hicache-ratio / --hicache-size) is not split across "
+            "tensor-parallel ranks yet; run it with --tp-size 1"
+        )
+    check_shardable(c, TpGroup(rank=0, world=n))  # heads, kv heads, intermediate, AWQ
+
+
 class ModelRunner:
-    def __init__(self, cfg: WorkerConfig):
+    """``tp``: rank 0's group under tensor parallelism (docs/tensor-parallel.md): this rank
+    holds its shard, sends every step to the others before running it, and alone samples."""
+
+    def __init__(self, cfg: WorkerConfig, tp: TpGroup | None = None):
         self.cfg = cfg
+        self.tp = tp if tp is not None else TpGroup()
+        self.lead = LeadChannel(self.tp) if self.tp.world > 1 else None
         self.device = resolve_device(cfg.device)
         self.model_path = cfg.model_path
         self.hf_config = c = load_config(cfg.model_path)
         self.dtype = resolve_dtype(cfg.dtype, c, self.device)
-        self.model, _ = load_model(cfg.model_path, self.dtype, self.device, config=c)
+        if self.tp.world > 1:
+            check_tensor_parallel(cfg, c, self.device)
+        self.model = self._load_model(c)
         self.weights_fingerprint = weights_fingerprint(safetensors_files(cfg.model_path))
         self.vocab_size = c.vocab_size
         self.max_context = _context_length(cfg, c)
         self.num_kv_heads = c.num_key_value_heads or c.num_attention_heads
+        self.local_heads, self.local_kv_heads = local_heads(c, self.tp)  # this rank's
         self.head_dim = head_dim_of(c)
         self.num_parameters = num_parameters(self.model)
         self.kv_pool = self._make_pool()
         self.host_pool = self._make_host_pool()
-        self.packed_linears = self._pack_linears(cfg)
+        self.packed_linears = pack_for_cpu(self.model, cfg.cpu_linear, self.device)
         self.num_slots = self.kv_pool.num_slots
         cls = backend_class(cfg.attention_backend, self.device)
         self.backend_name = cls.name
-        backend = cls(c.num_attention_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        backend = cls(self.local_heads, self.local_kv_heads, self.head_dim, scale)
         self.model.attach(backend, self.kv_pool)
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context, self.device)
         self.stager = StepStager(self.device)
@@ -124,7 +156,10 @@ class ModelRunner:
         # The last token sampled per request slot: the input of an overlap-scheduled decode.
         self.last_sampled = np.full(cfg.max_running_requests, -1, dtype=np.int64)
         self._logged_eager_verify = False
+        self._in_step = False  # under TP: the other ranks are inside this step's collectives
         self._info = self._make_info()
+        if self.lead is not None:  # the others load their shards meanwhile, then size alike
+            RankShape(self.num_slots, cfg.max_running_requests, self.max_context).send(self.lead)
         log.info(
             "worker ready: %d KV slots (%.1f MiB), backend %s, %s on %s",
             self.num_slots,
@@ -134,16 +169,33 @@ class ModelRunner:
             self.device,
         )
 
+    def _load_model(self, c: PretrainedConfig):
+        """The whole model, or under TP this rank's shard, read from its slices alone."""
+        if self.tp.world == 1:
+            return load_model(self.cfg.model_path, self.dtype, self.device, config=c)[0]
+        model, read = load_rank_model(self.cfg.model_path, c, self.dtype, self.device, self.tp)
+        log.info(
+            "tensor parallelism: rank 0 of %d, %.1f MiB of the checkpoint read",
+            self.tp.world,
+            read / 2**20,
+        )
+        return model
+
     def _make_pool(self) -> KVPool:
-        """As many KV slots as the memory share allows (kv_pool.py), after the weights."""
+        """As many KV slots as the memory share allows (kv_pool.py), after the weights.
+        Under TP every rank has the same slots for its own kv heads; on CPU the ranks share
+        the host's memory, so each takes 1/N of the share."""
         c, cfg = self.hf_config, self.cfg
-        shape = KVShape(c.num_hidden_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        shape = KVShape(c.num_hidden_layers, self.local_kv_heads, self.head_dim, self.dtype)
         weight_bytes = weight_nbytes(self.model)  # parameters + AWQ's packed buffers
+        fraction = cfg.mem_fraction_static
+        if self.tp.world > 1 and self.device.type == "cpu":
+            fraction = (fraction or DEFAULT_MEM_FRACTION.get("cpu", 0.3)) / self.tp.world
         num_slots = pool_size_tokens(
             shape,
             self.device,
             cfg.max_total_tokens,
-            cfg.mem_fraction_static,
+            fraction,
             weight_bytes,
             cap_tokens=cfg.max_running_requests * self.max_context,
             reserve=self._runtime_reserve(),
@@ -206,34 +258,24 @@ class ModelRunner:
         return RuntimeReserve(
             hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size,
-            qkv_size=(c.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim,
+            qkv_size=(self.local_heads + 2 * self.local_kv_heads) * self.head_dim,
             vocab_size=self.vocab_size,
             dtype=self.dtype,
             max_running_requests=cfg.max_running_requests,
             graph_batch_rows=sum(capture_sizes(max_bs)) if graphs and max_bs >= 1 else 0,
         )
 
-    def _pack_linears(self, cfg: WorkerConfig) -> int:
-        """CPU: the linears through oneDNN with prepacked weights (layers.Linear.pack).
-        After _make_pool, which counts the dense weights (the packed ones take as much;
-        "hybrid" keeps both)."""
-        if self.device.type != "cpu" or cfg.cpu_linear == "plain":
-            return 0
-        mode = cfg.cpu_linear
-        if mode == "auto":
-            # Decode batches (few rows) run ~1.2x faster on the dense weights (the small-M
-            # kernel, kernels/cpu_gemm.py) but keeping them doubles the linears' memory:
-            # worth it for small models, not for a 7B one (28 GiB more in float32).
-            dense = sum(m.weight.nbytes for m in self.model.modules() if isinstance(m, Linear))
-            mode = "hybrid" if dense <= AUTO_HYBRID_MAX_BYTES else "packed"
-        packed = self.model.pack_linears(keep_plain=mode == "hybrid")
-        log.info("%d linears packed for oneDNN (--cpu-linear %s)", packed, mode)
-        return packed
-
     def _capture_graphs(self, cfg: WorkerConfig) -> CudaGraphRunner | None:
         """Decode CUDA graphs (services/worker/cuda_graph.py) when on CUDA with a backend
         that reads every per-step size from device buffers (triton)."""
         if self.device.type != "cuda" or cfg.disable_cuda_graph or self.backend_name != "triton":
+            return None
+        if self.tp.world > 1:
+            log.info(
+                "CUDA graphs are off under --tp-size %d: the all-reduces are not captured in "
+                "graphs yet, so decode runs eagerly",
+                self.tp.world,
+            )
             return None
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         return CudaGraphRunner(self.model, max_bs, self.table, self.device)
@@ -283,9 +325,30 @@ class ModelRunner:
         start = time.perf_counter()
         if not batch.reqs:
             return ForwardOutput([], [], [])
-        input_ids, positions, meta = self._begin(batch)
+        self._in_step = False
+        try:
+            out = self._forward(batch)
+        except Exception as e:
+            if self._in_step:  # the ranks' collectives are out of step: none can go on
+                log.critical(
+                    "tensor parallelism: a step failed midway (%s: %s; a rank died or hung?); "
+                    "the engine goes down so that its supervisor restarts every rank",
+                    type(e).__name__,
+                    e,
+                )
+                os._exit(EXIT_RANK_LOST)
+            raise
+        out.forward_time = time.perf_counter() - start
+        return out
+
+    def _forward(self, batch: Batch) -> ForwardOutput:
         sampled = [i for i, r in enumerate(batch.reqs) if r.sample]
-        logits, graphed, hidden = self._sampled_logits(batch, sampled, input_ids, positions, meta)
+        rows = self._logit_rows(batch, sampled)  # host; None without TP (found on the device)
+        input_ids, positions, meta = self._begin(batch, rows)
+        logits, graphed, hidden = self._sampled_logits(
+            batch, sampled, input_ids, positions, meta, rows
+        )
+        self._in_step = False  # every rank is through the step's collectives
         out = self._sample(batch, sampled, logits)
         if batch.has_drafts and not self._logged_eager_verify and self.graphs is not None:
             # Each request's verify rows (1 + its drafts) vary step to step, and a graph
@@ -297,21 +360,66 @@ class ModelRunner:
             assert hidden is not None  # only decode steps replay graphs
             out.prompt_logprobs = self._score_prompts(batch, hidden)
         out.cuda_graph = graphed
-        out.forward_time = time.perf_counter() - start
         return out
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """Like forward (KV written, table updated, eager) but returns the logits of every
         new token, [T, vocab] float32, and samples nothing. For tests and debugging."""
-        input_ids, positions, meta = self._begin(batch)
+        rows = np.arange(sum(r.n_new for r in batch.reqs)) if self.lead is not None else None
+        input_ids, positions, meta = self._begin(batch, rows)
         return self.model.compute_logits(self.model.forward(input_ids, positions, meta))
 
-    def _begin(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
+    def _begin(
+        self, batch: Batch, rows: np.ndarray | None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
         """Checks the batch against this worker's state, then updates sampling state and the
-        table; the model inputs."""
+        table (under TP after sending the step, ``rows`` its logit rows); the model inputs."""
         ids = self._input_ids(batch)
         self._start_slots(batch)
+        if self.lead is not None:
+            assert rows is not None
+            self._send_step(batch, ids, rows)
         return self._prepare(batch, ids)
+
+    def _logit_rows(self, batch: Batch, sampled: list[int]) -> np.ndarray | None:
+        """Under TP, the rows of the hidden states to take logits of, known on the host
+        before the forward (every rank takes part in their gather)."""
+        if self.lead is None:
+            return None
+        if batch.has_drafts:
+            return self._verify_rows(batch, sampled).numpy()
+        return np.cumsum([r.n_new for r in batch.reqs], dtype=np.int64)[sampled] - 1
+
+    def _send_step(self, batch: Batch, ids: list[np.ndarray], rows: np.ndarray) -> None:
+        """Rank 0: the step's inputs to the other ranks, which run it beside this one."""
+        assert self.lead is not None
+        prefixes = [
+            (r.req_slot, np.asarray(r.start.prefix_slots, dtype=np.int64))
+            for r in batch.reqs
+            if r.start is not None and r.prefix_len > 0
+        ]
+        step = make_step(
+            ids,
+            [r.out_slots for r in batch.reqs],
+            [r.req_slot for r in batch.reqs],
+            [r.prefix_len for r in batch.reqs],
+            batch.is_decode,
+            rows,
+            prefixes,
+        )
+        self._in_step = True
+        step.send(self.lead)
+
+    def ping_ranks(self) -> None:
+        """While idle, under TP: tells the other ranks this one lives (their wait for the
+        next step would otherwise time out, --tp-timeout)."""
+        if self.lead is not None:
+            self.lead.ping_if_idle(min(30.0, self.cfg.tp_timeout / 4))
+
+    def stop_ranks(self) -> None:
+        """Under TP: the other ranks leave their step loop."""
+        if self.lead is not None:
+            self.lead.send(Op.STOP, [], [])
 
     def _input_ids(self, batch: Batch) -> list[np.ndarray]:
         """Each request's new tokens (the slot's last sampled one under use_last_sampled),
@@ -413,13 +521,17 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMeta,
+        rows: np.ndarray | None,
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         """Logits [n, vocab] of the last new token of each sampled request (and, for one
         with k drafts, of its last k + 1: its input's last token and every draft); whether a
-        captured CUDA graph computed them; the hidden states [T, hidden] when eager."""
+        captured CUDA graph computed them; the hidden states [T, hidden] when eager.
+        ``rows``: under TP, those rows, as sent to the other ranks."""
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(batch.reqs)):
             return self.graphs.replay(input_ids, positions, meta)[sampled], True, None
         hidden = self.model.forward(input_ids, positions, meta)  # [T, hidden]
+        if rows is not None:
+            return self._rows_logits(hidden, rows), False, hidden
         if batch.has_drafts:
             last_rows = self._verify_rows(batch, sampled).to(hidden.device)  # [n + drafts]
         else:
@@ -445,7 +557,21 @@ class ModelRunner:
         # Logits + log_softmax of this many rows fit the sampler's logits reserve
         # (3 x max_running_requests rows, kv_pool.RuntimeReserve).
         block = max(16, self.cfg.max_running_requests)
-        return prompt_logprobs.score(self.model.compute_logits, hidden, starts, asks, block)
+
+        def logits_of(rows: np.ndarray) -> torch.Tensor:
+            if self.lead is not None:  # the other ranks take part in the lm_head's gather
+                self.lead.send(Op.LOGITS, [], [rows.astype(np.int64)])
+            return self._rows_logits(hidden, rows)
+
+        return prompt_logprobs.score(logits_of, starts, asks, block)
+
+    def _rows_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Logits [len(rows), vocab] float32 of rows of the hidden states (no rows: no
+        lm_head, and under TP no gather: every rank skips it alike)."""
+        if len(rows) == 0:
+            return torch.empty(0, self.vocab_size, device=hidden.device)
+        index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(hidden.device)
+        return self.model.compute_logits(hidden[index])
 
     def _sample(self, batch: Batch, sampled: list[int], logits: torch.Tensor) -> ForwardOutput:
         """One token per sampled request (a verify step: the accepted drafts, then one);

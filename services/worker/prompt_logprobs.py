@@ -26,14 +26,14 @@ ROWS_PER_BLOCK = 64
 
 
 def score(
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
-    hidden: torch.Tensor,
+    logits_of: Callable[[np.ndarray], torch.Tensor],
     qo_starts: list[int],
     asks: list[PromptScore | None],
     rows_per_block: int = ROWS_PER_BLOCK,
 ) -> list[list[Scored] | None]:
     """Per request (same order as ``asks``): its scored prompt tokens, or None where none
-    were asked. ``logits_of`` is the model's lm_head (float32 logits of hidden rows)."""
+    were asked. ``logits_of(rows)``: float32 logits of those rows of the batch's hidden
+    states (the model's lm_head; under TP every rank takes part)."""
     wanted = [(i, a) for i, a in enumerate(asks) if a is not None and len(a.targets)]
     out: list[list[Scored] | None] = [None] * len(asks)
     if not wanted:
@@ -42,7 +42,7 @@ def score(
     targets = np.concatenate([a.targets for _, a in wanted]).astype(np.int64)
     n_top = max(a.top for _, a in wanted)
     blocks = [
-        _score_rows(logits_of, hidden, rows[lo : lo + rows_per_block], targets[lo:], n_top)
+        _score_rows(logits_of, rows[lo : lo + rows_per_block], targets[lo:], n_top)
         for lo in range(0, len(rows), rows_per_block)
     ]
     # One copy to the host for the whole batch (a sync per block would stall the device).
@@ -61,16 +61,14 @@ def score(
 
 
 def _score_rows(
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
-    hidden: torch.Tensor,
+    logits_of: Callable[[np.ndarray], torch.Tensor],
     rows: np.ndarray,
     targets: np.ndarray,
     n_top: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprob of each row's target ([r]) and the n_top best of each row ([r, n_top] values
     and token ids; n_top may be 0). ``targets`` starts at the first row (extra ignored)."""
-    index = torch.from_numpy(rows).to(hidden.device)
-    logprobs = torch.log_softmax(logits_of(hidden[index]), dim=-1)  # [r, vocab] float32
+    logprobs = torch.log_softmax(logits_of(rows), dim=-1)  # [r, vocab] float32
     want = torch.from_numpy(targets[: len(rows)]).to(logprobs.device)[:, None]
     best = logprobs.topk(n_top, dim=-1)  # n_top 0: empty [r, 0]
     return logprobs.gather(1, want)[:, 0], best.values, best.indices

@@ -118,6 +118,9 @@ CHART_FIXED = {
     "enable_metrics",
     "otlp_traces_endpoint",
     "served_model_name",
+    "tp_size",  # gpu.count
+    "tp_rank",  # rank 0 sets these two for the ranks it starts
+    "tp_store",
     "hicache_storage_dir",  # engine.hicacheStorage.mountPath
     # engine.sharedKVStore: from its Secret (env secretKeyRef), never a ConfigMap or argv
     "hicache_storage_url",
@@ -249,6 +252,18 @@ def test_gpu_through_the_device_plugin() -> None:
     assert (
         "resourceClaims" not in hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]
     )
+
+
+def test_gpu_count_gives_the_worker_that_many_tensor_parallel_ranks() -> None:
+    one = hr.container(hr.manifests(), "StatefulSet", "worker")
+    assert not [a for a in one["args"] if a.startswith("--tp-size")]
+    docs = hr.manifests({"gpu": {"count": 4}})
+    worker = hr.container(docs, "StatefulSet", "worker")
+    assert "--tp-size=4" in worker["args"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    volumes = hr.find(docs, "StatefulSet", "-engine")["spec"]["template"]["spec"]["volumes"]
+    shm = next(v for v in volumes if v["name"] == "dshm")  # NCCL's buffers between ranks
+    assert shm["emptyDir"]["medium"] == "Memory"
 
 
 def test_no_gpu_runs_the_worker_on_cpu() -> None:
@@ -766,7 +781,7 @@ def test_notes_tell_how_to_reach_the_server() -> None:
     [
         ({"gpu": {"mode": "tpu"}}, "/gpu/mode"),
         ({"gpu": {"count": 0}}, "/gpu/count"),
-        ({"gpu": {"count": 2}}, "/gpu/count"),  # one device per worker until TP exists
+        ({"gpu": {"count": 9}}, "/gpu/count"),  # the GPUs of one node
         ({"model": {"source": "hf"}}, "/model/hf/repo"),
         ({"model": {"hf": {"repo": "not a repo"}}}, "/model/hf/repo"),
         ({"model": {"hf": {"storage": "s3"}}}, "/model/hf/storage"),

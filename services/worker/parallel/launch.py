@@ -26,6 +26,13 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a follower imports this module first: ParentWatch must not wait for torch
+    import torch
+
+    from services.worker.parallel.group import TpGroup
 
 log = logging.getLogger(__name__)
 
@@ -130,3 +137,41 @@ class ParentWatch(threading.Thread):
             threading.Event().wait(self.poll_s)
         log.error("tensor parallelism: rank 0 is gone; this rank exits")
         os._exit(EXIT_RANK_LOST)
+
+
+@dataclass
+class Ranks:
+    """Rank 0's hold on the others: their processes, the watch over them, the group."""
+
+    folder: str
+    procs: list[subprocess.Popen]
+    watch: RankWatch
+    group: TpGroup
+
+    @classmethod
+    def start(
+        cls,
+        commands: Callable[[str], list[list[str]]],
+        env: dict[str, str],
+        device: torch.device,
+        timeout_s: float,
+    ) -> Ranks:
+        """Starts ranks 1..N-1 (``commands(store)``: their command lines, told the store)
+        and joins their group as rank 0."""
+        from services.worker.parallel.group import init_group
+
+        folder = rendezvous_dir()
+        procs = start_followers(commands(store_path(folder)), env)
+        watch = RankWatch(procs)
+        watch.start()
+        group = init_group(0, len(procs) + 1, store_path(folder), device, timeout_s)
+        return cls(folder, procs, watch, group)
+
+    def stop(self) -> None:
+        """After the runner's STOP (or a failure): the others are waited for, then killed."""
+        from services.worker.parallel.group import destroy_group
+
+        self.watch.stop()
+        stop_followers(self.procs)
+        destroy_group(self.group)
+        remove_rendezvous(self.folder)

@@ -22,17 +22,10 @@ import torch
 from services.worker.attention.base import AttentionBackend, AttentionMeta
 from services.worker.attention.torch_backend import TorchBackend
 from services.worker.kv_pool import KVPool, KVShape
-from services.worker.model_loader import (
-    architecture_of,
-    load_config,
-    load_model,
-    safetensors_files,
-)
-from services.worker.models import get_model_class
-from services.worker.models.llama import _STACKED, LlamaForCausalLM, head_dim_of
-from services.worker.parallel.checkpoint import ShardedCheckpoint
+from services.worker.model_loader import load_config, load_model, pack_for_cpu
+from services.worker.models.llama import LlamaForCausalLM, head_dim_of
 from services.worker.parallel.group import TpGroup
-from services.worker.parallel.shard_model import load_shard, local_heads, shard_model
+from services.worker.parallel.shard_model import load_rank_model, local_heads
 from services.worker.parallel.step_channel import ForwardStep, Op, StepChannel
 from services.worker.req_table import ReqToTokenTable
 from services.worker.step_inputs import host_arrays
@@ -42,13 +35,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankShape:
-    """The sizes every rank must agree on (rank 0's flags)."""
+    """The sizes every rank must agree on (rank 0's flags and pool sizing)."""
 
     num_slots: int
     max_running_requests: int
     max_context: int
-    dtype: torch.dtype = torch.float32
-    pack_linears: bool = True
 
     def send(self, channel: StepChannel) -> None:
         """Rank 0: the sizes it chose (its pool sizing, from its device's memory), so that
@@ -57,40 +48,42 @@ class RankShape:
         channel.send(Op.SETUP, ints, [])
 
     @classmethod
-    def recv(cls, channel: StepChannel, dtype: torch.dtype, pack_linears: bool) -> RankShape:
+    def recv(cls, channel: StepChannel) -> RankShape:
         message = channel.recv()
         if message.op != Op.SETUP:
             raise ValueError(f"tensor parallelism: expected the sizes first, got {message.op!r}")
         slots, rows, context = message.ints
-        return cls(slots, rows, context, dtype, pack_linears)
+        return cls(slots, rows, context)
 
 
 class RankModel:
     """A rank's shard of the model with its pool, table and attention backend (``backend``:
-    the class the worker picked, services/worker/attention)."""
+    the class the worker picked, services/worker/attention). ``shape`` None: the sizes come
+    from rank 0 once this rank's weights are loaded (so every rank loads at once)."""
 
     def __init__(
         self,
         model_path: str,
         tp: TpGroup,
         device: torch.device,
-        shape: RankShape,
+        shape: RankShape | None,
         backend: type[AttentionBackend] = TorchBackend,
+        dtype: torch.dtype = torch.float32,
+        cpu_linear: str = "packed",
     ):
         self.tp, self.device = tp, device
-        self.bytes_read = 0  # by this rank, of the checkpoint (its slices only under TP)
+        self.channel = StepChannel(tp)
         self.config = c = load_config(model_path)
-        self.model = self._load(model_path, c, shape.dtype).eval()
-        if shape.pack_linears and device.type == "cpu":
-            self.model.pack_linears()
+        self.bytes_read = 0  # by this rank, of the checkpoint (its slices only under TP)
+        self.model = self._load(model_path, c, dtype)
+        pack_for_cpu(self.model, cpu_linear, device)
+        shape = shape if shape is not None else RankShape.recv(self.channel)
         heads, kv_heads = local_heads(c, tp)
         d = head_dim_of(c)
-        self.kv_pool = KVPool(
-            KVShape(c.num_hidden_layers, kv_heads, d, shape.dtype), shape.num_slots, device
-        )
+        kv_shape = KVShape(c.num_hidden_layers, kv_heads, d, dtype)
+        self.kv_pool = KVPool(kv_shape, shape.num_slots, device)
         self.model.attach(backend(heads, kv_heads, d, d**-0.5), self.kv_pool)
         self.table = ReqToTokenTable(shape.max_running_requests, shape.max_context, device)
-        self.channel = StepChannel(tp)
         self.hidden = torch.empty(0, c.hidden_size, device=device)
 
     def _load(self, model_path: str, c, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -98,11 +91,7 @@ class RankModel:
         TP=1 here is exactly what the worker runs without tensor parallelism)."""
         if self.tp.world == 1:
             return load_model(model_path, dtype, self.device, config=c, progress=False)[0]
-        with torch.device("meta"):
-            model = get_model_class(architecture_of(c))(c)
-        shard_model(model, self.tp).to(dtype).to_empty(device=self.device)
-        ckpt = ShardedCheckpoint(safetensors_files(model_path))
-        self.bytes_read = load_shard(model, ckpt, _STACKED)
+        model, self.bytes_read = load_rank_model(model_path, c, dtype, self.device, self.tp)
         return model
 
     def forward_step(self, step: ForwardStep) -> torch.Tensor:
@@ -129,7 +118,10 @@ class RankModel:
         return self.rows_logits(step.logit_rows)
 
     def rows_logits(self, rows: np.ndarray) -> torch.Tensor:
-        """Logits of rows of the last forward's hidden states (on rank 0; empty elsewhere)."""
+        """Logits of rows of the last forward's hidden states (on rank 0; empty elsewhere).
+        No rows: no gather either (every rank knows the step's rows)."""
+        if len(rows) == 0:
+            return torch.empty(0, self.config.vocab_size, device=self.hidden.device)
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.hidden.device)
         return self.model.compute_logits(self.hidden[index])
 
@@ -151,6 +143,8 @@ class RankModel:
             message = self.channel.recv()
             if message.op == Op.STOP:
                 return steps
+            if message.op == Op.PING:
+                continue
             if message.op == Op.LOGITS:
                 self.rows_logits(message.arrays[0].numpy())
                 continue

@@ -22,7 +22,9 @@ from collections.abc import Sequence
 import torch
 
 from services.worker.layers import Attention, GatedMLP
-from services.worker.models.llama import LlamaForCausalLM
+from services.worker.model_loader import architecture_of, safetensors_files
+from services.worker.models import get_model_class
+from services.worker.models.llama import _STACKED, LlamaForCausalLM
 from services.worker.parallel.checkpoint import ShardedCheckpoint, load_sharded
 from services.worker.parallel.group import TpGroup
 from services.worker.parallel.linear import (
@@ -96,3 +98,15 @@ def load_shard(
 ) -> int:
     """Fills a sharded model (after ``to_empty``) from its slices; the bytes this rank read."""
     return load_sharded(model, ckpt, stacked)
+
+
+def load_rank_model(
+    model_path: str, config, dtype: torch.dtype, device: torch.device, tp: TpGroup
+) -> tuple[LlamaForCausalLM, int]:
+    """This rank's shard, built on the meta device and filled from its slices of the
+    checkpoint (no rank reads the whole of it); the bytes it read."""
+    with torch.device("meta"):
+        model = get_model_class(architecture_of(config))(config)
+    shard_model(model, tp).to(dtype).to_empty(device=device)
+    bytes_read = load_shard(model, ShardedCheckpoint(safetensors_files(model_path)), _STACKED)
+    return model.eval(), bytes_read

@@ -14,6 +14,7 @@ of. One message is two broadcasts on the gloo group:
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class Op(enum.IntEnum):
     LOGITS = 2  # rows of the last forward's hidden states through the lm_head (logprobs)
     STOP = 3  # rank 0 is leaving: the others leave too
     SETUP = 4  # the sizes rank 0 chose (KV slots, table rows, context), before any step
+    PING = 5  # rank 0 is alive but idle: the others' wait for the next step starts over
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,23 @@ class StepChannel:
         if sum(lens):
             self.tp.broadcast_cpu(payload)
         return Message(Op(op), ints, list(payload.split(lens)) if lens else [])
+
+
+class LeadChannel(StepChannel):
+    """Rank 0's end: remembers when it last sent, so an idle engine pings the others before
+    their wait for the next message reaches the group's timeout."""
+
+    def __init__(self, tp: TpGroup):
+        super().__init__(tp)
+        self.last_sent = time.monotonic()
+
+    def send(self, op: Op, ints: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
+        super().send(op, ints, arrays)
+        self.last_sent = time.monotonic()
+
+    def ping_if_idle(self, after_s: float) -> None:
+        if time.monotonic() - self.last_sent >= after_s:
+            self.send(Op.PING, [], [])
 
 
 @dataclass(frozen=True)
