@@ -16,13 +16,13 @@ extend over the request's cached KV) and returns the accepted ones plus its own 
 Who does not speculate (k = 0 every step; a plain one-token step):
 - ``--speculative-algorithm none`` (the default), or a request with
   ``SamplingParams.disable_speculation``;
-- constrained decoding (a grammar): each draft would have to pass the grammar matcher,
-  and be rolled back when rejected, before the next row could be masked; not built yet;
 - a request whose remaining max_tokens (or context) leaves no room for one draft plus the
   target's own token.
 Everything else speculates, exactly: sampled requests (the worker's verify is the same
 draw as a one-token step, sampling.py), penalties, min_tokens, logit_bias, logprobs and
-top logprobs (each committed token's logprobs are computed at its own row).
+top logprobs (each committed token's logprobs are computed at its own row), constrained
+decoding (the worker masks each row with the grammar's state after the drafts before it
+and drops the drafts the grammar refuses: services/worker/grammar/slots.py).
 
 The overlap schedule pauses while speculation is live: a lookahead step is built before the
 current step's tokens are known, and after a verify step even the position of the next
@@ -89,9 +89,7 @@ class Speculator:
     def may_speculate(self, req: Req) -> bool:
         """Whether the request drafts at all (module docstring: who does not)."""
         s = req.sampling
-        return (
-            self.enabled and not s.disable_speculation and s.constraint.WhichOneof("kind") is None
-        )
+        return self.enabled and not s.disable_speculation
 
     def _state(self, req: Req) -> SpecState:
         if req.spec is None:

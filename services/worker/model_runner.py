@@ -25,7 +25,6 @@ from services.worker.attention.base import AttentionBackend, AttentionMeta, get_
 from services.worker.batch import (
     Batch,
     ForwardOutput,
-    ReqInput,
     RunnerInfo,
     Scored,
     SlotStart,
@@ -429,7 +428,6 @@ class ModelRunner:
             if r.start is None and not self.sampler.has_state(r.req_slot):
                 raise ValueError(f"{r.where}: req_slot was never started (is_new not set)")
             if r.drafts is not None:
-                self._check_may_draft(r)
                 ids.append(np.concatenate([r.input_ids, r.drafts]))
                 continue
             if not r.use_last_sampled:
@@ -442,15 +440,6 @@ class ModelRunner:
                 )
             ids.append(np.array([last], dtype=np.int32))
         return ids
-
-    def _check_may_draft(self, r: ReqInput) -> None:
-        """Drafts are refused for a constrained request: its grammar would have to accept
-        each draft before the next row could be masked (the scheduler never drafts for one)."""
-        constrained = r.start.constraint is not None if r.start is not None else None
-        if constrained is None:
-            constrained = self.grammars.slots.any_constrained([r.req_slot])
-        if constrained:
-            raise ValueError(f"{r.where}: draft_tokens for a constrained request")
 
     def _start_slots(self, batch: Batch) -> None:
         """Sampling state of the requests that take their slot in this batch."""
@@ -583,11 +572,15 @@ class ModelRunner:
         slots = [batch.reqs[i].req_slot for i in sampled]
         drafts = self._drafts_of(batch, sampled)
         constrained = self.grammars.slots.any_constrained(slots)
-        if constrained:
-            self._mask_grammars(logits, slots, drafts)
+        if constrained and drafts is not None:
+            logits, drafts = self._mask_verify_rows(logits, slots, drafts)
+        elif constrained:
+            self.grammars.slots.mask(logits, slots)
         got = self.sampler.sample(logits, slots, drafts=drafts)
         if constrained:
-            self._advance_grammars(out, sampled, slots, got.token_ids)
+            extras = got.extra_token_ids or [[] for _ in slots]
+            committed = [[t, *e] for t, e in zip(got.token_ids, extras, strict=True)]
+            self._advance_grammars(out, sampled, slots, committed)
         for j, i in enumerate(sampled):
             out.token_ids[i] = got.token_ids[j]
             out.logprobs[i] = got.logprobs[j]
@@ -610,24 +603,29 @@ class ModelRunner:
         none = np.zeros(0, dtype=np.int32)
         return [d if (d := batch.reqs[i].drafts) is not None else none for i in sampled]
 
-    def _mask_grammars(
-        self, logits: torch.Tensor, slots: list[int], drafts: list[np.ndarray] | None
-    ) -> None:
-        """Forbidden tokens -> -inf in each constrained row (in place). A constrained request
-        has no drafts, so in a verify step its one row is found among the others' k + 1."""
-        if drafts is None:
-            self.grammars.slots.mask(logits, slots)
-            return
-        first = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
-        index = torch.from_numpy(first).to(logits.device)
-        rows = logits[index]  # [n, vocab]: one row per slot (a copy)
-        self.grammars.slots.mask(rows, slots)
-        logits[index] = rows
+    def _mask_verify_rows(
+        self, logits: torch.Tensor, slots: list[int], drafts: list[np.ndarray]
+    ) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """A verify step's rows with constrained requests among them: each of those masked
+        by its grammar row by row, its drafts cut where the grammar refuses one (grammar/
+        slots.py); the rows of the drafts cut are dropped, so the sampler sees 1 + k' rows."""
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
+        keep, kept = [], []
+        for start, slot, d in zip(starts.tolist(), slots, drafts, strict=True):
+            rows = logits[start : start + 1 + len(d)]  # a view: masked in place
+            n = self.grammars.slots.mask_drafts(rows, slot, d.tolist())
+            keep.append(np.arange(start, start + 1 + n))
+            kept.append(d[:n])
+        index = np.concatenate(keep)
+        if len(index) < logits.shape[0]:
+            logits = logits[torch.from_numpy(index).to(logits.device)]
+        return logits, kept
 
     def _advance_grammars(
-        self, out: ForwardOutput, sampled: list[int], slots: list[int], tokens: list[int]
+        self, out: ForwardOutput, sampled: list[int], slots: list[int], tokens: list[list[int]]
     ) -> None:
-        """Each constrained row's matcher takes its token; terminated / rejected per row."""
+        """Each constrained row's matcher takes its committed tokens; terminated / rejected
+        per row."""
         terminated, errors = self.grammars.slots.advance(slots, tokens)
         n = len(out.token_ids)
         out.grammar_terminated, out.grammar_errors = [False] * n, [""] * n

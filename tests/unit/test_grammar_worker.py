@@ -416,3 +416,34 @@ def _done(value):
     fut: Future = Future()
     fut.set_result(value)
     return fut
+
+
+def test_verify_rows_are_masked_draft_by_draft_and_refused_drafts_dropped(runner, tokenizer):
+    """mask_drafts: row i carries the grammar's state after drafts[:i]; a draft the grammar
+    refuses, and one that would end it, are cut with every draft after them; the matcher
+    is left where it was (rolled back)."""
+    import torch
+
+    vocab = runner.vocab_size
+    runner.grammars.slots.start(3, Constraint("regex", "ab(cd)?"), [])
+    slots = runner.grammars.slots  # built by the first constraint
+    a, b, c, d = (tokenizer.convert_tokens_to_ids(t) for t in "abcd")
+    eos = runner.eos_token_ids[0]
+
+    def allowed(row: torch.Tensor) -> set[int]:
+        return set(torch.nonzero(row > -1e30).flatten().tolist())
+
+    rows = torch.zeros(4, vocab)
+    assert slots.mask_drafts(rows, 3, [a, b, a]) == 2  # "a" "b" taken, the second "a" refused
+    first = allowed(rows[0])
+    assert a in first and b not in first and b in allowed(rows[1]) and a not in allowed(rows[1])
+    assert c in allowed(rows[2]) and eos in allowed(rows[2]) and a not in allowed(rows[2])
+    assert torch.count_nonzero(rows[3]) == 0  # past the cut: untouched (the caller drops it)
+    rows = torch.zeros(3, vocab)
+    assert slots.mask_drafts(rows, 3, [a, b]) == 2
+    rows = torch.zeros(4, vocab)
+    assert slots.mask_drafts(rows, 3, [a, b, eos]) == 2  # the end comes as the step's own token
+    again = torch.zeros(1, vocab)
+    slots.mask(again, [3])  # nothing was consumed for good
+    assert allowed(again[0]) == first
+    assert slots.advance([3], [[a, b, eos]]) == ([True], [""])

@@ -10,6 +10,7 @@ drafts land, so accepted > 0 is asserted, not hoped for.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -151,3 +152,55 @@ def test_greedy_matches_transformers(runners, tiny_llama_dir):
             torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0
         )[0, len(prompt) :].tolist()
     assert list(got[rid].token_ids) == ref
+
+
+def _constrained(rid: str, prompt: list[int], seed: int | None = None, **kind):
+    sampling = engine_pb2.SamplingParams(max_tokens=40, temperature=0.7 if seed else 0)
+    if seed is not None:
+        sampling.seed = seed
+    for key, value in kind.items():
+        setattr(sampling.constraint, key, value)
+    return rid, prompt, sampling
+
+
+def test_constrained_requests_speculate_with_the_outputs_of_speculation_off():
+    """Drafts of constrained requests go through the grammar row by row: the ones it
+    refuses are dropped (a prompt of letters under a digits-only regex drafts letters), the
+    ones it takes can land (a pattern that repeats), and every output is speculation off's,
+    greedy and seeded, each one matching its constraint."""
+    from transformers import AutoTokenizer
+
+    from services.common.config import DEFAULT_MODEL_PATH
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+    runner = ModelRunner(
+        WorkerConfig(
+            model_path=DEFAULT_MODEL_PATH,
+            device="cpu",
+            max_total_tokens=4096,
+            max_running_requests=8,
+        )
+    )
+    words = tok.encode("abc abc abc abc abc abc abc abc abc abc")
+    digits = tok.encode("xy xy xy xy xy xy xy xy: 12 12 12")
+    schema = (
+        '{"type": "object", "properties": {"k": {"enum": ["abc abc abc abc"]}}, "required": ["k"]}'
+    )
+    reqs = [
+        _constrained("rep", words, regex="(abc ){6}abc"),
+        _constrained("digits", digits, regex="[0-9]{2}( [0-9]{2}){5}"),
+        _constrained("seeded", digits, seed=11, regex="(12 |34 ){8}"),
+        _constrained("schema", words, json_schema=schema),
+    ]
+    off, _, _ = serve(runner, reqs)
+    on, sched, _ = serve(runner, reqs, speculative_algorithm="ngram")
+    assert set(on) == set(off)
+    for rid, d in off.items():
+        assert list(on[rid].token_ids) == list(d.token_ids), rid
+        assert on[rid].finish_reason == d.finish_reason == "stop", rid
+    assert re.fullmatch(
+        "(abc ){6}abc", tok.decode(list(on["rep"].token_ids), skip_special_tokens=True)
+    )
+    assert counter(sched, "spec_decode_num_accepted_tokens") > 0
+    sched.check_idle()
+    sched.kv.check()

@@ -51,7 +51,12 @@ class _NoSlots:
     def mask(self, logits: torch.Tensor, slots: Sequence[int]) -> None:
         raise RuntimeError("no grammar has started: no row to mask")
 
-    def advance(self, slots: Sequence[int], tokens: Sequence[int]) -> tuple[list[bool], list[str]]:
+    def mask_drafts(self, rows: torch.Tensor, slot: int, drafts: Sequence[int]) -> int:
+        raise RuntimeError("no grammar has started: no row to mask")
+
+    def advance(
+        self, slots: Sequence[int], tokens: Sequence[Sequence[int]]
+    ) -> tuple[list[bool], list[str]]:
         raise RuntimeError("no grammar has started: no matcher to advance")
 
 

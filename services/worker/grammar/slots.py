@@ -9,6 +9,12 @@ reach the scheduler) works for constrained requests unchanged.
 
 A request that takes its slot again after a retraction replays its output tokens into a
 fresh matcher, so its grammar state is the one it left with.
+
+A verify step (speculative decoding) masks each of a request's 1 + k rows with the state
+after the drafts before it: the matcher takes the drafts one by one, then rolls back. The
+drafts the grammar refuses, and any after one that would end it, are dropped before the
+sampler sees them (``mask_drafts``), so an accepted draft is always grammatical and only
+the last committed token can end the grammar, as in a one-token step.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import xgrammar as xgr
 from services.worker.batch import Constraint
 from services.worker.grammar.compiler import GrammarCompiler
 
+MAX_VERIFY_ROWS = 17  # 1 + --speculative-num-draft-tokens' largest value
+
 
 class SlotGrammars:
     def __init__(self, compiler: GrammarCompiler, max_slots: int, vocab_size: int):
@@ -32,6 +40,7 @@ class SlotGrammars:
         # The grammar allows no token at all here: the constraint's fault, not the engine's.
         self.dead_end = [False] * max_slots
         self._bitmask = xgr.allocate_token_bitmask(max_slots, vocab_size)  # host int32
+        self._draft_bitmask = xgr.allocate_token_bitmask(MAX_VERIFY_ROWS, vocab_size)
 
     def start(self, slot: int, c: Constraint | None, replay: Sequence[int]) -> None:
         """A request takes ``slot``: its matcher (None: unconstrained), fed ``replay``."""
@@ -74,22 +83,61 @@ class SlotGrammars:
                 if bool(self._bitmask[j].any()):
                     rows.append(j)
                     continue
-                self.errors[s] = "the constraint allows no token of this model's vocabulary here"
-                self.dead_end[s] = True
+                self._dead_end(s)
         if not rows:
             return
         bitmask = self._bitmask[: len(slots)].to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
-    def advance(self, slots: Sequence[int], tokens: Sequence[int]) -> tuple[list[bool], list[str]]:
-        """Feeds each constrained row its sampled token: (terminated, error) per row."""
+    def _dead_end(self, slot: int) -> None:
+        self.errors[slot] = "the constraint allows no token of this model's vocabulary here"
+        self.dead_end[slot] = True
+
+    def mask_drafts(self, rows: torch.Tensor, slot: int, drafts: Sequence[int]) -> int:
+        """One request's verify rows [1 + len(drafts), V], masked in place: row i with the
+        grammar's state after drafts[:i]. Returns how many leading drafts stay (the grammar
+        takes each without ending); the rows past them are for the caller to drop."""
+        m = self._live(slot)
+        if m is None:
+            return len(drafts)
+        bitmask, n = self._draft_bitmask, 0
+        while True:
+            m.fill_next_token_bitmask(bitmask, n)
+            if not bool(bitmask[n].any()):  # nothing allowed here (see ``mask``)
+                if n == 0:
+                    self._dead_end(slot)
+                    return 0
+                m.rollback(1)  # drop the draft that led here
+                n -= 1
+                break
+            if n == len(drafts) or not m.accept_token(int(drafts[n])):
+                break
+            if m.is_terminated():  # only the step's last token may end the grammar
+                m.rollback(1)
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        mask = bitmask[: n + 1].to(rows.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(rows[: n + 1], mask, vocab_size=self.vocab_size)
+        return n
+
+    def advance(
+        self, slots: Sequence[int], tokens: Sequence[Sequence[int]]
+    ) -> tuple[list[bool], list[str]]:
+        """Feeds each constrained row its committed tokens (one, or a verify step's accepted
+        drafts and the next token): (terminated, error) per row."""
         terminated, errors = [False] * len(slots), [""] * len(slots)
         for j, s in enumerate(slots):
             m = self.matchers[s]
             if m is None:
                 continue
-            if not self.errors[s] and not self.done[s] and not m.accept_token(int(tokens[j])):
-                self.errors[s] = f"the grammar rejected the sampled token (id {int(tokens[j])})"
+            for token in tokens[j]:
+                if self.errors[s] or self.done[s]:
+                    break
+                if not m.accept_token(int(token)):
+                    self.errors[s] = f"the grammar rejected the sampled token (id {int(token)})"
+                self.done[s] = not self.errors[s] and m.is_terminated()
             errors[j] = self.errors[s]
             self.done[s] = self.done[s] or (not self.errors[s] and m.is_terminated())
             terminated[j] = self.done[s]
