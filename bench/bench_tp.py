@@ -9,7 +9,8 @@ one device, not to beat threads on one CPU.
 Each configuration runs in fresh processes (services/worker/parallel/rank_runner.py, the
 follower loop the worker's ranks run): a prefill of --prompts prompts of --prompt-len
 tokens (--rounds times, tokens/s), then --steps decode steps of a batch of --batch
-(ms/step, median). Timing belongs on a quiet machine; --smoke runs a few steps only.
+(ms/step, median), each configuration --repeats times in fresh processes, interleaved;
+medians and the ratio. Timing belongs on a quiet machine; --smoke runs a few steps only.
 
     .venv/bin/python bench/bench_tp.py                       # the embedded default model
     .venv/bin/python bench/bench_tp.py --model-path ~/.cache/radixserve-peers/models/small
@@ -110,17 +111,30 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="fresh runs of each, interleaved")
     p.add_argument("--smoke", action="store_true", help="a few steps: checks it runs, no timing")
     a = p.parse_args()
     plan = Plan(a.model_path, a.prompts, a.prompt_len, a.rounds, a.batch, a.steps)
     if a.smoke:
-        plan = Plan(a.model_path, 2, 16, 1, 2, 3)
+        plan, a.repeats = Plan(a.model_path, 2, 16, 1, 2, 3), 1
     print(f"model {Path(plan.model_path).name}; {json.dumps(asdict(plan) | {'model_path': ''})}")
+    configs = {"TP=1 x 2 threads": (1, 2), "TP=2 x 1 thread": (2, 1)}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    for rep in range(a.repeats):  # the order flips each time: a noisy machine's drift cancels
+        for name in list(configs)[:: 1 if rep % 2 == 0 else -1]:
+            runs[name].append(measure(*configs[name], plan))
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
+    }
     print(f"| configuration | prefill tokens/s | decode ms/step (batch {plan.batch}) |")
     print("|---|---|---|")
-    for name, world, threads in (("TP=1 x 2 threads", 1, 2), ("TP=2 x 1 thread", 2, 1)):
-        r = measure(world, threads, plan)
-        print(f"| {name} | {r['prefill_tok_s']:.0f} | {r['decode_ms']:.2f} |", flush=True)
+    for name, m in med.items():
+        print(f"| {name} | {m['prefill_tok_s']:.0f} | {m['decode_ms']:.2f} |")
+    one, two = med["TP=1 x 2 threads"], med["TP=2 x 1 thread"]
+    print(
+        f"| TP=2 / TP=1 | {two['prefill_tok_s'] / one['prefill_tok_s']:.2f}x | "
+        f"{one['decode_ms'] / two['decode_ms']:.2f}x (speed) |"
+    )
 
 
 if __name__ == "__main__":
