@@ -22,10 +22,10 @@ import torch
 from services.worker.attention.base import AttentionBackend, AttentionMeta
 from services.worker.attention.torch_backend import TorchBackend
 from services.worker.kv_pool import KVPool, KVShape
-from services.worker.model_loader import load_config, load_model, pack_for_cpu
-from services.worker.models.llama import LlamaForCausalLM, head_dim_of
+from services.worker.model_loader import load_config, pack_for_cpu
+from services.worker.models.llama import head_dim_of
 from services.worker.parallel.group import TpGroup
-from services.worker.parallel.shard_model import load_rank_model, local_heads
+from services.worker.parallel.shard_model import load_for_rank, local_heads
 from services.worker.parallel.step_channel import ForwardStep, Op, StepChannel
 from services.worker.req_table import ReqToTokenTable
 from services.worker.step_inputs import host_arrays
@@ -74,8 +74,8 @@ class RankModel:
         self.tp, self.device = tp, device
         self.channel = StepChannel(tp)
         self.config = c = load_config(model_path)
-        self.bytes_read = 0  # by this rank, of the checkpoint (its slices only under TP)
-        self.model = self._load(model_path, c, dtype)
+        # bytes_read: by this rank, of the checkpoint (its slices; 0 without TP)
+        self.model, self.bytes_read = load_for_rank(model_path, c, dtype, device, tp)
         pack_for_cpu(self.model, cpu_linear, device)
         shape = shape if shape is not None else RankShape.recv(self.channel)
         heads, kv_heads = local_heads(c, tp)
@@ -85,14 +85,6 @@ class RankModel:
         self.model.attach(backend(heads, kv_heads, d, d**-0.5), self.kv_pool)
         self.table = ReqToTokenTable(shape.max_running_requests, shape.max_context, device)
         self.hidden = torch.empty(0, c.hidden_size, device=device)
-
-    def _load(self, model_path: str, c, dtype: torch.dtype) -> LlamaForCausalLM:
-        """This rank's shard from its slices; with one rank, the worker's own loader (so
-        TP=1 here is exactly what the worker runs without tensor parallelism)."""
-        if self.tp.world == 1:
-            return load_model(model_path, dtype, self.device, config=c, progress=False)[0]
-        model, self.bytes_read = load_rank_model(model_path, c, dtype, self.device, self.tp)
-        return model
 
     def forward_step(self, step: ForwardStep) -> torch.Tensor:
         """Runs one step on this rank: logits [n, vocab] of ``step.logit_rows`` on rank 0,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from services.worker.layers import Attention, GatedMLP
-from services.worker.model_loader import architecture_of, safetensors_files
+from services.worker.model_loader import architecture_of, load_model, safetensors_files
 from services.worker.models import get_model_class
 from services.worker.models.llama import _STACKED, LlamaForCausalLM
 from services.worker.parallel.checkpoint import ShardedCheckpoint, load_sharded
@@ -110,3 +110,13 @@ def load_rank_model(
     shard_model(model, tp).to(dtype).to_empty(device=device)
     bytes_read = load_shard(model, ShardedCheckpoint(safetensors_files(model_path)), _STACKED)
     return model.eval(), bytes_read
+
+
+def load_for_rank(
+    model_path: str, config, dtype: torch.dtype, device: torch.device, tp: TpGroup
+) -> tuple[LlamaForCausalLM, int]:
+    """The whole model with one rank (the worker's own loader, exactly TP=1's), else this
+    rank's shard; the bytes read under TP (0 otherwise)."""
+    if tp.world == 1:
+        return load_model(model_path, dtype, device, config=config, progress=False)[0], 0
+    return load_rank_model(model_path, config, dtype, device, tp)
