@@ -45,6 +45,7 @@ class Plan:
     rounds: int
     batch: int
     steps: int
+    device: str = "cpu"  # cuda: rank r on GPU r, NCCL (the GPU check's TP row)
 
 
 def run_plan(rank: RankModel, plan: Plan) -> dict[str, float]:
@@ -60,6 +61,7 @@ def run_plan(rank: RankModel, plan: Plan) -> dict[str, float]:
                          np.cumsum([plan.prompt_len] * plan.prompts) - 1)  # fmt: skip
         t0 = time.perf_counter()
         rank.lead(step)
+        _sync(rank.device)
         prefill.append(plan.prompts * plan.prompt_len / (time.perf_counter() - t0))
     # decode: the batch's first tokens at position 0, then one token per request per step
     b = plan.batch
@@ -75,24 +77,53 @@ def run_plan(rank: RankModel, plan: Plan) -> dict[str, float]:
         )
         t0 = time.perf_counter()
         rank.lead(step)
+        _sync(rank.device)
         if k:  # the first one starts the requests
             decode.append(1000 * (time.perf_counter() - t0))
     rank.stop()
-    return {"prefill_tok_s": statistics.median(prefill), "decode_ms": statistics.median(decode)}
+    result = {"prefill_tok_s": statistics.median(prefill), "decode_ms": statistics.median(decode)}
+    return result | {
+        "all_reduce_us": _all_reduce_us(rank.tp, rank.device, b, rank.config.hidden_size)
+    }
+
+
+def _all_reduce_us(
+    tp: TpGroup, device: torch.device, rows: int, hidden: int, times: int = 100
+) -> float:
+    """Median latency of one all-reduce of a decode step's [rows, hidden] activations (each
+    decode step runs 2 per layer, one for the embedding, a gather and two broadcasts)."""
+    if tp.world == 1:
+        return 0.0
+    x, spent = torch.zeros(rows, hidden, device=device), []
+    for i in range(times + 1):
+        if i == 1:
+            tp.barrier()
+        t0 = time.perf_counter()
+        tp.all_reduce(x)
+        _sync(device)
+        spent.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(spent[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _rank(index: int, world: int, threads: int, store: str, plan: Plan, out: str) -> None:
     torch.set_num_threads(threads)
-    tp = init_group(index, world, store, torch.device("cpu"), 120.0) if world > 1 else TpGroup()
+    device = torch.device("cuda", index) if plan.device == "cuda" else torch.device("cpu")
+    tp = init_group(index, world, store, device, 120.0) if world > 1 else TpGroup()
     span = max(plan.prompt_len, 1) + plan.steps + 1
     rows = max(plan.prompts, plan.batch)
     shape = RankShape(num_slots=rows * span + 1, max_running_requests=rows, max_context=span)
-    rank = RankModel(plan.model_path, tp, torch.device("cpu"), shape)
+    rank = RankModel(plan.model_path, tp, device, shape)
     tp.barrier()
     if tp.is_first:
         Path(out).write_text(json.dumps(run_plan(rank, plan)))
     else:
         rank.follow()
+        _all_reduce_us(tp, device, plan.batch, rank.config.hidden_size)  # rank 0's, after its STOP
     destroy_group(tp)
 
 
@@ -101,6 +132,20 @@ def measure(world: int, threads: int, plan: Plan) -> dict[str, float]:
         out = os.path.join(folder, "result.json")
         mp.spawn(_rank, args=(world, threads, store_path(folder), plan, out), nprocs=world)
         return json.loads(Path(out).read_text())
+
+
+def compare(
+    configs: dict[str, tuple[int, int]], plan: Plan, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Medians per configuration (name -> (ranks, threads)), runs interleaved: the order flips
+    each repeat, so a noisy machine's drift cancels."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    for rep in range(repeats):
+        for name in list(configs)[:: 1 if rep % 2 == 0 else -1]:
+            runs[name].append(measure(*configs[name], plan))
+    return {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
+    }
 
 
 def main() -> None:
@@ -119,13 +164,7 @@ def main() -> None:
         plan, a.repeats = Plan(a.model_path, 2, 16, 1, 2, 3), 1
     print(f"model {Path(plan.model_path).name}; {json.dumps(asdict(plan) | {'model_path': ''})}")
     configs = {"TP=1 x 2 threads": (1, 2), "TP=2 x 1 thread": (2, 1)}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
-    for rep in range(a.repeats):  # the order flips each time: a noisy machine's drift cancels
-        for name in list(configs)[:: 1 if rep % 2 == 0 else -1]:
-            runs[name].append(measure(*configs[name], plan))
-    med = {
-        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
-    }
+    med = compare(configs, plan, a.repeats)
     print(f"| configuration | prefill tokens/s | decode ms/step (batch {plan.batch}) |")
     print("|---|---|---|")
     for name, m in med.items():
@@ -135,6 +174,7 @@ def main() -> None:
         f"| TP=2 / TP=1 | {two['prefill_tok_s'] / one['prefill_tok_s']:.2f}x | "
         f"{one['decode_ms'] / two['decode_ms']:.2f}x (speed) |"
     )
+    print(f"gloo all-reduce of [{plan.batch}, hidden] float32, TP=2: {two['all_reduce_us']:.0f} us")
 
 
 if __name__ == "__main__":

@@ -414,6 +414,35 @@ def bench_model(table: Table, sizes: Sizes, budget: Budget) -> None:
                 )
 
 
+def bench_tensor_parallel(table: Table, sizes: Sizes, budget: Budget) -> None:
+    """TP=1 vs TP=N (NCCL, rank r on GPU r) on the model above: needs N >= 2 GPUs."""
+    from bench.bench_tp import Plan, compare
+
+    gpus = torch.cuda.device_count() if sizes.device == "cuda" else 0
+    heads = sizes.model["num_key_value_heads"]
+    world = max((n for n in (2, 4, 8) if n <= gpus and heads % n == 0), default=0)
+    check = "tensor parallelism, TP=1 vs TP=N (bench/bench_tp.py)"
+    if world == 0:
+        table.add(check, f"not run: {gpus} GPU(s) here, needs >= 2", "", "")
+        return
+    if budget.left() < 30:
+        table.add(check, f"skipped: {budget.left():.0f} s of budget left, needs ~30 s", "", "")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(Path(tmp), sizes)
+        plan = Plan(tmp, 4, 256, 3, 16, 32, device="cuda")
+        med = compare({"1": (1, 1), str(world): (world, 1)}, plan, repeats=1)
+    one, n = med["1"], med[str(world)]
+    table.add(
+        f"TP={world} / TP=1, batch 16 ({world} GPUs)",
+        f"prefill {n['prefill_tok_s'] / one['prefill_tok_s']:.2f}x, decode "
+        f"{one['decode_ms'] / n['decode_ms']:.2f}x (TP=1 {one['decode_ms']:.2f} ms/step); "
+        f"all-reduce {n['all_reduce_us']:.0f} us",
+        "info",
+        "",
+    )
+
+
 # ---- main -------------------------------------------------------------------------------------
 
 
@@ -477,7 +506,10 @@ def step_sections(step: str, sizes: Sizes, peak: float | None, budget: Budget) -
     if step == "profile":
         fn, need = model["default-config profile"]
         return [("default-config profile", fn, need, (model_sizes, verdict))]
-    return [("model end to end", bench_model, 20, (sizes, budget))]
+    return [
+        ("model end to end", bench_model, 20, (sizes, budget)),
+        ("tensor parallelism", bench_tensor_parallel, 1, (sizes, budget)),
+    ]
 
 
 def run_step(table: Table, step: str, sizes: Sizes, peak: float | None, left_s: float) -> None:

@@ -54,6 +54,8 @@ def test_gpu_check_smoke_runs_every_section_and_passes(tmp_path):
     graph_row = next(r for k, r in rows.items() if k.startswith("CUDA-graph replay vs eager"))
     assert "skipped: needs a GPU" in graph_row
     assert any(k.startswith("decode step 4 x 64") for k in rows)
+    tp_row = next(r for k, r in rows.items() if k.startswith("tensor parallelism, TP=1 vs TP=N"))
+    assert "not run: 0 GPU(s) here" in tp_row
     assert "ERROR" not in out
     # Every row was kept in $OUT as it came, the verdict last.
     kept = (tmp_path / "gpu_check.md").read_text().strip().splitlines()
