@@ -56,7 +56,7 @@ class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
     def GetStats(self, request, context):
         # The frontends' health check. No worker: route around this engine until one is
         # back (its requests have failed). Draining: send it nothing new, but let what runs
-        # there finish (services/frontend/engine_client.py reads the DRAINING prefix).
+        # there finish (services/frontend/engine_replica.py reads the DRAINING prefix).
         if why := self.loop.worker_down:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has no worker ({why})")
         if self.loop.drain_deadline is not None:

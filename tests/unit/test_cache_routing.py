@@ -28,7 +28,7 @@ from services.common import transport
 from services.common.config import FrontendConfig
 from services.common.curve import InternalKeys, generate_keys, serve_securely
 from services.common.page_keys import block_keys
-from services.frontend import engine_client
+from services.frontend import engine_pool
 from services.frontend.cache_events import CacheSubscriber, EventFollower, host_of
 from services.frontend.cache_index import CacheIndex, PromptKeys
 from services.frontend.engine_client import EngineClient
@@ -682,8 +682,8 @@ def _value(registry: CollectorRegistry, name: str, **labels) -> float | None:
 def test_the_pool_routes_to_the_engine_holding_the_prompt(trees, tmp_path, monkeypatch):
     """Two engines over CURVE: a prompt goes where its blocks are cached even against its
     rendezvous choice; a new port is followed; an engine down has no index."""
-    monkeypatch.setattr(engine_client, "HEALTH_INTERVAL_S", 0.05)
-    monkeypatch.setattr(engine_client, "PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(engine_pool, "HEALTH_INTERVAL_S", 0.05)
+    monkeypatch.setattr(engine_pool, "PROBE_INTERVAL_S", 0.05)
     generate_keys(str(tmp_path / "keys"))
     keys = InternalKeys(str(tmp_path / "keys"))
     a, b = (trees(keys=keys, zmq_addr=transport.new_ipc_addr("fake-sched")) for _ in range(2))
@@ -701,7 +701,7 @@ def test_the_pool_routes_to_the_engine_holding_the_prompt(trees, tmp_path, monke
         client = EngineClient(resolver, keys=keys, metrics=metrics)
         await client.start()
         try:
-            engines = {e.name: e for e in client._engines.values()}
+            engines = {e.name: e for e in client.pool.engines.values()}
 
             def synced() -> bool:
                 return all(e.events and e.events.follower.synced for e in engines.values())
@@ -755,7 +755,7 @@ def test_other_policies_follow_no_events(trees):
         try:
             await _until(lambda: client.ready)
             await asyncio.sleep(0.1)
-            assert all(e.events is None for e in client._engines.values())
+            assert all(e.events is None for e in client.pool.engines.values())
             assert tree.snapshots == 0
         finally:
             await client.close()
@@ -790,10 +790,10 @@ def test_a_routing_decision_is_cheap_at_ten_thousand_pages_per_engine():
 
 
 def test_an_engines_load_is_its_latest_count_plus_what_was_sent_since():
-    from services.frontend.engine_client import _Engine
+    from services.frontend.engine_replica import Replica
     from services.frontend.engine_discovery import Endpoint
 
-    e = _Engine(Endpoint("a", "tcp://127.0.0.1:1", ""))
+    e = Replica(Endpoint("a", "tcp://127.0.0.1:1", ""))
     e.sent("r1")
     e.sent("r2")
     assert e.load == 2

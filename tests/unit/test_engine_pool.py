@@ -16,7 +16,7 @@ import pytest
 
 from radixserve.internal.v1 import engine_pb2
 from services.common import transport
-from services.frontend import engine_client
+from services.frontend import engine_pool
 from services.frontend.engine_client import EngineClient
 from services.frontend.engine_discovery import DnsResolver, Endpoint, StaticResolver
 from services.frontend.router import load_bound, pick, prefix_key, ranking
@@ -199,7 +199,7 @@ def _prefers(name: str, names: list[str], salt: str = "") -> list[int]:
 
 
 def test_engines_join_and_leave_at_run_time(fakes, monkeypatch):
-    monkeypatch.setattr(engine_client, "HEALTH_INTERVAL_S", 0.05)
+    monkeypatch.setattr(engine_pool, "HEALTH_INTERVAL_S", 0.05)
     a, b = fakes(), fakes()
     resolver = ListResolver([a])
 
@@ -233,7 +233,7 @@ def test_engines_join_and_leave_at_run_time(fakes, monkeypatch):
             assert not (await asyncio.wait_for(slow.get(), 5)).error_code  # still streaming
             client.abort("slow", "done")
             client.release("slow")
-            await _until(lambda: name_a not in {e.name for e in client._engines.values()})
+            await _until(lambda: name_a not in {e.name for e in client.pool.engines.values()})
         finally:
             await client.close()
 
@@ -241,7 +241,7 @@ def test_engines_join_and_leave_at_run_time(fakes, monkeypatch):
 
 
 def test_a_dead_engine_fails_its_streams_fast_and_the_rest_moves(fakes, monkeypatch):
-    monkeypatch.setattr(engine_client, "HEALTH_INTERVAL_S", 0.05)
+    monkeypatch.setattr(engine_pool, "HEALTH_INTERVAL_S", 0.05)
     a, b = fakes(), fakes()
     resolver = ListResolver([a, b])
     health: list[bool] = []

@@ -435,9 +435,9 @@ def test_main_logs_listening_line_and_exits_on_sigterm(model_dir):
 
 
 def test_engine_going_away_fails_its_requests(model_dir, tok, monkeypatch):
-    from services.frontend import engine_client
+    from services.frontend import engine_pool
 
-    monkeypatch.setattr(engine_client, "HEALTH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(engine_pool, "HEALTH_INTERVAL_S", 0.1)
     fake = FakeScheduler(tok.encode(SCRIPT_TEXT), tok.vocab_size).start()
     fe = FrontendThread(frontend_config(model_dir, [fake])).start()
     try:
