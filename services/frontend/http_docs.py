@@ -57,7 +57,7 @@ def json_body(properties: dict[str, Any]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-# The fields the native routes are most often sent; http_native.parse_* checks them all.
+# The fields the native routes are most often sent; native_protocol.parse_* checks them all.
 GENERATE_BODY = json_body(
     {
         "text": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},

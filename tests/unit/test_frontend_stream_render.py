@@ -13,7 +13,8 @@ from pydantic import BaseModel
 
 from radixserve.v1 import generation_pb2 as pb
 from services.frontend import sse
-from services.frontend.http_native import NativeShape, parse_generate
+from services.frontend.native_answers import NativeShape
+from services.frontend.native_protocol import parse_generate
 from services.frontend.openai_answers import ChatShape, CompletionShape
 from services.frontend.tokenizer import Tokenizer
 

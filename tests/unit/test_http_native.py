@@ -11,12 +11,8 @@ import httpx
 import pytest
 
 from radixserve.v1 import generation_pb2 as pb
-from services.frontend.http_native import (
-    MAX_BATCH,
-    NativeShape,
-    native_error,
-    parse_generate,
-)
+from services.frontend.native_answers import NativeShape
+from services.frontend.native_protocol import MAX_BATCH, native_error, parse_generate
 from services.frontend.openai_errors import ApiError
 from services.frontend.pipeline import Frontend
 from services.frontend.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ from radixserve.internal.v1 import engine_pb2
 from radixserve.v1 import generation_pb2 as pb
 from services.common.sampling_limits import MAX_LOGIT_BIAS
 from services.frontend.engine_messages import sampling_to_engine
-from services.frontend.http_native import parse_generate
+from services.frontend.native_protocol import parse_generate
 from services.frontend.openai_errors import ApiError
 from services.frontend.openai_protocol import (
     CompletionRequest,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.v1 import generation_pb2 as pb
-from services.frontend.http_native import parse_generate
+from services.frontend.native_protocol import parse_generate
 from services.frontend.openai_protocol import CompletionRequest, completion_to_request
 from services.frontend.stop_strings import (
     STOP_REGEX_LOOKBACK,
