@@ -11,21 +11,18 @@ from collections.abc import Iterable
 from radixserve.internal.v1 import engine_pb2
 from radixserve.v1 import generation_pb2 as pb
 
-# Fields with the same name and meaning on both sides (optional ones stay unset when unset).
-_SAMPLING_OPTIONAL = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "top_logprobs",
-    "prompt_logprobs_start",
-    "min_tokens",
-)
+
+def _shared_optionals() -> tuple[str, ...]:
+    """Optional scalars of the same name on both sides: copied when set, unset otherwise."""
+    public = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    return tuple(
+        f.name
+        for f in engine_pb2.SamplingParams.DESCRIPTOR.fields
+        if f.has_presence and f.message_type is None and f.name in public
+    )
+
+
+_SAMPLING_OPTIONAL = _shared_optionals()
 
 
 def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:

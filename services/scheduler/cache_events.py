@@ -16,14 +16,27 @@ is shared and not per engine.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from radixserve.internal.v1 import engine_pb2
 from services.common.page_keys import block_keys, chain, root_key
 
-if TYPE_CHECKING:
-    from services.scheduler.radix_cache import TreeNode
+
+class TreeNode(Protocol):
+    """What the events read of radix_cache.TreeNode (it sets ``blocks``)."""
+
+    blocks: Sequence[tuple[int, bytes]]
+
+    @property
+    def key(self) -> Sequence[int]: ...
+    @property
+    def parent(self) -> TreeNode | None: ...
+    @property
+    def anchor(self) -> bool: ...
+    @property
+    def children(self) -> Mapping[Any, TreeNode]: ...
+
 
 DEFAULT_BLOCK_TOKENS = 16
 

@@ -14,8 +14,8 @@ go through ``forward`` below, so the tests exercise the path the server takes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Protocol, TypeVar
+from dataclasses import asdict, dataclass, fields
+from typing import Protocol
 
 import numpy as np
 
@@ -33,8 +33,6 @@ from services.worker.batch import (
     SlotStart,
 )
 from services.worker.sampling import SamplingSpec
-
-_T = TypeVar("_T")
 
 
 class Runner(Protocol):
@@ -271,29 +269,26 @@ def check_batch(batch: Batch, limits: Limits) -> None:
 def sampling_spec(
     p: engine_pb2.SamplingParams | None, eos_token_ids: Sequence[int] = ()
 ) -> SamplingSpec:
-    """SamplingParams with the engine's defaults applied to every unset optional."""
+    """SamplingParams with SamplingSpec's defaults in place of every unset optional."""
     if p is None:
         return SamplingSpec()
-
-    def get(name: str, default: _T) -> _T:
-        return getattr(p, name) if p.HasField(name) else default
-
-    top_logprobs = get("top_logprobs", 0)
+    given = {name: getattr(p, name) for name in _SPEC_OPTIONALS if p.HasField(name)}
     return SamplingSpec(
-        temperature=get("temperature", 1.0),
-        top_p=get("top_p", 1.0),
-        top_k=get("top_k", 0),
-        min_p=get("min_p", 0.0),
-        seed=get("seed", None),
-        repetition_penalty=get("repetition_penalty", 1.0),
-        frequency_penalty=get("frequency_penalty", 0.0),
-        presence_penalty=get("presence_penalty", 0.0),
-        logprobs=p.logprobs or top_logprobs > 0,
-        top_logprobs=top_logprobs,
-        min_tokens=get("min_tokens", 0),
+        **given,
+        logprobs=p.logprobs or given.get("top_logprobs", 0) > 0,
         min_tokens_ban=min_tokens_ban(p, eos_token_ids),
         logit_bias=tuple((e.token_id, e.bias) for e in p.logit_bias),
     )
+
+
+# SamplingSpec's fields that are optional scalars of the same name in the engine's message.
+_SPEC_OPTIONALS = tuple(
+    f.name
+    for f in fields(SamplingSpec)
+    if (d := engine_pb2.SamplingParams.DESCRIPTOR.fields_by_name.get(f.name)) is not None
+    and d.has_presence
+    and d.message_type is None
+)
 
 
 def min_tokens_ban(p: engine_pb2.SamplingParams, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
