@@ -47,23 +47,19 @@ class GenerateOptions(TypedDict, total=False):
     timeout: float  # seconds for the whole call, instead of the client's timeout
 
 
-_SAMPLING_SCALARS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "ignore_eos",
-    "disable_speculation",
-    "logprobs",
-    "top_logprobs",
-    "prompt_logprobs",
-    "prompt_logprobs_start",
+def _is_scalar(f: Any) -> bool:
+    """A single value of its own: not repeated, not a message, in no oneof but its own
+    (proto3 ``optional`` makes a one-member oneof named after the field)."""
+    oneof = f.containing_oneof
+    own = oneof is None or oneof.name == f"_{f.name}"
+    return own and not f.is_repeated and f.message_type is None
+
+
+# Options set as-is on SamplingParams: its scalar fields of the same name.
+_SAMPLING_SCALARS = tuple(
+    f.name
+    for f in pb.SamplingParams.DESCRIPTOR.fields
+    if f.name in GenerateOptions.__optional_keys__ and _is_scalar(f)
 )
 _KNOWN = frozenset(GenerateOptions.__optional_keys__)
 
