@@ -3,7 +3,8 @@
 Each turn: take what the frontends sent, build one batch (a prefill batch when requests
 wait and fit, else a decode step of every running request; while requests decode, one
 mixed batch of both), have the worker run it, apply the sampled tokens, stream them back,
-and hand finished KV to the tree. When the loop goes idle it checks that no KV slot leaked.
+and hand finished KV to the tree (results.py). When the loop goes idle it checks that no
+KV slot leaked.
 
 The loop only wires these together (one job per module):
 
@@ -11,6 +12,7 @@ The loop only wires these together (one job per module):
     step_costs.py   the worker's decode-step and prefill-token times: mixed batch budgets
     decode.py       decode steps, the lookahead step (overlap schedule), retraction
     speculative.py  speculative decoding: drafts per request, what a verify step commits
+    results.py      what a result does to its requests: tokens, stops, finishing, streaming
     worker_link.py  batches to the worker and results back, in order (ZeroMQ)
     req_queues.py   the waiting and running requests and what a running one holds
     kv_manager.py   one request's KV: match, grow, commit to the tree, release
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -30,7 +32,7 @@ import zmq
 from radixserve.internal.v1 import engine_pb2
 from services.common.config import SchedulerConfig
 from services.common.transport import unpack_i32
-from services.scheduler import prompt_logprobs, request_spans
+from services.scheduler import request_spans
 from services.scheduler.admission import QueueLimits
 from services.scheduler.batch import Item
 from services.scheduler.batch_log import BatchLog
@@ -46,6 +48,7 @@ from services.scheduler.req_queues import ReqQueues
 from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
 from services.scheduler.request_checks import request_problem
+from services.scheduler.results import ResultApplier
 from services.scheduler.speculative import Speculator
 from services.scheduler.step_costs import StepCosts
 from services.scheduler.storage_tier import StorageTier, engine_seed
@@ -119,6 +122,10 @@ class Scheduler:
         timeout = cfg.worker_result_timeout
         self.link = WorkerLink(worker_sock, info, self.metrics, self.worker_lost, timeout)
         self.grammars = GrammarGate()
+        self.results = ResultApplier(
+            self.queues, self.spec, self.metrics, self.outbox, self.grammars,
+            self.max_model_len, cache_prefills=not cfg.disable_radix_cache,
+        )  # fmt: skip
         self.limits = QueueLimits.of(cfg, max_running, self.kv.total)
         self.in_burst = False  # admitting a burst of arrivals (_mixed_budget)
         self.costs = StepCosts()  # the worker's decode-step and prefill-token times
@@ -238,14 +245,14 @@ class Scheduler:
             )
             req.error_code, req.finish_reason = code, "abort"
             req.finish_message = invalid or problem or f"request_id {req.rid!r} is already running"
-            self._emit(req)
+            self.results.emit(req)
             return
         overload = self.limits.overload(self.queues.waiting, len(req.input_ids), self.costs.token_s)
         if overload is not None:
             req.error_code, req.finish_reason = "RESOURCE_EXHAUSTED", "abort"
             req.finish_message, req.retry_after = overload.message, overload.retry_after
             self.metrics.on_refused("overloaded")
-            self._emit(req)
+            self.results.emit(req)
             return
         self.queues.add(req)
         self.grammars.add(req)
@@ -262,7 +269,7 @@ class Scheduler:
                 "the engine is overloaded"
             )
             self.metrics.on_refused("queue_time")
-            self._finish(req)
+            self.results.finish(req)
 
     def _new_req(self, identity: bytes, msg: engine_pb2.TokenizedRequest) -> Req:
         return Req(
@@ -295,7 +302,7 @@ class Scheduler:
         """Answers a new request UNAVAILABLE at once (no worker, or shutting down)."""
         req = self._new_req(identity, msg)
         req.error_code, req.finish_reason, req.finish_message = "UNAVAILABLE", "abort", message
-        self._emit(req)
+        self.results.emit(req)
 
     def fail_all(self, message: str) -> int:
         """Every request ends UNAVAILABLE with ``message`` and gives back what it holds (the
@@ -306,9 +313,10 @@ class Scheduler:
                 self.queues.leave_running(req, cache_it=False)  # its KV may be unwritten
             self.queues.waiting.discard(req)
             req.finish_reason, req.error_code, req.finish_message = "abort", "UNAVAILABLE", message
-            self._finish(req)
+            self.results.finish(req)
         self.link.in_flight.clear()
-        self.grammars = GrammarGate()  # compiles asked for ended requests: nobody waits
+        # Compiles asked for ended requests: nobody waits.
+        self.grammars = self.results.grammars = GrammarGate()
         self.dirty_since_check = True
         self.publish_stats()
         return len(ended)
@@ -322,20 +330,19 @@ class Scheduler:
         else:
             self.queues.leave_running(req, cache_it=True)
         req.finish_reason, req.finish_message = "abort", reason or "aborted by the client"
-        self._finish(req)
+        self.results.finish(req)
 
     # ------------------------------------------------------------------ results --
     def _apply(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
-        """A batch came back: append each sampled token, stop or stream, cache prefills."""
-        self._settle_grammars(result.grammars)
-        self._settle_storage(result)
-        if result.error:
-            self._fail(items, result)
-            return
-        now = time.time()
-        for it, tok in zip(items, result.tokens, strict=True):
-            if not it.req.finished:  # finished (or aborted) while this step was queued
-                self._apply_item(it, tok, result.batch_id, now)
+        """A batch came back: its requests take their tokens (results.py), then the step
+        counts toward the batch builders' estimates."""
+        self.results.apply(items, result)
+        if not result.error:
+            self._observe_step(items, result)
+
+    def _observe_step(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
+        """Feeds a step's forward time to the mixed budget and its decode part to the
+        new-token ratio and the batch log."""
         decoded = sum(not it.is_prefill for it in items)
         prefilled = sum(it.n for it in items if it.is_prefill)
         self.costs.observe(decoded, prefilled, result.forward_time)
@@ -347,131 +354,7 @@ class Scheduler:
             )
             self.decode.after_step(decoded, tokens, result)
 
-    def _apply_item(
-        self, it: Item, tok: engine_pb2.SampledToken, batch_id: int, now: float
-    ) -> None:
-        req = it.req
-        if req.lookahead == batch_id:
-            req.lookahead = 0  # no step of it in flight any more (a later one may be)
-        if it.is_prefill:
-            request_spans.on_prefill_chunk(req, it.n)
-            prompt_logprobs.collect(req, list(tok.prompt_logprobs))
-            if not self.cfg.disable_radix_cache:
-                self.kv.commit(req, it.start + it.n)
-        if len(tok.extra_token_ids) > len(it.drafts):  # never from a sound worker
-            self._end_running(
-                req,
-                "INTERNAL",
-                f"the worker committed {len(tok.extra_token_ids)} tokens past the first of a "
-                f"step with {len(it.drafts)} drafts",
-            )
-            return
-        if it.drafts:
-            self._verified(it, tok)
-        if it.sample:
-            self._append_token(req, tok, now)
-        elif req.prefill_only and it.start + it.n == req.seq_len:
-            # Prefill only: the prompt's KV goes to the tree, nothing is sampled.
-            req.finish_reason = "length"
-            self.queues.leave_running(req, cache_it=True)
-            self._finish(req)
-
-    def _verified(self, it: Item, tok: engine_pb2.SampledToken) -> None:
-        """A verify step came back: the KV of its rejected drafts is freed at once (what
-        it holds after this: the last token's and the accepted drafts')."""
-        req = it.req
-        accepted = len(tok.extra_token_ids)
-        self.kv.shrink(req, len(it.drafts) - accepted)
-        req.draft_slots = 0
-        self.spec.verified(req, len(it.drafts), accepted)
-
-    def _append_token(self, req: Req, tok: engine_pb2.SampledToken, now: float) -> None:
-        """Appends the sampled token (a verify step: the accepted drafts, then the target's
-        token), checking the stop conditions after each: nothing after a stop is kept."""
-        if tok.grammar_error:
-            # A dead end is the constraint's (a grammar that stops accepting anything mid-way);
-            # anything else is never expected: the mask allows only what the grammar does.
-            code = "INVALID_ARGUMENT" if tok.grammar_dead_end else "INTERNAL"
-            message = f"constrained decoding failed after {len(req.output_ids)} tokens"
-            self._end_running(req, code, f"{message}: {tok.grammar_error}")
-            return
-        tokens = [tok.token_id, *tok.extra_token_ids]
-        logprobs = [tok.logprob, *tok.extra_logprobs] if tok.HasField("logprob") else []
-        if not req.first_token_time:
-            req.first_token_time = now
-            request_spans.on_first_token(req)
-        for j, token in enumerate(tokens):
-            req.output_ids.append(token)
-            if logprobs:
-                req.logprobs.append(logprobs[j])
-            reason, matched = req.stop_reason(token, self.max_model_len)
-            if not reason and tok.grammar_terminated and j == len(tokens) - 1:
-                reason = "stop"  # the grammar is complete (its end, not a stop token, ended it)
-            if reason:
-                # Accepted drafts past the stop: their KV is not the output's.
-                self.kv.shrink(req, len(tokens) - 1 - j)
-                req.finish_reason, req.matched_stop_token = reason, matched
-                self.queues.leave_running(req, cache_it=True)
-                self._finish(req)
-                return
-        self._emit(req)
-
-    def _settle_storage(self, result: engine_pb2.ForwardResult) -> None:
-        """Storage loads answered (or lost with a failed batch: they found nothing) free
-        their requests for admission."""
-        storage = self.kv.cache.storage
-        if storage is None:
-            return
-        answers = {s.load_id: s.pages for s in result.storage_loads}
-        for load_id in storage.unanswered(result.batch_id):
-            if load_id not in answers:  # its batch failed: nothing was loaded
-                answers[load_id] = 0
-                storage.counters.failed_loads += 1
-        for load_id, pages in answers.items():
-            req = self.kv.cache.storage_answer(load_id, pages)
-            if isinstance(req, Req):
-                req.storage_wait = False
-
-    def _settle_grammars(self, statuses: Iterable[engine_pb2.GrammarStatus]) -> None:
-        """Grammars the worker finished compiling: refused ones end their (waiting) request."""
-        for req, st in self.grammars.settle(list(statuses)):
-            self.queues.waiting.discard(req)
-            req.finish_reason, req.error_code = "abort", st.error_code or "INVALID_ARGUMENT"
-            req.finish_message = st.error
-            self._finish(req)
-
-    def _end_running(self, req: Req, code: str, message: str) -> None:
-        """A running request ends alone with an error (the rest of its batch goes on)."""
-        log.error("request %s: %s", req.rid, message)
-        self.queues.leave_running(req, cache_it=True)
-        req.finish_reason, req.error_code, req.finish_message = "abort", code, message
-        self._finish(req)
-
-    def _fail(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
-        """The worker could not run the batch: its requests end with INTERNAL."""
-        log.error("worker failed batch %d: %s", result.batch_id, result.error)
-        for it in items:
-            req = it.req
-            if req.finished:
-                continue
-            if req in self.queues.running:
-                self.queues.leave_running(req, cache_it=False)
-            req.finish_reason, req.error_code = "abort", "INTERNAL"
-            req.finish_message = f"the worker failed this batch: {result.error}"
-            self._finish(req)
-
     # ------------------------------------------------------------------ output --
-    def _finish(self, req: Req) -> None:
-        req.finish_time = time.time()
-        self.spec.finished(req)
-        self.queues.forget(req)
-        self.metrics.on_finish(req)
-        request_spans.on_finish(req)
-        self._emit(req)
-
-    def _emit(self, req: Req) -> None:
-        self.outbox.add(req)
-
     def flush_outbox(self, sock: zmq.Socket) -> None:
         for rid in self.outbox.flush(sock):
             self.abort(rid, "frontend disconnected")
