@@ -40,7 +40,7 @@ host_memory.tune()  # as the worker process does, before torch loads
 import torch  # noqa: E402
 from bench_decode_step import batches  # noqa: E402
 
-from kernels import cpu_gemm  # noqa: E402
+from kernels.cpu import gemm as cpu_gemm  # noqa: E402
 from services.common.config import WorkerConfig  # noqa: E402
 from services.worker import wire  # noqa: E402
 from services.worker.layers import Linear  # noqa: E402

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (kernels/cpu_decode_attention.py): this tree's build
+"""The CPU decode-attention kernel (kernels/cpu/decode_attention.py): this tree's build
 against another revision's, and how the pool's slot layout changes its time (issue 18).
 
 Both builds run the same calls in one process, alternating (which goes first alternates
@@ -35,15 +35,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels import cpu_decode_attention  # noqa: E402
+from kernels.cpu import decode_attention as cpu_decode_attention  # noqa: E402
 
 POOL_SLOTS = 200_000
 
 
 def module_at(rev: str) -> ModuleType:
-    """kernels/cpu_decode_attention.py as it was at ``rev``, with that revision's kernels/
-    (its _cc.py, and its C files where they were files) imported as another package, so
-    that its C source, not this tree's, is built (and cached separately by its key)."""
+    """The CPU decode-attention module as it was at ``rev`` (kernels/cpu/decode_attention.py,
+    or kernels/cpu_decode_attention.py before the move), with that revision's kernels/
+    imported as another package, so that its C source, not this tree's, is built (and
+    cached separately by its key)."""
     name = "kernels_at_" + re.sub(r"\W", "_", rev)
     tmp = Path(tempfile.mkdtemp(prefix="kernels-at-rev-"))
     archive = subprocess.run(
@@ -51,12 +52,15 @@ def module_at(rev: str) -> ModuleType:
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
     (tmp / "kernels").rename(tmp / name)
-    for py in (tmp / name).glob("*.py"):
-        text = py.read_text().replace("from kernels import", f"from {name} import")
-        py.write_text(text.replace('resources.files("kernels")', f'resources.files("{name}")'))
+    for py in (tmp / name).rglob("*.py"):
+        text = re.sub(r"\bkernels([. ])", rf"{name}\1", py.read_text())
+        py.write_text(text.replace('resources.files("kernels', f'resources.files("{name}'))
+    moved = (tmp / name / "cpu" / "decode_attention.py").exists()
     sys.path.insert(0, str(tmp))
     try:
-        return importlib.import_module(f"{name}.cpu_decode_attention")
+        return importlib.import_module(
+            f"{name}.cpu.decode_attention" if moved else f"{name}.cpu_decode_attention"
+        )
     finally:  # everything it needs is read at import (the C source, as a string)
         sys.path.remove(str(tmp))
         shutil.rmtree(tmp, ignore_errors=True)

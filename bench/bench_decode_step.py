@@ -7,9 +7,9 @@ then one slot per request per step, interleaved across the batch, as the schedul
 allocator hands them out.
 
 Switches (--ab):
-- ``decode-kernel``: the C decode-attention kernel (kernels/cpu_decode_attention.py) vs the
+- ``decode-kernel``: the C decode-attention kernel (kernels/cpu/decode_attention.py) vs the
   torch gather + SDPA path.
-- ``cpu-gemm``: the small-M C linear kernel (kernels/cpu_gemm.py, rows < default_kernel_rows()) vs
+- ``cpu-gemm``: the small-M C linear kernel (kernels/cpu/gemm.py, rows < default_kernel_rows()) vs
   oneDNN (F.linear for single rows), both keeping the plain weights (``--cpu-linear hybrid``).
 - ``mixed-decode``: with ``--mixed-prefill N``, steps that also carry a new N-token prompt
   (mixed batches): their one-row (decode) requests through the decode-attention kernel
@@ -18,10 +18,10 @@ Switches (--ab):
 - ``extend-split``: not a decode step but a prefill: --prefill-prompts prompts of
   --prompt-len tokens in one batch, run as groups of at most CPU_EXTEND_ROWS rows
   (services/worker/models/llama.py) vs as one forward; prefill tokens/s per round.
-- ``elementwise``: the fused C rotary and silu(gate) * up passes (kernels/cpu_elementwise.py,
+- ``elementwise``: the fused C rotary and silu(gate) * up passes (kernels/cpu/elementwise.py,
   ``layers.FUSED_ELEMENTWISE``) vs torch's op chains, switched per forward call: first
   prefill tokens/s (--prefill-prompts x --prompt-len, --rounds), then the decode steps.
-- ``extend-kernel``: the C extend-attention kernel (kernels/cpu_extend_attention.py) vs one
+- ``extend-kernel``: the C extend-attention kernel (kernels/cpu/extend_attention.py) vs one
   SDPA per request (its ``supports`` made False per forward call): prefill tokens/s only.
 
     M=~/.cache/radixserve-peers/models/small
@@ -55,7 +55,7 @@ host_memory.tune()  # as the worker process does, before torch loads: malloc kee
 
 import torch  # noqa: E402
 
-from kernels import cpu_extend_attention  # noqa: E402
+from kernels.cpu import extend_attention as cpu_extend_attention  # noqa: E402
 from radixserve.internal.v1 import engine_pb2  # noqa: E402
 from services.common.config import WorkerConfig  # noqa: E402
 from services.common.transport import pack_i32  # noqa: E402

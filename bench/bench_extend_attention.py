@@ -1,4 +1,4 @@
-"""The C extend-attention kernel (kernels/cpu_extend_attention.py) vs torch's SDPA, per call.
+"""The C extend-attention kernel (kernels/cpu/extend_attention.py) vs torch's SDPA, per call.
 
 One request per shape, its K/V in the pool at scattered slots, measured side by side in
 one process (the two alternate call by call, which goes first alternating; medians):
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu_extend_attention  # noqa: E402
+from kernels.cpu import extend_attention as cpu_extend_attention  # noqa: E402
 
 # (heads, kv heads, head dim, new rows, prefix): the peers' small model, Qwen2-0.5B, a hit
 SHAPES = [(8, 4, 64, 1000, 0), (14, 2, 64, 512, 0), (8, 4, 64, 200, 1000)]

@@ -39,7 +39,7 @@ and torch.compile (inductor freezing) of the MLP block.
     .venv/bin/python bench/bench_linear.py --json out.json      # also every raw figure
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/bench_linear.py --sections gemm --threads 2
-        # the C small-M kernel (kernels/cpu_gemm.py) vs oneDNN packed vs F.linear, the
+        # the C small-M kernel (kernels/cpu/gemm.py) vs oneDNN packed vs F.linear, the
         # weights of 8 layers cycling (cold, as in decode)
 
 Sections: linear, exact, features, cold, compile, gemm (not in the default run).
@@ -613,9 +613,9 @@ def section_gemm(
 ) -> list[dict]:
     """A decode step's linears as the worker meets them: the four decoder linears of
     `layers` layers, called in order, so that every weight comes from memory (more than
-    L3 between two uses), timed per whole step. kernels/cpu_gemm.py on the plain weight vs
+    L3 between two uses), timed per whole step. kernels/cpu/gemm.py on the plain weight vs
     the oneDNN packed path vs F.linear, interleaved rounds, medians."""
-    from kernels import cpu_gemm
+    from kernels.cpu import gemm as cpu_gemm
 
     kernel = cpu_gemm.load()
     if kernel is None:

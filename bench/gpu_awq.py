@@ -1,4 +1,4 @@
-"""GPU benchmark of the AWQ dequant-GEMM (kernels/awq_gemm.py) against fp16 torch.matmul.
+"""GPU benchmark of the AWQ dequant-GEMM (kernels/triton/awq_gemm.py) against fp16 torch.matmul.
 
 One 4,096 x 11,008 GEMM (a 7B model's gate/up projection), group size 128, at decode sizes
 (M = 1, 16, 64) and a prefill size (M = 2,048): achieved TFLOP/s and GB/s of each, and the
@@ -59,7 +59,7 @@ def _figures(m: int, ms: float, nbytes: int) -> str:
 
 
 def _compare(m: int, weights, dense: torch.Tensor) -> dict:
-    from kernels.awq_gemm import awq_gemm
+    from kernels.triton.awq_gemm import awq_gemm
 
     qweight, qzeros, scales = weights
     x = torch.randn(m, K, device=dense.device, dtype=torch.float16)
@@ -84,7 +84,7 @@ def _compare(m: int, weights, dense: torch.Tensor) -> dict:
 
 
 def _accuracy(weights, device: torch.device) -> dict:
-    from kernels.awq_gemm import awq_gemm, awq_gemm_ref
+    from kernels.triton.awq_gemm import awq_gemm, awq_gemm_ref
 
     x = torch.randn(16, K, device=device, dtype=torch.float16)
     got, want = awq_gemm(x, *weights).float(), awq_gemm_ref(x, *weights).float()
@@ -94,7 +94,7 @@ def _accuracy(weights, device: torch.device) -> dict:
 
 def _sweep(m: int, weights, deadline: float) -> dict:
     """Decode tiles x K splits at one M: the fastest, beside the default choice."""
-    from kernels.awq_gemm import GemmConfig, awq_gemm, choose_config
+    from kernels.triton.awq_gemm import GemmConfig, awq_gemm, choose_config
 
     x = torch.randn(m, K, device=weights[0].device, dtype=torch.float16)
     default = choose_config(m, N, K, GROUP, x.device, x.dtype)

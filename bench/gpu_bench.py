@@ -154,7 +154,7 @@ def time_ms(fn) -> float:
 
 
 def bench_decode(table: Table, sizes: Sizes, peak: float | None, budget: Budget) -> None:
-    from kernels.decode_attention import decode_attention, decode_attention_ref
+    from kernels.triton.decode_attention import decode_attention, decode_attention_ref
     from services.worker.attention.triton_backend import choose_num_kv_splits
 
     dev, dtype = torch.device(sizes.device), sizes.dtype
@@ -271,7 +271,7 @@ def sdpa_baseline(q4, k4, v4):
 
 
 def bench_extend(table: Table, sizes: Sizes) -> None:
-    from kernels.extend_attention import extend_attention
+    from kernels.triton.extend_attention import extend_attention
 
     dev, dtype = torch.device(sizes.device), sizes.dtype
     b, length, hq, hkv, d = sizes.extend

@@ -116,7 +116,7 @@ class Recorder:
 @contextlib.contextmanager
 def recording() -> Iterator[Recorder]:
     """Launches recorded, tiles chosen as on an H200."""
-    from kernels import awq_gemm, decode_attention, extend_attention
+    from kernels.triton import awq_gemm, decode_attention, extend_attention
     from services.worker.attention import triton_backend
 
     rec = Recorder()
@@ -172,9 +172,9 @@ def attention(
 ) -> None:
     """extend (each tile), decode ((splits, block_n) each) and store_kv at one shape.
     fused_qkv: q, k, v are views of one projection output, as the model hands them."""
-    from kernels.decode_attention import decode_attention
-    from kernels.extend_attention import extend_attention
-    from kernels.kv_store import store_kv
+    from kernels.triton.decode_attention import decode_attention
+    from kernels.triton.extend_attention import extend_attention
+    from kernels.triton.kv_store import store_kv
 
     pool = torch.empty(tokens + 16, hkv, d, dtype=dtype, device=META)
     if fused_qkv:
@@ -198,7 +198,7 @@ def attention(
 
 
 def awq(m: int, k: int, n: int, group: int, dtype: torch.dtype, configs=(None,)) -> None:
-    from kernels.awq_gemm import awq_gemm
+    from kernels.triton.awq_gemm import awq_gemm
 
     x = torch.empty(m, k, dtype=dtype, device=META)
     qw, qz = _i32(k, n // 8), _i32(k // group, n // 8)
@@ -227,7 +227,7 @@ def kernel_tests() -> None:
 
 def awq_tests() -> None:
     """tests/unit/test_awq_kernel.py on a GPU: every case and dtype, splits, serving sizes."""
-    from kernels.awq_gemm import GemmConfig
+    from kernels.triton.awq_gemm import GemmConfig
 
     for dtype in (FP32, FP16, BF16):
         for m, k, n, group in (
@@ -252,7 +252,7 @@ def awq_tests() -> None:
 
 def bench_rows() -> None:
     """bench/gpu_bench.py: decode with its sweep, extend, the AWQ rows and sweep."""
-    from kernels.awq_gemm import GemmConfig
+    from kernels.triton.awq_gemm import GemmConfig
 
     splits = num_kv_splits(64, 8)
     sweep = tuple((s, bn) for s in sorted({4, 8, 16, splits}) for bn in (32, 64, 128))

@@ -32,10 +32,10 @@ BLOCKED = (
 )
 # The modules the check's steps import (preflight, the GPU tests, every bench section).
 MODULES = (
-    "kernels.decode_attention",
-    "kernels.extend_attention",
-    "kernels.kv_store",
-    "kernels.awq_gemm",
+    "kernels.triton.decode_attention",
+    "kernels.triton.extend_attention",
+    "kernels.triton.kv_store",
+    "kernels.triton.awq_gemm",
     "services.worker.model_runner",
     "services.worker.cuda_graph",
     "services.worker.model_loader",

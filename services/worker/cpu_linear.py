@@ -2,7 +2,7 @@
 
 Why: MKL's sgemm repacks the weight on every call; oneDNN runs over a weight reordered once,
 at load, and wins from two rows up. Small M (decode, cold weights) goes to the C kernel of
-kernels/cpu_gemm.py below ``default_kernel_rows()``. The path is chosen at pack time
+kernels/cpu/gemm.py below ``default_kernel_rows()``. The path is chosen at pack time
 (oneDNN for float32/bfloat16 CPU weights where torch has it, ``F.linear`` otherwise), so
 callers never branch::
 
@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import _cc, cpu_gemm
+from kernels.cpu import _cc
+from kernels.cpu import gemm as cpu_gemm
 
 __all__ = [
     "PackedLinear",
@@ -32,7 +33,7 @@ __all__ = [
     "onednn_bf16_available",
 ]
 
-# Fewer rows than this run kernels/cpu_gemm.py on the plain weight (float32, plain weight
+# Fewer rows than this run kernels/cpu/gemm.py on the plain weight (float32, plain weight
 # kept); from it on oneDNN is faster. Where the two cross depends on the vector width both
 # use and on the core: with AVX-512 on AMD (two halves per op, a 32 KiB L1d) the kernel's
 # reuse of each weight chunk over the rows pays less. Measured: docs/benchmarks.md, "Worker".
@@ -119,7 +120,7 @@ class PackedLinear:
     ``in_features``, ``out_features``, ``dtype`` (the dtype the product runs in),
     ``min_rows`` (rows below it run ``F.linear`` on the plain weight; 0 when there is none),
     ``kernel_rows`` (rows below it, and from ``min_rows`` up, run the C kernel
-    kernels/cpu_gemm.py on the plain weight; 0 when it is not used).
+    kernels/cpu/gemm.py on the plain weight; 0 when it is not used).
     """
 
     path: str

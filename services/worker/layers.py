@@ -14,7 +14,7 @@ into oneDNN's blocked layout (services/worker/cpu_linear.py), faster than MKL's
 ``F.linear`` from two rows up, and the dense weight is dropped (left as a meta tensor
 of its shape) so memory does not double. In bfloat16 (float16) the same, with the 16-bit
 C kernel for few rows; the rotary, RMSNorm and silu * up run the C passes of
-kernels/cpu_elementwise.py in every one of the three dtypes.
+kernels/cpu/elementwise.py in every one of the three dtypes.
 
 AWQ int4 checkpoints (services/worker/quant/awq.py) load into ``AwqLinear``: the packed
 weights as they are stored, fused shards side by side along the output columns
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_elementwise
 from kernels.awq_pack import PACK, dequantize
+from kernels.cpu import elementwise as cpu_elementwise
 from services.worker.cpu_linear import PackedLinear
 from services.worker.forward_context import ForwardContext
 from services.worker.quant.awq import packed_shapes
@@ -110,7 +110,7 @@ class AwqLinear(nn.Module):
     ``qzeros`` [in/group, out/8] int32, ``scales`` [in/group, out] float16; ``bias`` a
     parameter in the compute dtype. Fused shards sit side by side along the output columns,
     each with its own scales and zeros. On CUDA ``forward`` runs the Triton dequant-GEMM
-    (kernels/awq_gemm.py); elsewhere it dequantizes per call (the loader normally turns
+    (kernels/triton/awq_gemm.py); elsewhere it dequantizes per call (the loader normally turns
     these into float Linears on CPU once, ``to_dense``)."""
 
     def __init__(
@@ -187,7 +187,7 @@ class AwqLinear(nn.Module):
 @functools.cache
 def _awq_gemm() -> Callable[..., torch.Tensor]:
     """The Triton kernel, imported on first use: CPU-only workers never import Triton."""
-    from kernels.awq_gemm import awq_gemm
+    from kernels.triton.awq_gemm import awq_gemm
 
     return awq_gemm
 
@@ -254,7 +254,7 @@ class RotaryEmbedding(nn.Module):
 
 
 # CPU tensors (float32, bfloat16, float16) take one fused C pass for the rotary embedding,
-# RMSNorm and silu(gate) * up (kernels/cpu_elementwise.py: 2-6x faster than the chains of
+# RMSNorm and silu(gate) * up (kernels/cpu/elementwise.py: 2-6x faster than the chains of
 # torch ops they replace, in 16 bits rounded where torch's ops round); False keeps torch's
 # expressions (bench/bench_decode_step.py --ab elementwise flips it).
 FUSED_ELEMENTWISE = True

@@ -209,7 +209,7 @@ def pack_for_cpu(model: LlamaForCausalLM, mode: str, device: torch.device) -> in
         return 0
     if mode == "auto":
         # Decode batches (few rows) run ~1.2x faster on the dense weights (the small-M
-        # kernel, kernels/cpu_gemm.py) but keeping them doubles the linears' memory:
+        # kernel, kernels/cpu/gemm.py) but keeping them doubles the linears' memory:
         # worth it for small models, not for a 7B one (28 GiB more in float32).
         dense = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Linear))
         mode = "hybrid" if dense <= AUTO_HYBRID_MAX_BYTES else "packed"

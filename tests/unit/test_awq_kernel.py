@@ -1,4 +1,4 @@
-"""kernels/awq_gemm.py: the Triton dequant-GEMM against its PyTorch reference, and the
+"""kernels/triton/awq_gemm.py: the Triton dequant-GEMM against its PyTorch reference, and the
 reference against the independent packer (tests/awq_packer.py).
 
 Without CUDA the kernel runs in Triton's interpreter (small shapes, a few seconds in all).
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from awq_packer import Quantized, pack, write_awq_model  # noqa: E402
 
-from kernels.awq_gemm import GemmConfig, awq_gemm, awq_gemm_ref  # noqa: E402
+from kernels.triton.awq_gemm import GemmConfig, awq_gemm, awq_gemm_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -50,7 +50,7 @@ CASES = [  # M, K, N, group
     (33, 64, 64, 64),  # several M tiles
     (3, 96, 32, 96),  # group_size -1 stored as one group over K (K = 96: K tile 32)
 ]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # bf16 on CPU: kernels/_triton.py
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # bf16 on CPU: kernels/triton/_triton.py
 
 
 @pytest.mark.parametrize("m, k, n, group", CASES)
@@ -168,7 +168,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # decorate the kernel for compilation, not
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.awq_gemm import _awq_gemm_kernel
+from kernels.triton.awq_gemm import _awq_gemm_kernel
 
 INTS = "M N K k_per_split stride_xm stride_xk stride_qk stride_zg stride_sg stride_os stride_om"
 CONFIGS = [  # dtype, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: choose_config's decode / prefill

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cc_flags() -> str:
-    from kernels import _cc
+    from kernels.cpu import _cc
 
     return _cc.cpu_flags() if _cc.compiler() is not None and not _cc.disabled() else ""
 
@@ -201,7 +201,7 @@ def test_a_float16_runner_uses_the_16_bit_kernels(tmp_path):
 def test_a_large_bf16_tied_head_runs_on_the_dense_table(tiny_qwen2_dir, monkeypatch):
     """Past TIED_HEAD_COPY_MAX_BYTES a bfloat16 tied head has no copy either: the 16-bit
     kernel on the dense table for few rows, oneDNN (or F.linear) over it for more."""
-    from kernels import cpu_gemm
+    from kernels.cpu import gemm as cpu_gemm
     from services.worker.models import llama
 
     monkeypatch.setattr(llama, "TIED_HEAD_COPY_MAX_BYTES", 0)
@@ -218,7 +218,7 @@ def test_a_large_bf16_tied_head_runs_on_the_dense_table(tiny_qwen2_dir, monkeypa
 
 _AVX2_RUN = """
 import json, sys
-from kernels import cpu_gemm, cpu_extend_attention
+from kernels.cpu import gemm as cpu_gemm, extend_attention as cpu_extend_attention
 from services.common.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.offline import generate

@@ -790,8 +790,8 @@ def test_a_routing_decision_is_cheap_at_ten_thousand_pages_per_engine():
 
 
 def test_an_engines_load_is_its_latest_count_plus_what_was_sent_since():
-    from services.frontend.engine_replica import Replica
     from services.frontend.engine_discovery import Endpoint
+    from services.frontend.engine_replica import Replica
 
     e = Replica(Endpoint("a", "tcp://127.0.0.1:1", ""))
     e.sent("r1")

@@ -1,6 +1,6 @@
 """The 16-bit paths of the CPU C kernels (issue 42) against their PyTorch references, on
 every vector variant this CPU can build (the native one, and the narrower ones forced with
-``-mno-*`` flags, as kernels/_cc.py's RADIXSERVE_CPU_ISA does for a whole process).
+``-mno-*`` flags, as kernels/cpu/_cc.py's RADIXSERVE_CPU_ISA does for a whole process).
 
 Tolerances (bfloat16 has 8 significant bits: one ulp is 2^-7 relative at most, float16
 2^-10): each kernel sums in float32 and rounds once where torch rounds, so
@@ -19,7 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc, cpu_decode_attention, cpu_elementwise, cpu_extend_attention, cpu_gemm
+from kernels.cpu import _cc
+from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu import elementwise as cpu_elementwise
+from kernels.cpu import extend_attention as cpu_extend_attention
+from kernels.cpu import gemm as cpu_gemm
 from services.worker import cpu_linear, layers
 from services.worker.cpu_linear import PackedLinear
 

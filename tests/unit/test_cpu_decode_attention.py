@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (kernels/cpu_decode_attention.py) against its PyTorch
+"""The C decode-attention kernel (kernels/cpu/decode_attention.py) against its PyTorch
 reference, and the torch backend with and without it."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from kernels import _cc, cpu_decode_attention
+from kernels.cpu import _cc
+from kernels.cpu import decode_attention as cpu_decode_attention
 from services.worker.attention.base import AttentionMeta
 from services.worker.attention.torch_backend import TorchBackend
 

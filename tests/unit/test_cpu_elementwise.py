@@ -1,4 +1,4 @@
-"""The fused C element-wise kernels (kernels/cpu_elementwise.py) against torch's expressions,
+"""The fused C element-wise kernels (kernels/cpu/elementwise.py) against torch's expressions,
 and services/worker/layers.py's use of them."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc, cpu_elementwise
+from kernels.cpu import _cc
+from kernels.cpu import elementwise as cpu_elementwise
 from services.worker import layers
 
 kernel = cpu_elementwise.load()

@@ -1,4 +1,4 @@
-"""The C extend-attention kernel (kernels/cpu_extend_attention.py) against its PyTorch
+"""The C extend-attention kernel (kernels/cpu/extend_attention.py) against its PyTorch
 reference (SDPA per request), and the torch backend with and without it."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import _cc, cpu_extend_attention
+from kernels.cpu import _cc
+from kernels.cpu import extend_attention as cpu_extend_attention
 from services.worker.attention.base import AttentionMeta
 from services.worker.attention.torch_backend import TorchBackend
 

@@ -1,4 +1,4 @@
-"""The C small-M GEMM (kernels/cpu_gemm.py) against float64, and PackedLinear's use of it."""
+"""The C small-M GEMM (kernels/cpu/gemm.py) against float64, and PackedLinear's use of it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc, cpu_gemm
+from kernels.cpu import _cc
+from kernels.cpu import gemm as cpu_gemm
 from services.worker.cpu_linear import PackedLinear
 
 kernel = cpu_gemm.load()

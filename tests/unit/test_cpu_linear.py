@@ -61,7 +61,7 @@ def test_fp32_uses_onednn_here() -> None:
         pytest.skip("this torch build has no oneDNN packed linear")
     w, b = _weights(True)
     lin = PackedLinear(w, b)
-    # Single rows: the C kernel (kernels/cpu_gemm.py) where it builds, else F.linear.
+    # Single rows: the C kernel (kernels/cpu/gemm.py) where it builds, else F.linear.
     assert lin.path == "onednn" and lin.min_rows == (0 if lin.kernel_rows else 2)
     assert lin.to_dense() is w  # the plain weight is referenced, not copied
     packed_only = PackedLinear(w, b, keep_plain=False)

@@ -18,9 +18,9 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
-from kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
-from kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
+from kernels.triton.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from kernels.triton.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
+from kernels.triton.kv_store import store_kv, store_kv_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -288,7 +288,7 @@ def test_store_kv_writes_exactly_the_given_slots(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_paths_match_the_references(dtype):
     """The GPU's serving dtypes through every attention kernel at small shapes: on CPU under
-    the interpreter (whose bfloat16 dots kernels/_triton.py makes right), on a GPU compiled.
+    the interpreter (whose bfloat16 dots kernels/triton/_triton.py makes right), on a GPU compiled.
     The references compute in float32 from the same rounded inputs."""
     batch = make_batch([0, 9], [7, 12], 2, 32, dtype, seed=12)
     q = torch.randn(19, 4, 32, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)

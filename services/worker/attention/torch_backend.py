@@ -2,13 +2,13 @@
 
 Store: the new K/V go to their slots with one index_copy_ per layer.
 Decode (one new token per request), float32 or bfloat16 on CPU: a small C kernel
-(kernels/cpu_decode_attention.py) reads each context's K/V rows in place through the
+(kernels/cpu/decode_attention.py) reads each context's K/V rows in place through the
 request-to-slot table; nothing is gathered (the gather cost more than the attention).
 Elsewhere (float16, no C compiler): the batch's rows of the table become
 a padded [B, Lmax] slot matrix once per batch (padding reads slot 0, which is zeros) plus
 a length mask; each layer then does one gather and one batched attention over the batch.
 Extend (prefill, possibly on top of a cached prefix), float32 or bfloat16 on CPU: one call
-of a C kernel (kernels/cpu_extend_attention.py) for the whole batch, reading every context in
+of a C kernel (kernels/cpu/extend_attention.py) for the whole batch, reading every context in
 place through the table: no gather of a cached prefix, no mask (faster than torch's SDPA
 at the peers' shapes: docs/benchmarks.md). Elsewhere:
 per request, scaled_dot_product_attention of its new rows over its whole context
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_attention, cpu_extend_attention
+from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu import extend_attention as cpu_extend_attention
 from services.worker.attention.base import AttentionBackend, AttentionMeta, register_backend
 
 _KV = tuple[torch.Tensor, torch.Tensor]  # (K, V)

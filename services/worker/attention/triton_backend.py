@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention import decode_attention
-from kernels.extend_attention import extend_attention
-from kernels.kv_store import store_kv
+from kernels.triton.decode_attention import decode_attention
+from kernels.triton.extend_attention import extend_attention
+from kernels.triton.kv_store import store_kv
 from services.worker.attention.base import AttentionBackend, AttentionMeta, register_backend
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm
+from kernels.cpu import gemm as cpu_gemm
 from services.worker.attention.base import AttentionBackend, AttentionMeta
 from services.worker.cpu_linear import (
     PackedLinear,
@@ -56,7 +56,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A tied lm_head gets its own packed copy of the embedding table up to this size (small
 # vocabularies); a larger one (Qwen2's 151,936 x 896 is 544 MB) runs on the dense table
 # itself, for no extra memory: oneDNN over the dense table (nearly as fast as a packed
-# copy), and the C kernel (kernels/cpu_gemm.py) for fewer rows than TIED_HEAD_KERNEL_ROWS
+# copy), and the C kernel (kernels/cpu/gemm.py) for fewer rows than TIED_HEAD_KERNEL_ROWS
 # (or the linears' crossing, if higher), where it beats both (docs/benchmarks.md, "Worker").
 TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 TIED_HEAD_KERNEL_ROWS = 24

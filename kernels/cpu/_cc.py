@@ -66,7 +66,7 @@ def read_source(name: str, **defines: int) -> str:
     """kernels/cpu/<name> with its local headers pasted in and ``defines`` prepended as
     ``#define``s: one self-contained text, so that the build (and its cache key) sees every
     line it compiles. Read as package data, so an installed wheel has it too."""
-    folder = resources.files("kernels") / "cpu"
+    folder = resources.files("kernels.cpu")
 
     def paste(match: re.Match[str]) -> str:
         return (folder / match.group(1)).read_text().rstrip("\n")

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from kernels._triton import check_head_dim_contiguous, dot_precision, sm_major, tl, triton
+from kernels.triton._triton import check_head_dim_contiguous, dot_precision, sm_major, tl, triton
 
 
 @triton.jit

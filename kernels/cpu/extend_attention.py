@@ -5,7 +5,7 @@ the whole context plus a mask per request and layer; this kernel runs every exte
 of a batch in one call, flash style, reading K/V rows where they lie in the pool, so a
 cached prefix costs no copy. float32 and bfloat16; ``extend_attention_ref`` is the
 reference the tests compare with. Source kernels/cpu/extend_attention.c, built by
-kernels/_cc.py; without AVX2/FMA, a compiler or with ``RADIXSERVE_CPU_KERNELS=0``:
+kernels/cpu/_cc.py; without AVX2/FMA, a compiler or with ``RADIXSERVE_CPU_KERNELS=0``:
 ``load()`` returns None. Tiling and numerics: docs/cpu-kernels.md.
 """
 
@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc, cpu_decode_attention
+from kernels.cpu import _cc
+from kernels.cpu import decode_attention as cpu_decode_attention
 
 log = logging.getLogger(__name__)
 

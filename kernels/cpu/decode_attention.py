@@ -5,7 +5,7 @@ SDPA, a copy that cost about as much as the attention; this kernel reads each ro
 lies, through the request-to-slot table, with an exact two-pass softmax, OpenMP over
 (request, kv head) on torch's own thread pool. float32 and bfloat16 pools;
 ``decode_attention_ref`` is the reference the tests compare with. Source
-kernels/cpu/decode_attention.c, built by kernels/_cc.py; no compiler, a failed build or
+kernels/cpu/decode_attention.c, built by kernels/cpu/_cc.py; no compiler, a failed build or
 ``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None. Tiling and numerics:
 docs/cpu-kernels.md.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc
+from kernels.cpu import _cc
 
 log = logging.getLogger(__name__)
 

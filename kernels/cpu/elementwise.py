@@ -4,7 +4,7 @@ Why: each of these is a chain of torch passes over the same rows (six for the ro
 here each is one pass that reads its inputs once and writes once, ``rms_norm`` optionally
 adding the residual first. The rotary is bit-identical to torch's expression, the others
 differ by float32 rounding (numerics per op and per dtype: docs/cpu-kernels.md).
-Source kernels/cpu/elementwise.c, built by kernels/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``,
+Source kernels/cpu/elementwise.c, built by kernels/cpu/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``,
 no compiler or a failed build: ``load()`` returns None and services/worker/layers.py keeps
 the torch expressions.
 """
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc
+from kernels.cpu import _cc
 
 log = logging.getLogger(__name__)
 

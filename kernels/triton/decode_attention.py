@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from kernels._triton import check_head_dim_contiguous, dot_precision, sm_major, tl, triton
-from kernels.extend_attention import _attend_block
+from kernels.triton._triton import check_head_dim_contiguous, dot_precision, sm_major, tl, triton
+from kernels.triton.extend_attention import _attend_block
 
 
 @triton.jit(do_not_specialize=["group", "num_splits"])  # one compiled kernel for all of them

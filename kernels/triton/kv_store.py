@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import check_head_dim_contiguous, tl, triton
+from kernels.triton._triton import check_head_dim_contiguous, tl, triton
 
 
 @triton.jit

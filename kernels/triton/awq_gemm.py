@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import dot_precision, tl, triton
 from kernels.awq_pack import PACK, dequantize
+from kernels.triton._triton import dot_precision, tl, triton
 
 
 @triton.jit

@@ -4,7 +4,7 @@ Why: a decode step's linears run at M = 1..64 rows over cold weights, where oneD
 path reads them far below memory bandwidth; this kernel streams each weight row once for
 all M rows. A fixed summation order makes every row bit-identical whatever batch it is in.
 Sources kernels/cpu/gemm.c and gemm16.c (``load16``: bfloat16/float16 weights), built by
-kernels/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()``
+kernels/cpu/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()``
 returns None. Blocking, prefetch and numerics: docs/cpu-kernels.md.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import _cc
+from kernels.cpu import _cc
 
 log = logging.getLogger(__name__)
 
