@@ -1,10 +1,8 @@
-"""The worker's engine: a Batch in, one sampled token per request out (or, for a request
-carrying drafts, the drafts the model confirms plus its next token: speculative decoding).
+"""The worker's engine: a Batch in, one sampled token per request out (for a request with
+drafts, the confirmed drafts plus its next token).
 
-It owns the model (with its attention backend and KV pool), the request-slot table and
-the sampler. No scheduling happens here: every KV slot and table row it touches is the
-one the scheduler named in the batch. It never sees protobuf: services/worker/wire.py
-decodes and checks the batch (batch.py's dataclasses) and encodes what comes back.
+It owns the model, KV pool, request-slot table and sampler, but schedules nothing: every
+KV slot and table row it touches is one the batch names. Protobuf stays in wire.py.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
     """The backend class for --attention-backend ("auto": triton on cuda, torch on cpu)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    # Importing a backend module registers it; triton's is optional (another module).
+    # Importing a backend module registers it; triton's is optional.
     importlib.import_module("services.worker.attention.torch_backend")
     if name == "triton":
         importlib.import_module("services.worker.attention.triton_backend")
@@ -85,8 +83,8 @@ def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
 
 
 def _context_length(cfg: WorkerConfig, c: PretrainedConfig) -> int:
-    """--context-length or the model's, capped at a sliding window when the model uses one:
-    the attention here is full, which is exact only while the context fits the window."""
+    """--context-length or the model's, capped at its sliding window: attention here is full,
+    exact only while the context fits the window."""
     length = cfg.context_length or c.max_position_embeddings
     window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
     if window and length > window:
@@ -149,7 +147,6 @@ class ModelRunner:
             cfg.max_running_requests, self.vocab_size, self.device, cfg.random_seed
         )
         self.eos_token_ids = eos_token_ids(cfg.model_path, c)
-        # Constrained decoding: compile cache, requests waiting on a compile, matchers.
         self.grammars = Grammars(cfg, self.vocab_size, list(self.eos_token_ids))
         self.graphs = self._capture_graphs(cfg)
         # The last token sampled per request slot: the input of an overlap-scheduled decode.
@@ -169,7 +166,6 @@ class ModelRunner:
         )
 
     def _load_model(self, c: PretrainedConfig):
-        """The whole model, or under TP this rank's shard, read from its slices alone."""
         if self.tp.world == 1:
             return load_model(self.cfg.model_path, self.dtype, self.device, config=c)[0]
         model, read = load_rank_model(self.cfg.model_path, c, self.dtype, self.device, self.tp)
@@ -181,9 +177,8 @@ class ModelRunner:
         return model
 
     def _make_pool(self) -> KVPool:
-        """As many KV slots as the memory share allows (kv_pool.py), after the weights.
-        Under TP every rank has the same slots for its own kv heads; on CPU the ranks share
-        the host's memory, so each takes 1/N of the share."""
+        """As many KV slots as the memory share allows; under TP on CPU the ranks share the
+        host's memory, so each takes 1/N of the share."""
         c, cfg = self.hf_config, self.cfg
         shape = KVShape(c.num_hidden_layers, self.local_kv_heads, self.head_dim, self.dtype)
         weight_bytes = weight_nbytes(self.model)  # parameters + AWQ's packed buffers
@@ -206,7 +201,6 @@ class ModelRunner:
         return pool
 
     def _make_host_pool(self) -> HostPool | None:
-        """The hierarchical cache's host tier (host_pool.py), when asked for."""
         cfg, shape = self.cfg, self.kv_pool.shape
         slots = host_tier_tokens(shape, self.kv_pool.num_slots, cfg.hicache_ratio, cfg.hicache_size)
         flag = "--hicache-storage-dir" if cfg.hicache_storage_dir else "--hicache-storage-url"
@@ -228,7 +222,6 @@ class ModelRunner:
         return pool
 
     def _page_backend(self) -> PageBackend:
-        """Where the storage tier keeps its pages: a folder, or a Redis-protocol server."""
         cfg = self.cfg
         if cfg.hicache_storage_dir:
             return DirectoryBackend(cfg.hicache_storage_dir)
@@ -243,14 +236,12 @@ class ModelRunner:
         )
 
     def copy_kv(self, copies: list) -> list[tuple[int, int]]:
-        """The batch's copies between the tiers, before its forward; (load_id, pages) of
-        each storage load."""
+        """Copies between the tiers; returns (load_id, pages) of each storage load."""
         if self.host_pool is None:
             raise ValueError("this worker has no host tier (--hicache-ratio / --hicache-size)")
         return self.host_pool.apply(copies, self.kv_pool)
 
     def _runtime_reserve(self) -> RuntimeReserve:
-        """What the sampler, graphs and prefill activations take after the pool (kv_pool.py)."""
         c, cfg = self.hf_config, self.cfg
         graphs = self.device.type == "cuda" and not cfg.disable_cuda_graph
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
@@ -265,8 +256,8 @@ class ModelRunner:
         )
 
     def _capture_graphs(self, cfg: WorkerConfig) -> CudaGraphRunner | None:
-        """Decode CUDA graphs (services/worker/cuda_graph.py) when on CUDA with a backend
-        that reads every per-step size from device buffers (triton)."""
+        """Decode CUDA graphs, only with a backend that reads per-step sizes from device
+        buffers (triton)."""
         if self.device.type != "cuda" or cfg.disable_cuda_graph or self.backend_name != "triton":
             return None
         if self.tp.world > 1:
@@ -279,15 +270,12 @@ class ModelRunner:
         max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         return CudaGraphRunner(self.model, max_bs, self.table, self.device)
 
-    # ---- info -----------------------------------------------------------------------
-
     def info(self) -> RunnerInfo:
         return self._info
 
     def forget_requests(self) -> None:
-        """A new scheduler took over (worker/main.py): none of the old one's requests runs any
-        more. Table rows and slot state are rewritten by each request's first batch anyway;
-        what could outlive them is cleared here (sampled tokens, compiles being waited on)."""
+        """A new scheduler took over: clears what a request's first batch would not rewrite
+        (sampled tokens, compiles being waited on)."""
         self.last_sampled.fill(-1)
         self.grammars.waits.clear()
 
@@ -315,8 +303,6 @@ class ModelRunner:
             storage_page_tokens=self.host_pool.page_tokens if self.host_pool else 0,
             weights_fingerprint=self.weights_fingerprint,
         )
-
-    # ---- forward --------------------------------------------------------------------
 
     def forward(self, batch: Batch) -> ForwardOutput:
         """Runs one batch (checked by wire.py). Raises ValueError, nothing written, when it
@@ -350,11 +336,9 @@ class ModelRunner:
         self._in_step = False  # every rank is through the step's collectives
         out = self._sample(batch, sampled, logits)
         if batch.has_drafts and not self._logged_eager_verify and self.graphs is not None:
-            # Each request's verify rows (1 + its drafts) vary step to step, and a graph
-            # replays fixed shapes: verify steps take the eager extend path.
+            # Verify rows vary step to step; a graph replays fixed shapes.
             log.info("verify steps (speculative decoding) run eagerly, outside CUDA graphs")
             self._logged_eager_verify = True
-        # A decode step never scores the prompt: its cost stays as it was.
         if not batch.is_decode and any(r.score is not None for r in batch.reqs):
             assert hidden is not None  # only decode steps replay graphs
             out.prompt_logprobs = self._score_prompts(batch, hidden)
@@ -362,8 +346,8 @@ class ModelRunner:
         return out
 
     def logits(self, batch: Batch) -> torch.Tensor:
-        """Like forward (KV written, table updated, eager) but returns the logits of every
-        new token, [T, vocab] float32, and samples nothing. For tests and debugging."""
+        """Like forward, eager, but returns [T, vocab] float32 logits of every new token and
+        samples nothing (tests, debugging)."""
         rows = np.arange(sum(r.n_new for r in batch.reqs)) if self.lead is not None else None
         input_ids, positions, meta = self._begin(batch, rows)
         return self.model.compute_logits(self.model.forward(input_ids, positions, meta))
@@ -371,8 +355,8 @@ class ModelRunner:
     def _begin(
         self, batch: Batch, rows: np.ndarray | None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
-        """Checks the batch against this worker's state, then updates sampling state and the
-        table (under TP after sending the step, ``rows`` its logit rows); the model inputs."""
+        """Checks the batch, updates sampling state and table (under TP after sending the
+        step); returns the model inputs."""
         ids = self._input_ids(batch)
         self._start_slots(batch)
         if self.lead is not None:
@@ -381,8 +365,8 @@ class ModelRunner:
         return self._prepare(batch, ids)
 
     def _logit_rows(self, batch: Batch, sampled: list[int]) -> np.ndarray | None:
-        """Under TP, the rows of the hidden states to take logits of, known on the host
-        before the forward (every rank takes part in their gather)."""
+        """Under TP, the hidden-state rows to take logits of, known on the host before the
+        forward (every rank takes part in their gather)."""
         if self.lead is None:
             return None
         if batch.has_drafts:
@@ -390,7 +374,6 @@ class ModelRunner:
         return np.cumsum([r.n_new for r in batch.reqs], dtype=np.int64)[sampled] - 1
 
     def _send_step(self, batch: Batch, ids: list[np.ndarray], rows: np.ndarray) -> None:
-        """Rank 0: the step's inputs to the other ranks, which run it beside this one."""
         assert self.lead is not None
         prefixes = [
             (r.req_slot, np.asarray(r.start.prefix_slots, dtype=np.int64))
@@ -410,19 +393,16 @@ class ModelRunner:
         step.send(self.lead)
 
     def ping_ranks(self) -> None:
-        """While idle, under TP: tells the other ranks this one lives (their wait for the
-        next step would otherwise time out, --tp-timeout)."""
+        """Under TP, while idle: keeps the other ranks' wait from timing out (--tp-timeout)."""
         if self.lead is not None:
             self.lead.ping_if_idle(min(30.0, self.cfg.tp_timeout / 4))
 
     def stop_ranks(self) -> None:
-        """Under TP: the other ranks leave their step loop."""
         if self.lead is not None:
             self.lead.send(Op.STOP, [], [])
 
     def _input_ids(self, batch: Batch) -> list[np.ndarray]:
-        """Each request's new tokens (the slot's last sampled one under use_last_sampled),
-        then its drafts."""
+        """Each request's new tokens, then its drafts."""
         ids = []
         for r in batch.reqs:
             if r.start is None and not self.sampler.has_state(r.req_slot):
@@ -442,7 +422,6 @@ class ModelRunner:
         return ids
 
     def _start_slots(self, batch: Batch) -> None:
-        """Sampling state of the requests that take their slot in this batch."""
         for r in batch.reqs:
             if r.start is None:
                 continue
@@ -450,20 +429,19 @@ class ModelRunner:
                 r.req_slot, r.start.sampling, self._generated(r.req_slot, r.start)
             )
             self._start_grammar(r.req_slot, r.start)
-            if not r.start.keep_last_sampled:  # a new owner of the slot: forget the old token
+            if not r.start.keep_last_sampled:
                 self.last_sampled[r.req_slot] = -1
 
     def _generated(self, slot: int, start: SlotStart) -> np.ndarray:
-        """The tokens generated so far: under the overlap schedule also the one sampled but
-        not yet seen by the scheduler (penalties, seeded draws and min_tokens count it)."""
+        """Tokens generated so far, including under overlap scheduling the one sampled but not
+        yet seen by the scheduler (penalties, seeded draws and min_tokens count it)."""
         if start.keep_last_sampled and self.last_sampled[slot] >= 0:
             last = np.array([self.last_sampled[slot]], dtype=np.int32)
             return np.concatenate([start.output_ids.astype(np.int32), last])
         return start.output_ids
 
     def _start_grammar(self, slot: int, start: SlotStart) -> None:
-        """The slot's matcher, fed the tokens generated so far (after a retraction), and
-        under the overlap schedule the one sampled but not yet seen by the scheduler."""
+        """The slot's matcher, replaying the tokens generated so far (as _generated)."""
         replay = start.output_ids.tolist()
         if start.keep_last_sampled and self.last_sampled[slot] >= 0:
             replay.append(int(self.last_sampled[slot]))
@@ -472,9 +450,7 @@ class ModelRunner:
     def _prepare(
         self, batch: Batch, ids: list[np.ndarray]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
-        """Writes the table rows and builds the batch's tensors: one host-to-device copy of
-        O(new tokens + requests) integers (step_inputs.py); the attention reads each
-        request's context straight from the table."""
+        """Writes the table rows and builds the batch's tensors in one host-to-device copy."""
         self._write_prefixes(batch)
         step = self.stager.stage(
             ids,
@@ -483,22 +459,13 @@ class ModelRunner:
             [r.prefix_len for r in batch.reqs],
         )
         self.table.write_tokens(step.token_rows, step.positions, step.out_slots)
-        meta = AttentionMeta(
-            is_decode=batch.is_decode,
-            out_slots=step.out_slots,
-            qo_indptr=step.qo_indptr,
-            req_to_token=self.table.table,
-            req_slots=step.req_slots,
-            prefix_lens=step.prefix_lens,
-            extend_lens=step.extend_lens,
-            seq_lens=step.seq_lens,
-            max_seq_len=step.max_seq_len,
-            max_extend_len=step.max_extend_len,
+        return (
+            step.input_ids,
+            step.positions,
+            step.attention_meta(batch.is_decode, self.table.table),
         )
-        return step.input_ids, step.positions, meta
 
     def _write_prefixes(self, batch: Batch) -> None:
-        """Table rows [0, prefix_len) of the requests taking their slot on a cached prefix."""
         for r in batch.reqs:
             if r.start is not None and r.prefix_len > 0:
                 self.table.write_prefix(r.req_slot, torch.tensor(r.start.prefix_slots))
@@ -512,10 +479,8 @@ class ModelRunner:
         meta: AttentionMeta,
         rows: np.ndarray | None,
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-        """Logits [n, vocab] of the last new token of each sampled request (and, for one
-        with k drafts, of its last k + 1: its input's last token and every draft); whether a
-        captured CUDA graph computed them; the hidden states [T, hidden] when eager.
-        ``rows``: under TP, those rows, as sent to the other ranks."""
+        """(logits [n, vocab] of each sampled request's last token, or last 1 + k with k
+        drafts; whether a CUDA graph ran; hidden [T, hidden] when eager)."""
         if batch.is_decode and self.graphs is not None and self.graphs.can_run(len(batch.reqs)):
             return self.graphs.replay(input_ids, positions, meta)[sampled], True, None
         hidden = self.model.forward(input_ids, positions, meta)  # [T, hidden]
@@ -529,8 +494,7 @@ class ModelRunner:
 
     @staticmethod
     def _verify_rows(batch: Batch, sampled: list[int]) -> torch.Tensor:
-        """Rows of the hidden states to score, on the host: per sampled request its last
-        1 + k (k drafts, maybe 0), in order."""
+        """Host-side hidden-state rows to score: per sampled request its last 1 + k."""
         ends = np.cumsum([r.n_new for r in batch.reqs])  # one past each request's last row
         rows = []
         for i in sampled:
@@ -540,11 +504,9 @@ class ModelRunner:
         return torch.from_numpy(np.concatenate(rows).astype(np.int64))
 
     def _score_prompts(self, batch: Batch, hidden: torch.Tensor) -> list[list[Scored] | None]:
-        """Prompt logprobs of the rows the batch asks for (prompt_logprobs.py)."""
         starts = np.cumsum([0] + [len(r.out_slots) for r in batch.reqs[:-1]]).tolist()
         asks = [r.score for r in batch.reqs]
-        # Logits + log_softmax of this many rows fit the sampler's logits reserve
-        # (3 x max_running_requests rows, kv_pool.RuntimeReserve).
+        # Fits the sampler's logits reserve (kv_pool.RuntimeReserve).
         block = max(16, self.cfg.max_running_requests)
 
         def logits_of(rows: np.ndarray) -> torch.Tensor:
@@ -555,16 +517,15 @@ class ModelRunner:
         return prompt_logprobs.score(logits_of, starts, asks, block)
 
     def _rows_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """Logits [len(rows), vocab] float32 of rows of the hidden states (no rows: no
-        lm_head, and under TP no gather: every rank skips it alike)."""
+        """Logits [len(rows), vocab] float32 of hidden-state rows; no rows skips the lm_head
+        (and under TP its gather, on every rank alike)."""
         if len(rows) == 0:
             return torch.empty(0, self.vocab_size, device=hidden.device)
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(hidden.device)
         return self.model.compute_logits(hidden[index])
 
     def _sample(self, batch: Batch, sampled: list[int], logits: torch.Tensor) -> ForwardOutput:
-        """One token per sampled request (a verify step: the accepted drafts, then one);
-        -1 (and no logprobs) for the others."""
+        """One token per sampled request (plus accepted drafts); -1 for the others."""
         n = len(batch.reqs)
         out = ForwardOutput([-1] * n, [None] * n, [None] * n)
         if not sampled:
@@ -597,7 +558,6 @@ class ModelRunner:
 
     @staticmethod
     def _drafts_of(batch: Batch, sampled: list[int]) -> list[np.ndarray] | None:
-        """Each sampled request's drafts (empty for one without), or None in a batch with none."""
         if not batch.has_drafts:
             return None
         none = np.zeros(0, dtype=np.int32)
@@ -606,9 +566,8 @@ class ModelRunner:
     def _mask_verify_rows(
         self, logits: torch.Tensor, slots: list[int], drafts: list[np.ndarray]
     ) -> tuple[torch.Tensor, list[np.ndarray]]:
-        """A verify step's rows with constrained requests among them: each of those masked
-        by its grammar row by row, its drafts cut where the grammar refuses one (grammar/
-        slots.py); the rows of the drafts cut are dropped, so the sampler sees 1 + k' rows."""
+        """Masks constrained verify rows by grammar and cuts drafts where it refuses one; the
+        cut drafts' rows are dropped, so the sampler sees 1 + k' rows."""
         starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
         keep, kept = [], []
         for start, slot, d in zip(starts.tolist(), slots, drafts, strict=True):
@@ -624,8 +583,6 @@ class ModelRunner:
     def _advance_grammars(
         self, out: ForwardOutput, sampled: list[int], slots: list[int], tokens: list[list[int]]
     ) -> None:
-        """Each constrained row's matcher takes its committed tokens; terminated / rejected
-        per row."""
         terminated, errors = self.grammars.slots.advance(slots, tokens)
         n = len(out.token_ids)
         out.grammar_terminated, out.grammar_errors = [False] * n, [""] * n

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker.attention.base import AttentionMeta
+
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -33,6 +35,38 @@ class StepInputs:
     qo_indptr: torch.Tensor  # [B+1] int32
     max_seq_len: int
     max_extend_len: int
+
+    @classmethod
+    def of_flat(cls, flat: torch.Tensor, t: int, b: int, max_seq: int, max_ext: int) -> StepInputs:
+        """Views of one int64 tensor in host_arrays' layout: 4 T + 5 B + 1 words."""
+        head, tail = flat[: 4 * t].view(4, t), flat[4 * t :].to(torch.int32)
+        return cls(
+            input_ids=head[0],
+            positions=head[1],
+            out_slots=head[2],
+            token_rows=head[3],
+            req_slots=tail[:b],
+            prefix_lens=tail[b : 2 * b],
+            extend_lens=tail[2 * b : 3 * b],
+            seq_lens=tail[3 * b : 4 * b],
+            qo_indptr=tail[4 * b :],
+            max_seq_len=max_seq,
+            max_extend_len=max_ext,
+        )
+
+    def attention_meta(self, is_decode: bool, req_to_token: torch.Tensor) -> AttentionMeta:
+        return AttentionMeta(
+            is_decode=is_decode,
+            out_slots=self.out_slots,
+            qo_indptr=self.qo_indptr,
+            req_to_token=req_to_token,
+            req_slots=self.req_slots,
+            prefix_lens=self.prefix_lens,
+            extend_lens=self.extend_lens,
+            seq_lens=self.seq_lens,
+            max_seq_len=self.max_seq_len,
+            max_extend_len=self.max_extend_len,
+        )
 
 
 def host_arrays(
@@ -79,20 +113,8 @@ class StepStager:
         arrays, t, b = host_arrays(ids, out_slots, rows, prefix)
         max_seq = int(arrays[7].max()) if b else 0
         max_ext = int(arrays[6].max()) if b else 0
-        flat = self._to_device(arrays, 4 * t + 5 * b + 1)
-        head, tail = flat[: 4 * t].view(4, t), flat[4 * t :].to(torch.int32)
-        return StepInputs(
-            input_ids=head[0],
-            positions=head[1],
-            out_slots=head[2],
-            token_rows=head[3],
-            req_slots=tail[:b],
-            prefix_lens=tail[b : 2 * b],
-            extend_lens=tail[2 * b : 3 * b],
-            seq_lens=tail[3 * b : 4 * b],
-            qo_indptr=tail[4 * b :],
-            max_seq_len=max_seq,
-            max_extend_len=max_ext,
+        return StepInputs.of_flat(
+            self._to_device(arrays, 4 * t + 5 * b + 1), t, b, max_seq, max_ext
         )
 
     def _to_device(self, arrays: list[np.ndarray], n: int) -> torch.Tensor:

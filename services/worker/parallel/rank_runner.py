@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.worker.attention.base import AttentionBackend, AttentionMeta
+from services.worker.attention.base import AttentionBackend
 from services.worker.attention.torch_backend import TorchBackend
 from services.worker.kv_pool import KVPool, KVShape
 from services.worker.model_loader import load_config, pack_for_cpu
@@ -93,18 +93,7 @@ class RankModel:
             self.table.write_prefix(row, torch.from_numpy(slots))
         s = step.inputs(self.device)
         self.table.write_tokens(s.token_rows, s.positions, s.out_slots)
-        meta = AttentionMeta(
-            is_decode=step.is_decode,
-            out_slots=s.out_slots,
-            qo_indptr=s.qo_indptr,
-            req_to_token=self.table.table,
-            req_slots=s.req_slots,
-            prefix_lens=s.prefix_lens,
-            extend_lens=s.extend_lens,
-            seq_lens=s.seq_lens,
-            max_seq_len=s.max_seq_len,
-            max_extend_len=s.max_extend_len,
-        )
+        meta = s.attention_meta(step.is_decode, self.table.table)
         # [T, hidden], whole on every rank; kept for the step's LOGITS messages (logprobs)
         self.hidden = self.model.forward(s.input_ids, s.positions, meta)
         return self.rows_logits(step.logit_rows)

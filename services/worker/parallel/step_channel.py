@@ -126,19 +126,5 @@ class ForwardStep:
 
     def inputs(self, device: torch.device) -> StepInputs:
         """The StepInputs rank 0 staged (StepStager.stage's slicing of the same layout)."""
-        t, b = self.t, self.b
         flat = torch.from_numpy(self.flat).to(device)
-        head, tail = flat[: 4 * t].view(4, t), flat[4 * t :].to(torch.int32)
-        return StepInputs(
-            input_ids=head[0],
-            positions=head[1],
-            out_slots=head[2],
-            token_rows=head[3],
-            req_slots=tail[:b],
-            prefix_lens=tail[b : 2 * b],
-            extend_lens=tail[2 * b : 3 * b],
-            seq_lens=tail[3 * b : 4 * b],
-            qo_indptr=tail[4 * b :],
-            max_seq_len=self.max_seq_len,
-            max_extend_len=self.max_extend_len,
-        )
+        return StepInputs.of_flat(flat, self.t, self.b, self.max_seq_len, self.max_extend_len)
