@@ -285,3 +285,47 @@ def run(
     for rid, d in final.items():
         d.token_ids[:] = tokens.get(rid, [])
     return final
+
+
+# A workload request: (which shared prefix, own tail, max_tokens, the step it arrives at).
+Arrival = tuple[int, list[int], int, int]
+
+
+def run_arrivals(
+    sched: Scheduler, reqs: list[Arrival], prefixes: list[list[int]], aborts: dict[int, int]
+) -> None:
+    """Runs the requests, each submitted at its step (at once if the engine went idle
+    before it), request i aborted at step ``aborts[i]``; every one that is not aborted
+    gets exactly the tokens of its true sequence, an aborted one a prefix of them."""
+    want, arrivals = {}, {}
+    for i, (p, tail, n, at) in enumerate(reqs):
+        prompt = prefixes[p] + tail
+        want[f"r{i}"] = expected(prompt, n)
+        arrivals.setdefault(at, []).append((f"r{i}", prompt, n))
+    plan = {step: f"r{i}" for i, step in aborts.items() if i < len(reqs)}
+    for rid, prompt, n in arrivals.pop(0, []):
+        submit(sched, rid, prompt, n)
+
+    def on_step(step: int) -> None:
+        # The engine went idle before a later arrival: it comes now, so run() goes on.
+        due = step if sched.has_requests() else max(arrivals, default=step)
+        for at in [at for at in arrivals if at <= due]:
+            for rid, prompt, n in arrivals.pop(at):
+                submit(sched, rid, prompt, n)
+        if step in plan:
+            sched.abort(plan[step], "test abort")
+
+    got = run(sched, on_step=on_step)
+    assert set(got) == set(want)
+    for rid, d in got.items():
+        if d.finish_reason == "abort" and rid in plan.values():
+            assert list(d.token_ids) == want[rid][: len(d.token_ids)]  # a prefix of the truth
+        else:
+            assert (list(d.token_ids), d.finish_reason) == (want[rid], "length"), rid
+
+
+def assert_pool_whole(sched: Scheduler) -> None:
+    """Idle: no request holds KV, nothing is locked, every slot is free or evictable cache."""
+    size = sched.kv.cache.size_info()
+    assert size.protected == 0 and sched.kv.held_by_requests() == 0
+    assert sched.kv.allocator.num_free + size.evictable == sched.kv.total

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from radixserve.internal.v1 import engine_pb2
 from services.common.transport import pack_i32
-from tests.fake_worker import FRONTEND, expected, expected_prompt_logprobs, make
+from tests.fake_worker import FRONTEND, assert_pool_whole, expected, expected_prompt_logprobs, make
 
 request = st.tuples(
     st.integers(0, 2),  # which shared prefix
@@ -101,6 +101,4 @@ def test_prompt_logprobs_are_exact_under_any_schedule(
         entries = [(lp.token_id, lp.logprob) for lp in got[0].prompt_logprobs]
         want_lps = expected_prompt_logprobs(prompt, s)
         assert entries == [(t, pytest.approx(lp, abs=1e-6)) for t, lp in want_lps], rid
-    size = sched.kv.cache.size_info()
-    assert size.protected == 0 and sched.kv.held_by_requests() == 0
-    assert sched.kv.allocator.num_free + size.evictable == sched.kv.total
+    assert_pool_whole(sched)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fake_worker import expected, make, run, submit
+from tests.fake_worker import assert_pool_whole, make, run_arrivals
 
 request = st.tuples(
     st.integers(0, 2),  # which shared prefix
@@ -48,31 +48,5 @@ def test_random_workloads_are_token_exact(
         schedule_policy=policy,
         mixed_prefill_tokens=mixed,
     )
-    want, arrivals = {}, {}
-    for i, (p, tail, n, at) in enumerate(reqs):
-        prompt = prefixes[p] + tail
-        want[f"r{i}"] = expected(prompt, n)
-        arrivals.setdefault(at, []).append((f"r{i}", prompt, n))
-    plan = {step: f"r{i}" for i, step in aborts.items() if i < len(reqs)}
-    for rid, prompt, n in arrivals.pop(0, []):
-        submit(sched, rid, prompt, n)
-
-    def maybe_abort(step: int) -> None:
-        # The engine went idle before a later arrival: it comes now, so run() goes on.
-        due = step if sched.has_requests() else max(arrivals, default=step)
-        for at in [at for at in arrivals if at <= due]:
-            for rid, prompt, n in arrivals.pop(at):
-                submit(sched, rid, prompt, n)
-        if step in plan:
-            sched.abort(plan[step], "test abort")
-
-    got = run(sched, on_step=maybe_abort)
-    assert set(got) == set(want)
-    for rid, d in got.items():
-        if d.finish_reason == "abort" and rid in plan.values():
-            assert list(d.token_ids) == want[rid][: len(d.token_ids)]  # a prefix of the truth
-        else:
-            assert (list(d.token_ids), d.finish_reason) == (want[rid], "length"), rid
-    size = sched.kv.cache.size_info()
-    assert size.protected == 0 and sched.kv.held_by_requests() == 0
-    assert sched.kv.allocator.num_free + size.evictable == sched.kv.total
+    run_arrivals(sched, reqs, prefixes, aborts)
+    assert_pool_whole(sched)
