@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from radixserve.internal.v1 import engine_pb2
 from services.common.transport import pack_i32
 from tests.fake_worker import FRONTEND, assert_pool_whole, expected, expected_prompt_logprobs, make
+from tests.workload_strategies import CHUNKS, PAGE_SIZES, PREFIX_INDEX, PREFIXES, TAIL
 
 request = st.tuples(
-    st.integers(0, 2),  # which shared prefix
-    st.lists(st.integers(1, 899), min_size=1, max_size=12),  # own tail
+    PREFIX_INDEX,
+    TAIL,
     st.sampled_from([0, 0, 1, 5, 20]),  # max_tokens
     st.one_of(st.none(), st.integers(0, 60)),  # prompt logprobs from (None: not asked)
 )
@@ -37,12 +38,10 @@ def submit(sched, rid: str, prompt: list[int], max_tokens: int, start: int | Non
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request, min_size=1, max_size=10),
-    prefixes=st.lists(
-        st.lists(st.integers(1, 899), min_size=0, max_size=40), min_size=3, max_size=3
-    ),
-    page_size=st.sampled_from([1, 4, 16]),
+    prefixes=PREFIXES,
+    page_size=PAGE_SIZES,
     pool=st.integers(200, 600),
-    chunk=st.sampled_from([-1, 8, 32]),
+    chunk=CHUNKS,
     overlap=st.booleans(),
     mixed=st.sampled_from([0, 16]),
     warm=st.booleans(),

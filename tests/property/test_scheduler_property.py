@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fake_worker import assert_pool_whole, make, run_arrivals
+from tests.workload_strategies import CHUNKS, PAGE_SIZES, PREFIX_INDEX, PREFIXES, TAIL
 
 request = st.tuples(
-    st.integers(0, 2),  # which shared prefix
-    st.lists(st.integers(1, 899), min_size=1, max_size=12),  # own tail
+    PREFIX_INDEX,
+    TAIL,
     st.integers(1, 20),  # max_tokens
     st.sampled_from([0, 0, 1, 3, 8]),  # the step it arrives at
 )
@@ -25,12 +26,10 @@ request = st.tuples(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request, min_size=1, max_size=12),
-    prefixes=st.lists(
-        st.lists(st.integers(1, 899), min_size=0, max_size=40), min_size=3, max_size=3
-    ),
-    page_size=st.sampled_from([1, 4, 16]),
+    prefixes=PREFIXES,
+    page_size=PAGE_SIZES,
     pool=st.integers(160, 600),
-    chunk=st.sampled_from([-1, 8, 32]),
+    chunk=CHUNKS,
     overlap=st.booleans(),
     aborts=st.dictionaries(st.integers(0, 11), st.integers(0, 30), max_size=3),
     policy=st.sampled_from(["lpm", "fcfs", "dfs-weight"]),

@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fake_worker import VOCAB, assert_pool_whole, make, next_token, run_arrivals
+from tests.workload_strategies import CHUNKS, PAGE_SIZES, PREFIX_INDEX, PREFIXES, TAIL
 
 request = st.tuples(
-    st.integers(0, 2),  # which shared prefix
-    st.lists(st.integers(1, 899), min_size=1, max_size=12),  # own tail
+    PREFIX_INDEX,
+    TAIL,
     st.integers(1, 24),  # max_tokens
     st.sampled_from([0, 0, 1, 3, 8]),  # the step it arrives at
 )
@@ -46,12 +47,10 @@ def oracle(seed: int, wrong: float):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request, min_size=1, max_size=10),
-    prefixes=st.lists(
-        st.lists(st.integers(1, 899), min_size=0, max_size=40), min_size=3, max_size=3
-    ),
-    page_size=st.sampled_from([1, 4, 16]),
+    prefixes=PREFIXES,
+    page_size=PAGE_SIZES,
     pool=st.integers(160, 600),
-    chunk=st.sampled_from([-1, 8, 32]),
+    chunk=CHUNKS,
     overlap=st.booleans(),
     aborts=st.dictionaries(st.integers(0, 9), st.integers(0, 30), max_size=3),
     mixed=st.sampled_from([0, 16, 256]),
