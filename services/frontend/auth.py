@@ -1,12 +1,9 @@
 """The API key of the public surface: HTTP routes and gRPC methods alike.
 
-With ``--api-key`` set, every HTTP request needs ``Authorization: Bearer <key>`` (the
-OpenAI routes, /generate, /flush_cache, /metrics, /docs, /openapi.json, anything added
-later) and every gRPC call the same as metadata, except health probes: a route is open only
-when it is listed here, so a new route is protected by default. Admin routes and RPCs (cache
-flush, SGLang's /abort_request) take ``--admin-api-key`` when that is set. The HTTP check is
-plain ASGI, so a streamed answer passes through untouched (starlette's BaseHTTPMiddleware
-would buffer it).
+With ``--api-key`` set every request needs ``Authorization: Bearer <key>`` except health
+probes: a route is open only when listed here, so a new one is protected by default. Admin
+routes take ``--admin-api-key`` when set. The check is plain ASGI, so streams pass through
+unbuffered (starlette's BaseHTTPMiddleware would buffer them).
 """
 
 from __future__ import annotations

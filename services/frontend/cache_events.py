@@ -1,28 +1,8 @@
-"""Following one engine's CacheEvents stream into its CacheIndex (cache_index.py).
+"""Following one engine's CacheEvents stream (ZeroMQ SUB) into its CacheIndex.
 
-The scheduler publishes its radix tree's changes on a ZeroMQ PUB socket (the port in
-``SchedulerStats.cache_events_port``, on its control address's host), one CacheEvents per
-step that changed something and a heartbeat (same seq, nothing in it) every second. A
-subscriber keeps the index equal to the tree by these rules:
-
-- ``instance_id`` is the scheduler process: a new one drops the index (it restarted) and
-  asks for a snapshot;
-- ``seq`` rises by one per message with changes: the next one is applied (``cleared``
-  first, then ``stored`` and ``removed``); one at or below the current seq is a heartbeat,
-  or already in the snapshot, and is skipped; one past it, or a heartbeat past it, means
-  messages were lost (the socket's bounded queue, a subscription still on its way), so the
-  index asks for a snapshot;
-- a snapshot (``SchedulerControl.CacheSnapshot``) is the whole tree at its seq, and only
-  messages after that seq apply on top of it. Messages that arrive while the snapshot is
-  asked wait in the socket's queue, so none is lost and none applies twice;
-- on connecting, a snapshot at once (the stream only says what changes);
-- silence for EVENTS_SILENT_S (five heartbeats missed): what the index says is no longer
-  known, so it empties until the stream speaks again;
-- every message carries the engine's load (running + waiting requests), whatever its seq:
-  it goes to ``on_load`` at once, fresher than the GetStats probes.
-
-Nothing is unpickled: every frame is parsed as a CacheEvents (transport.decode) and checked
-(whole keys), and a malformed one is counted and logged at most every few seconds, then
+The protocol (seq, heartbeats, snapshots on connect, restart or gap) is in docs/routing.md.
+Messages that arrive while a snapshot is asked wait in the socket's queue, so none is lost
+and none applies twice. Every frame is parsed and checked; a malformed one is counted and
 ignored.
 """
 
@@ -70,8 +50,7 @@ def host_of(control_addr: str) -> str:
 
 
 class EventFollower:
-    """The stream's bookkeeping, without sockets: which messages apply and when the index
-    needs a snapshot (``wanted``: why; None while it does not)."""
+    """The stream's bookkeeping, without sockets; ``wanted``: why a snapshot is needed, or None."""
 
     def __init__(self, index: CacheIndex, on_load: Callable[[int], None] | None = None) -> None:
         self.index = index
@@ -121,11 +100,7 @@ class EventFollower:
 
 
 class CacheSubscriber:
-    """A SUB socket on one engine's CacheEvents and the task that follows it.
-
-    ``snapshot`` asks the engine's CacheSnapshot (with the control token); ``on_resync``
-    is told why each snapshot that arrived was asked (RESYNC_REASONS).
-    """
+    """A SUB socket on one engine's CacheEvents and the task that follows it."""
 
     def __init__(
         self,

@@ -1,26 +1,9 @@
-"""What each engine's radix tree holds, as the frontend's router sees it: block keys.
+"""What each engine's radix tree holds, as the router sees it: the keys of its blocks.
 
-An engine's scheduler publishes its tree as the keys of the blocks of ``block_tokens``
-tokens it holds (CacheEvents, services/common/page_keys.py; cache_events.py follows the
-stream). A prompt's blocks hash the same way, so "how much of this prompt does engine E
-hold" is the longest leading run of the prompt's keys found in E's set:
-
-    prompt     | block 0 | block 1 | block 2 | block 3 | partial |
-    E's keys       yes       yes       no        yes               -> 2 blocks matched
-                                                                     (block 3 cannot be
-                                                                     used without block 2)
-
-Beside what the events say, the index keeps what this frontend sent to the engine itself
-(pending keys): a burst of requests sharing a new prefix must converge on the engine the
-first one went to, before that engine has even computed it. They count for matching until
-an event confirms or removes them, or PENDING_TTL_S passes (the request failed, or the
-engine could not keep its blocks).
-
-Memory: one ``bytes`` of 16 bytes per key in a ``set``, about 100 bytes each in CPython
-(33-byte object header, 8-byte rounding, the set's slot and spare capacity): 10k blocks of
-16 tokens (160k cached tokens) is about 1 MB per engine. The set is never larger than the
-engine's tree (device + host tiers) divided by block_tokens, plus this frontend's own
-pending keys of the last PENDING_TTL_S.
+A prompt's blocks hash the same way (page_keys.py), so how much of a prompt an engine holds
+is the longest leading run of the prompt's keys in its set. Keys this frontend sent but no
+event has confirmed yet count as held for PENDING_TTL_S, so a burst sharing a new prefix
+converges on one engine before it has computed it (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -39,8 +22,7 @@ Clock = Callable[[], float]
 
 
 class PromptKeys:
-    """One prompt's block keys, hashed once per (seed, block_tokens) the engines use (all
-    engines of one model normally share both, so once per request)."""
+    """One prompt's block keys, hashed once per (seed, block_tokens) the engines use."""
 
     def __init__(self, namespace: str, ids: Sequence[int] | np.ndarray) -> None:
         self.namespace = namespace
@@ -71,8 +53,7 @@ class CacheIndex:
         self.seed = b""
         self._ttl, self._clock = pending_ttl_s, clock
         self._pending: dict[bytes, float] = {}  # key -> when it stops counting
-        # Batches of keys in the order they were sent (deadlines rise along it), so expiry
-        # pops from the front and never scans the whole dict.
+        # In the order sent (deadlines rise along it): expiry pops from the front.
         self._sent: deque[tuple[float, list[bytes]]] = deque()
 
     def __len__(self) -> int:
@@ -83,19 +64,15 @@ class CacheIndex:
         self._expire()
         return len(self._pending)
 
-    # ---- what the events say ------------------------------------------------------------
-
     def clear(self) -> None:
-        """Forgets everything, geometry and pending keys included (an engine gone, restarted
-        or no longer followed)."""
+        """Forgets everything, geometry and pending keys included."""
         self.keys = set()
         self.block_tokens, self.seed = 0, b""
         self._pending.clear()
         self._sent.clear()
 
     def replace(self, block_tokens: int, seed: bytes, stored: bytes) -> None:
-        """A snapshot: ``stored`` is everything held. Pending keys stay (the snapshot may
-        predate what we sent) unless the geometry changed."""
+        """A snapshot; pending keys stay (it may predate what we sent) unless geometry changed."""
         if (block_tokens, seed) != (self.block_tokens, self.seed):
             self.clear()
             self.block_tokens, self.seed = block_tokens, seed
@@ -120,8 +97,6 @@ class CacheIndex:
             for k in keys:
                 self._pending.pop(k, None)
 
-    # ---- what this frontend sent --------------------------------------------------------
-
     def note_sent(self, prompt: PromptKeys) -> None:
         """The prompt went to this engine: its blocks count as held for a while."""
         if not self.block_tokens:
@@ -144,8 +119,6 @@ class CacheIndex:
             for k in keys:
                 if self._pending.get(k) == deadline:  # not sent again since
                     del self._pending[k]
-
-    # ---- matching -----------------------------------------------------------------------
 
     def match_tokens(self, keys: Sequence[bytes]) -> int:
         """Tokens of the longest leading run of ``keys`` this engine holds (or was sent)."""

@@ -1,21 +1,9 @@
 """OpenAI tool calling and reasoning on ``/v1/chat/completions`` (docs/tools.md).
 
-The request side: a body's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked in
-OpenAI's terms, and the constraint that makes the model's calls parse and match their
-schemas: a structural tag of the served parser's own markup (tool_grammar.py). The answer
-side: the output split into reasoning first (``--reasoning-parser``), then content and tool
-calls out of the rest (``--tool-call-parser``), whole or as stream deltas.
-
-| tool_choice | constraint (JSON-argument parsers) | output read for calls |
-|---|---|---|
-| none, or no tools | none | no |
-| auto (the default with tools) | free text; a valid call once the trigger appears | yes |
-| required | one call or more (one with parallel_tool_calls false), nothing else | yes |
-| {"type": "function", ...} | exactly one call, of that function | yes |
-
-With a reasoning parser the thinking stays free text and the constraint starts after it.
-Another constraint (response_format, regex, ebnf) beside a tool_choice other than none is
-refused: a request has one constraint.
+The request side: ``tools`` and ``tool_choice`` checked in OpenAI's terms, and the structural
+tag that makes the calls parse and match their schemas (tool_grammar.py). The answer side:
+the output split into reasoning (``--reasoning-parser``), then content and tool calls
+(``--tool-call-parser``), whole or as stream deltas.
 """
 
 from __future__ import annotations
@@ -50,8 +38,6 @@ from services.frontend.tool_parsers import (
 )
 from services.frontend.validation import MAX_CONSTRAINT_CHARS
 
-# ---- the flags --------------------------------------------------------------------------
-
 
 def tool_parser_choices() -> list[str]:
     """--tool-call-parser: auto (from the chat template's markup) or one parser."""
@@ -60,9 +46,6 @@ def tool_parser_choices() -> list[str]:
 
 def reasoning_parser_choices() -> list[str]:
     return ["none", *REASONING_PARSERS]
-
-
-# ---- request bodies ---------------------------------------------------------------------
 
 
 class FunctionSpec(BaseModel):
@@ -137,13 +120,8 @@ def _choice(tool_choice: ToolChoice | None, names: Sequence[str]) -> ToolChoice:
     return tool_choice
 
 
-# ---- the server's parsers, and one request's plan --------------------------------------
-
-
 @dataclass(frozen=True)
 class ChatPlan:
-    """What one chat request asks of the output."""
-
     structural_tag: str | None  # the constraint the tools ask for (JSON text), if any
     reasoning: ReasoningParser | None
     tool_parser: ToolParser | None  # None: the output is not read for calls
@@ -181,8 +159,7 @@ class ChatParsers:
         parallel: bool,
         constraint_param: str | None = None,
     ) -> ChatPlan:
-        """The request's plan; ToolGrammarError names the body field at fault.
-        ``constraint_param``: the field that already constrains the output, if one does."""
+        """The request's plan; ToolGrammarError names the body field at fault."""
         choice = _choice(tool_choice, list(function_schemas(tools)))
         if choice == "none":
             # A constraint from the first token leaves no free thinking to split off.
@@ -231,8 +208,6 @@ class ChatParsers:
         return tag
 
 
-# ---- the answer -------------------------------------------------------------------------
-
 Delta = dict[str, Any]  # the fields of one chunk's delta: reasoning_content, content, tool_calls
 
 
@@ -244,9 +219,7 @@ class ParsedAnswer:
 
 
 class ChatOutput:
-    """An answer's text in, as it is generated; the deltas of its chunks out: reasoning
-    first, then content and tool-call items read out of the rest. Each delta carries one
-    field; a call comes as two items (index, id, type and name; then its arguments)."""
+    """An answer's text in, as it is generated; its chunks' deltas out, one field per delta."""
 
     def __init__(self, reasoning: ReasoningParser | None, tool_parser: ToolParser | None):
         self._thinking: ReasoningStream | None = reasoning.stream() if reasoning else None

@@ -1,13 +1,8 @@
 """Incremental detokenization that never emits half a UTF-8 character.
 
-The prefix/read offset method: decoding a window of tokens that starts a few tokens back
-(``prefix_offset``) gives the tokenizer the context it needs to place spaces right, and the
-text new since ``read_offset`` is emitted only once the window's text does not end with
-U+FFFD, the replacement character a byte-level tokenizer shows for an unfinished UTF-8
-sequence.
-
-    ids:  ... | context already emitted | new, not yet emitted |
-              ^ prefix_offset           ^ read_offset         ^ len(ids)
+The prefix/read offset method: a window starting a few tokens back (``prefix_offset``) gives
+the tokenizer context to place spaces right; the text new since ``read_offset`` is emitted
+once the window's text does not end with U+FFFD (an unfinished UTF-8 sequence).
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ class IncrementalDetokenizer:
         if context and self._tok.decode(context, skip_special_tokens=skip_special_tokens).endswith(
             REPLACEMENT_CHAR
         ):
-            # A prompt ending mid-character would swallow the output's first bytes into
-            # text that was never emitted: decode the output on its own instead.
+            # A prompt ending mid-character would swallow the output's first bytes.
             context = []
         self._ids: list[int] = context
         self._prefix_offset = 0

@@ -1,20 +1,9 @@
 """The frontend's request streams over a pool of engine replicas (engine_pool.py).
 
-A submitted request is routed to a replica, sent over its ZeroMQ DEALER, and the
-TokenDeltas that come back are handed to the asyncio queue of its request, by rid. A
-request is kept whole until its first token: when its replica goes down or leaves, one that
-has not streamed yet is sent to another replica, one that has fails fast with UNAVAILABLE.
-
-Routing (router.py, ``--routing-policy``) is cache-aware and load-aware. A replica's load
-is the running + waiting requests it counted last (every frontend's: its cache events carry
-the count, else GetStats) plus what this frontend sent it since, never less than this
-frontend's own requests there. With cache_aware a prompt goes where most of it is already
-cached (the pool follows each replica's CacheEvents into a CacheIndex); the index also holds
-what this frontend sent the engine in the last few seconds, until the events confirm it,
-and hot_prefixes.py tells which prefixes count as held everywhere.
-
-The frontend is ready while at least one replica serves (readiness); it stays alive
-regardless (liveness is the process itself, see main.py).
+A submitted request is routed (router.py, docs/routing.md) to a replica, and the TokenDeltas
+that come back go to its request's asyncio queue, by rid. A request is kept whole until its
+first token: when its replica goes away, one that has not streamed yet moves to another
+replica, one that has fails fast with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -43,8 +32,7 @@ class DuplicateRequestError(KeyError):
 
 
 def route(cache_salt: str, input_ids: Sequence[int], num_engines: int) -> int:
-    """The replica (by index) a prefix prefers when no engine is loaded and none holds it:
-    prefix_hash's first pick, and cache_aware's fallback."""
+    """The replica (by index) a prefix prefers when no engine is loaded and none holds it."""
     names = [str(i) for i in range(num_engines)]
     return int(ranking(prefix_key(cache_salt, input_ids), names)[0])
 
@@ -73,8 +61,7 @@ class EngineClient:
         metrics: RoutingMetrics | None = None,
         control_tls: ClientTls | None = None,
     ) -> None:
-        """``keys``: the internal links' CURVE keys and control token (services/common/curve.py);
-        ``control_tls``: TLS of the control gRPC (None: plaintext)."""
+        """``keys``: the internal links' CURVE keys; ``control_tls`` None: plaintext control."""
         self._router = Router(routing)
         self._hot = HotPrefixes(self._router.params.hot_prefix_forks)
         self._metrics = metrics
@@ -102,7 +89,6 @@ class EngineClient:
 
     @property
     def num_engines(self) -> int:
-        """Replicas taking requests now."""
         return len(self.pool.routable())
 
     @property
@@ -111,7 +97,6 @@ class EngineClient:
         return self.healthy and self.info is not None
 
     def loads(self) -> dict[str, int]:
-        """Load of every replica taking requests, by name."""
         return {name: e.load for name, e in self.pool.routable().items()}
 
     async def start(self) -> None:
@@ -131,8 +116,7 @@ class EngineClient:
         self, req: engine_pb2.TokenizedRequest, input_ids: Sequence[int], pin: str | None = None
     ) -> asyncio.Queue[engine_pb2.TokenDelta]:
         """Sends the request to its engine; returns the queue its TokenDeltas arrive on.
-        ``pin``: the replica (by name) to send it to, bypassing routing while that one takes
-        requests (the samples of a prompt follow its prefill: parallel_sampling.py)."""
+        ``pin``: the replica to send it to, bypassing routing, while that one takes requests."""
         if req.rid in self._requests:
             raise DuplicateRequestError(req.rid)
         queue: asyncio.Queue[engine_pb2.TokenDelta] = asyncio.Queue()
@@ -145,7 +129,7 @@ class EngineClient:
         return queue
 
     def abort(self, rid: str, reason: str) -> None:
-        """Tells the request's scheduler to stop it now (no waiting: also called on cancel)."""
+        """Tells the request's scheduler to stop it now, without waiting."""
         pending = self._requests.get(rid)
         if pending is not None and pending.engine is not None:
             abort = engine_pb2.AbortRequest(rid=rid, reason=reason)
@@ -199,8 +183,7 @@ class EngineClient:
     def _hot_blocks(
         self, engines: Iterable[Replica], prompt: PromptKeys
     ) -> tuple[int, list[bytes]]:
-        """Tokens of the prompt's hot prefix, and its block keys in the engines' geometry
-        (that of the first with one: one model's engines share it)."""
+        """Tokens of the prompt's hot prefix, and its block keys in the engines' geometry."""
         index = next((e.index for e in engines if e.index.block_tokens), None)
         if index is None or not self._router.params.cache_aware:
             return 0, []

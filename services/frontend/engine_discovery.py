@@ -1,21 +1,9 @@
 """Where the engine replicas are: a fixed list, or the A records of a DNS name, re-resolved.
 
-Under Kubernetes the engines are a StatefulSet behind a headless Service: its DNS name
-resolves to one A record per engine pod (every pod, ready or not, because the Service
-publishes not-ready addresses: a frontend may connect while an engine still loads its model,
-and health probes decide when it gets requests). Re-resolving that name every few seconds
-follows `kubectl scale` without any access to the Kubernetes API.
-
-Why DNS rather than watching pods with a Role (as SGLang's router and production-stack's
-router do): the frontend needs no ServiceAccount token, no RBAC objects and no client
-library; pods keep `automountServiceAccountToken: false`; it works the same with the plain
-system resolver outside Kubernetes; and a few seconds of delay before a new engine gets
-traffic is nothing next to the minutes an engine takes to load a model. What DNS cannot say
-(an engine that is up but not answering) the frontend's own health probes find out.
-
-A resolver is anything with ``async resolve() -> list[Endpoint] | None`` (None: the lookup
-failed, keep the engines we have) and an ``interval_s`` (None: resolve once). Tests point
-DnsResolver at a stub DNS server on loopback (``nameserver``).
+Under Kubernetes a headless Service's name resolves to every engine pod, ready or not;
+re-resolving it follows `kubectl scale` without the Kubernetes API (why: docs/kubernetes.md).
+A resolver's ``resolve()`` returns None when the lookup failed (keep the engines we have);
+``interval_s`` None means resolve once.
 """
 
 from __future__ import annotations
@@ -35,11 +23,8 @@ LOOKUP_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One engine replica: its scheduler's ZeroMQ address and gRPC control address.
-
-    ``name`` identifies the replica to routing and logs (the pod IP, or the list index).
-    ``control_addr`` may be empty: nothing to probe, the engine is trusted to be up.
-    """
+    """One engine replica: its scheduler's ZeroMQ address and gRPC control address (empty:
+    nothing to probe, the engine is trusted to be up). ``name``: the pod IP or list index."""
 
     name: str
     zmq_addr: str
@@ -72,11 +57,8 @@ class StaticResolver:
 
 
 class DnsResolver:
-    """Every address a DNS name resolves to, each an engine on the same two ports.
-
-    ``nameserver`` ("host:port", or "host" for port 53) asks that server directly; empty
-    uses the system resolver (resolv.conf search domains, /etc/hosts), as a pod does.
-    """
+    """Every address a DNS name resolves to, each an engine on the same two ports;
+    ``nameserver`` ("host[:port]") asks that server directly, empty the system resolver."""
 
     def __init__(
         self,
@@ -137,7 +119,6 @@ def make_resolver(
     interval_s: float,
     nameserver: str,
 ) -> Resolver:
-    """DNS discovery when a name is given, else the fixed list."""
     if dns_name:
         return DnsResolver(dns_name, zmq_port, control_port, interval_s, nameserver)
     return StaticResolver(scheduler_addrs, control_addrs)

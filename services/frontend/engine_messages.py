@@ -26,8 +26,7 @@ _SAMPLING_OPTIONAL = _shared_optionals()
 
 
 def sampling_to_engine(sp: pb.SamplingParams) -> engine_pb2.SamplingParams:
-    """The engine's copy of validated public sampling params (stop strings and stop regexes
-    excluded: the engine sees no text)."""
+    """The engine's copy of validated public sampling params, without the stop strings."""
     out = engine_pb2.SamplingParams(
         stop_token_ids=sp.stop_token_ids,
         ignore_eos=sp.ignore_eos,

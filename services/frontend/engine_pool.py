@@ -1,18 +1,10 @@
 """The frontend's pool of engine replicas, kept true to discovery and health.
 
-Two loops:
-
-- discovery (engine_discovery.py): a replica that appears is connected and probed; one that
-  disappears drains (no new requests; it is closed once its requests end);
-- health: every replica is asked GetStats every HEALTH_INTERVAL_S. One that refuses the
-  connection (or misses MISSES_TO_DOWN answers in a row) is down at once: the request side
-  (engine_client.py) is told to move or fail its requests, and new requests go elsewhere.
-  Its socket is replaced, so nothing queued for it is delivered late; when it answers again
-  it serves again.
-
-With cache-aware routing each replica that reports a ``cache_events_port`` is followed
-(cache_events.py) into the CacheIndex of the blocks its tree holds. The pool is ready
-while at least one replica serves.
+Discovery: a replica that appears is connected and probed; one that disappears drains (no
+new requests, closed once its requests end). Health: GetStats every HEALTH_INTERVAL_S; a
+replica that refuses the connection or misses MISSES_TO_DOWN answers is down at once and its
+socket is replaced, so nothing queued for it is delivered late. The pool is ready while at
+least one replica serves.
 """
 
 from __future__ import annotations
@@ -57,8 +49,6 @@ class EngineInfo:
     num_engines: int
 
 
-# What the request side does with a replica's output, and with a replica that cannot
-# finish its requests (the message says why).
 OnOutputs = Callable[[Replica, engine_pb2.SchedulerToFrontend], None]
 OnLost = Callable[[Replica, str], None]
 
@@ -95,11 +85,9 @@ class EnginePool:
         self.healthy = False
 
     def routable(self) -> dict[str, Replica]:
-        """The replicas taking requests now, by name."""
         return {e.name: e for e in self.engines.values() if e.routable}
 
     async def start(self) -> None:
-        # Resolve once before serving, so a static list is connected at once.
         await self._reconcile(await self._resolver.resolve())
         self._tasks = [
             asyncio.create_task(self._discover()),
@@ -121,13 +109,10 @@ class EnginePool:
             self._closers.add(task)  # the loop keeps only a weak reference
             task.add_done_callback(self._closers.discard)
 
-    # ---- sockets and membership ------------------------------------------------------
-
     def _connect(self, engine: Replica) -> None:
         """A fresh socket: whatever the old one still queued for a dead peer is dropped."""
         self._disconnect(engine)
-        # A new identity each time: the scheduler may not have dropped the old connection yet,
-        # and a ROUTER ignores a peer whose identity is still in use.
+        # A new identity each time: a ROUTER ignores a peer whose identity is still in use.
         self._sockets_made += 1
         identity = f"{self._name}-{self._sockets_made}".encode()
         sock = transport.dealer(
@@ -198,8 +183,6 @@ class EnginePool:
             await asyncio.sleep(interval)
             await self._reconcile(await self._resolver.resolve())
 
-    # ---- health ----------------------------------------------------------------------
-
     async def _probe(self) -> None:
         engines = [e for e in self.engines.values() if e.stub is not None]
         calls = [
@@ -253,7 +236,6 @@ class EnginePool:
             await asyncio.sleep(HEALTH_INTERVAL_S if self.healthy else PROBE_INTERVAL_S)
 
     async def _refresh(self) -> None:
-        """Recomputes what the engines say about themselves and whether we are ready."""
         serving = sorted(self.routable().values(), key=lambda e: e.name)
         stats = [e.stats for e in serving if e.stats is not None]
         if stats:
@@ -286,12 +268,9 @@ class EnginePool:
             num_engines=len(self.routable()),
         )
 
-    # ---- cache events ----------------------------------------------------------------
-
     def _follow_events(self, engine: Replica) -> None:
-        """Follows the engine's CacheEvents while it serves and publishes them (cache_aware
-        only); a new port is a new subscription (the scheduler restarted), and an index
-        that nothing follows is empty."""
+        """Follows the engine's CacheEvents while it serves (cache_aware only); a new port is
+        a new subscription, and an index that nothing follows is empty."""
         stats, wanted = engine.stats, engine.serving and self._cache_aware
         port = max(stats.cache_events_port, 0) if wanted and stats is not None else 0
         if port == engine.events_port:
@@ -325,8 +304,6 @@ class EnginePool:
         engine.events_load_at = -math.inf  # GetStats tells the load again
         engine.index.clear()
 
-    # ---- control ---------------------------------------------------------------------
-
     def _controlled(self) -> list[Replica]:
         return sorted(
             (e for e in self.engines.values() if e.routable and e.stub is not None),
@@ -342,8 +319,7 @@ class EnginePool:
         return list(await asyncio.gather(*calls))
 
     async def flush_cache(self, storage: bool = False) -> engine_pb2.FlushReply:
-        """Flushes every serving engine (``storage``: the storage tier's pages too); flushed
-        only if all did, else their refusal reasons."""
+        """Flushes every serving engine; flushed only if all did, else their refusal reasons."""
         engines = self._controlled()
         if not engines:
             return engine_pb2.FlushReply(

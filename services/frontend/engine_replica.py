@@ -22,8 +22,7 @@ from services.frontend.engine_discovery import Endpoint
 
 log = logging.getLogger(__name__)
 
-# A cache snapshot holds 16 bytes per block the tree holds: allow one as large as the
-# servers allow any message (1M blocks), not grpc's 4 MB client default.
+# A cache snapshot may be as large as any server message, past grpc's 4 MB client default.
 CONTROL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
@@ -49,8 +48,7 @@ class Replica:
         self.stats: engine_pb2.SchedulerStats | None = None
         self.misses = 0
         self.rids: set[str] = set()
-        # The engine's own count of its requests (its cache events, else GetStats), and
-        # ours sent to it since: those may not have reached it when it counted.
+        # The engine's own count of its requests, and ours sent since it counted.
         self.reported = 0
         self.sent_since: set[str] = set()
         self.events_load_at = -math.inf
@@ -72,8 +70,8 @@ class Replica:
         return max(len(self.rids), self.reported + len(self.sent_since))
 
     def on_reported(self, load: int, from_events: bool) -> None:
-        """The engine counted its requests; GetStats only counts while events are silent
-        (a probe answers up to a second late, the events a step after a change)."""
+        """The engine counted its requests; GetStats only counts while events are silent,
+        being up to a second late."""
         now = time.monotonic()
         if from_events:
             self.events_load_at = now

@@ -1,10 +1,6 @@
 """Requests of the public gRPC service parsed by us, not by grpc, so bad bytes get a clear
-INVALID_ARGUMENT.
-
-grpc parses a request before the servicer runs and answers a parse failure (a string field
-holding invalid UTF-8, say) with a bare error naming a Python exception. This interceptor
-hands the servicer's method the raw bytes and parses them itself: on failure the call ends
-with INVALID_ARGUMENT naming the method and the message type; nothing else changes.
+INVALID_ARGUMENT naming the method and message type (grpc's own parse failure, e.g. invalid
+UTF-8 in a string, is a bare error naming a Python exception).
 """
 
 from __future__ import annotations

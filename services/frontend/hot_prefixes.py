@@ -1,18 +1,9 @@
 """Prefixes that many different prompts continue: worth copying to every engine.
 
-A system prompt that every conversation opens with, on one engine only, would pull every
-new conversation there: matched tokens alone cannot tell it from one conversation's own
-history. What tells them apart is how prompts go on after it: a conversation's turns only
-extend its history (each of its blocks is followed by the same next block), while after a
-shared prefix the prompts fork. A block that ``forks`` different next blocks followed ends
-a hot prefix: routing counts it as held by every engine (router.py), so requests behind it
-spread by load, and each engine computes it once.
-
-Memory: keys are kept as their first 8 bytes (an int), a block followed by one next block
-as one int, and sets (of at most ``forks`` ints) only where prompts fork; bounded by
-generations (past ``max_keys`` blocks the older generation goes). About 100 bytes a block
-where prompts rarely fork (~10 MB at the bound), ~1.3 KB for a block that forked ``forks``
-ways: ~130 MB if every block did.
+A conversation's turns only extend its history, while after a shared prefix (a system
+prompt) prompts fork. A block followed by ``forks`` different next blocks ends a hot prefix,
+which routing counts as held by every engine (docs/routing.md). Keys are kept as 8-byte
+ints, and memory is bounded by two generations of ``max_keys`` blocks.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The HTTP routes of the frontend (FastAPI on uvicorn, in the frontend's asyncio loop).
 
-OpenAI's ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``, plus health,
-Prometheus metrics and cache control. The routes only pick the pieces: request bodies and
-their conversions are in openai_protocol.py, answers in openai_answers.py, errors in
-openai_errors.py, and both generating routes run through the one
-completion path in http_completion.py, on the same Frontend as the gRPC API.
+OpenAI's ``/v1/*`` routes, health, metrics and cache control. The routes only pick the
+pieces (openai_protocol.py, openai_answers.py); both generating routes run through
+http_completion.py, on the same Frontend as the gRPC API.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ from services.frontend.pipeline import Frontend
 
 
 def create_app(frontend: Frontend, parsers: ChatParsers | None = None) -> FastAPI:
-    """The HTTP app of one Frontend; errors anywhere below a route answer in OpenAI's shape.
-    ``parsers``: what chat answers are read for (tool calls, reasoning); none by default."""
+    """The HTTP app of one Frontend; errors anywhere below a route answer in OpenAI's shape."""
     app = FastAPI(title="radixserve", description="OpenAI-compatible API of radixserve")
     app.exception_handler(ApiError)(_on_api_error)
     app.exception_handler(RequestValidationError)(_on_bad_body)
@@ -67,16 +64,14 @@ async def _on_bad_body(request: Request, e: RequestValidationError) -> JSONRespo
 
 
 async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    """FastAPI's own errors (unknown route, wrong method, unreadable body) in OpenAI's shape
-    instead of {"detail": ...}."""
+    """FastAPI's own errors (unknown route, wrong method) in OpenAI's shape, not {"detail"}."""
     detail = e.detail if isinstance(e.detail, str) else "bad request"
     error = ApiError(e.status_code, f"{detail}: {request.method} {request.url.path}")
     return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
 
 
 def _service_routes(frontend: Frontend) -> APIRouter:
-    """Readiness (/health, /healthz, /ready, ...) and liveness (/livez, /live, ...) for
-    probes, metrics for Prometheus, and a cache flush for benchmarks."""
+    """Readiness and liveness for probes, metrics for Prometheus, and a cache flush."""
     router = APIRouter()
 
     async def ready() -> JSONResponse:
@@ -85,11 +80,9 @@ def _service_routes(frontend: Frontend) -> APIRouter:
         return JSONResponse(status, status_code=200 if ok else 503)
 
     async def alive() -> JSONResponse:
-        # Liveness only: this process answers. Readiness follows the engines, so a lost
-        # worker never makes Kubernetes restart a frontend that is fine.
+        # Liveness only: a lost worker must not make Kubernetes restart a fine frontend.
         return JSONResponse({"status": "alive"})
 
-    # Every name a probe may use, all open without the API key (auth.HEALTH_PATHS).
     for path in READY_PATHS:
         router.add_api_route(path, ready, methods=["GET"], responses=docs.READY)
     for path in LIVE_PATHS:
@@ -97,7 +90,6 @@ def _service_routes(frontend: Frontend) -> APIRouter:
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        # The process-wide registry (Python, process) and the frontend's own.
         text = generate_latest(REGISTRY) + generate_latest(frontend.metrics.registry)
         return PlainTextResponse(text.decode(), media_type=CONTENT_TYPE_LATEST)
 
@@ -178,9 +170,8 @@ class HttpServer:
         tls: HttpTls | None = None,
         key_limits: KeyConcurrency | None = None,
     ) -> None:
-        # The API key is checked first (auth.py), then the key's requests in flight
-        # (key_limits.py, shared with the gRPC API), then bodies are bounded in size and
-        # time before FastAPI parses them (http_limits.py).
+        # The API key first, then the key's requests in flight, then bodies are bounded in
+        # size and time before FastAPI parses them.
         limited = BodyLimit(create_app(frontend, parsers), max_request_bytes, body_timeout_s)
         per_key = KeyConcurrencyLimit(limited, key_limits or KeyConcurrency())
         self._app = ApiKeyAuth(per_key, keys or ApiKeys())

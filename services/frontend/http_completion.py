@@ -1,13 +1,9 @@
 """The one path every generating HTTP route takes: submit, then stream or answer whole.
 
-A route turns its body into a public GenerateRequest and picks a Renderer, the shape of its
-answers; everything else is done here the same way for every route: the request is opened
-on the Frontend (the same pipeline as gRPC) under the caller's trace context, then either
-streamed as server-sent events (the Renderer's chunks, ``data: [DONE]`` last) or collected
-into one JSON answer. OpenAI's completions and chat use it; SGLang's native ``/generate``
-needs only its own Renderer. A request for n samples (GenerateRequest.n) has one Renderer
-fork per sample, fed the responses of its index; the first Renderer then closes the stream
-(usage of all) or combines the forks' answers into one.
+A route turns its body into a GenerateRequest and picks a Renderer (the shape of its
+answers); the request runs through the same Frontend pipeline as gRPC and is streamed as
+server-sent events or collected into one JSON answer. With n samples, each has a Renderer
+fork; the first Renderer closes the stream or combines the forks' answers.
 """
 
 from __future__ import annotations
@@ -53,13 +49,11 @@ class Renderer(Protocol):
     def whole(
         self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
     ) -> BaseModel:
-        """The answer to a request that did not ask to stream; ``final`` holds the whole
-        generation (see _collect)."""
+        """The answer to a request that did not stream; ``final`` holds the whole generation."""
         ...
 
     def fork(self, index: int) -> Renderer:
-        """The renderer of sample ``index`` of the same answer (n > 1): state of its own,
-        no usage of its own (``closing`` and ``combine`` count every sample)."""
+        """The renderer of sample ``index`` (n > 1): state of its own, no usage of its own."""
         ...
 
     def closing(self, finals: Sequence[pb.GenerateResponse]) -> list[BaseModel]:
@@ -98,8 +92,7 @@ async def complete(
 async def _collect_while_connected(
     responses: Responses, input_param: str, http: Request, n: int = 1
 ) -> list[Collected] | None:
-    """_collect, unless the client hangs up first: then the request is aborted (its KV freed
-    at once, not after generating max_tokens for nobody) and None is returned."""
+    """_collect, unless the client hangs up first: then the request is aborted, None returned."""
     task = asyncio.ensure_future(_collect(responses, input_param, n))
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -124,8 +117,6 @@ async def _open(
 
 
 class _Gathered:
-    """One sample's responses so far, merged (see _collect)."""
-
     def __init__(self) -> None:
         self.text: list[str] = []
         self.lps: list[pb.TokenLogprob] = []
@@ -146,10 +137,8 @@ class _Gathered:
 async def _collect(
     responses: AsyncIterator[pb.GenerateResponse], input_param: str, n: int = 1
 ) -> list[Collected]:
-    """Runs a request to its end: per sample (by index), its text, its token logprobs and
-    the whole generation as one response (every token id, logprob and prompt logprob, with
-    the last response's finish reason, counts and timings: repeated fields append, later
-    scalars win)."""
+    """Runs a request to its end: per sample, its text, its token logprobs and the whole
+    generation merged into one response (repeated fields append, later scalars win)."""
     samples = [_Gathered() for _ in range(n)]
     try:
         async for resp in responses:
@@ -164,15 +153,13 @@ async def _collect(
 async def _events(
     responses: Responses, renderer: Renderer, forks: Sequence[Renderer]
 ) -> AsyncIterator[str]:
-    """Server-sent events: the renderer's chunks, an error as the last one, then [DONE].
-    With n samples, each response goes to the fork of its index, as it comes."""
+    """Server-sent events: the renderer's chunks, an error as the last one, then [DONE]."""
     finals: list[pb.GenerateResponse] = []
     try:
         opening = "".join(sse.events(fork.opening()) for fork in forks)
         if opening:
             yield opening
         async for resp in responses:
-            # A response's chunks (text, then usage after the last) go out in one write.
             text = forks[resp.index].events(resp)
             if text:
                 yield text

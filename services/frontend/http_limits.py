@@ -1,11 +1,7 @@
 """Bounds on what an HTTP client may send, enforced before any route runs.
 
-An ASGI middleware reads a request's body itself, up to ``max_bytes`` and within
-``timeout_s`` of the first byte, then hands the buffered body to the app. Beyond the size:
-413 (at once when Content-Length says so, without reading); a body still arriving after the
-timeout (a client that sends half and stalls): 408. Both answer in OpenAI's error shape and
-never reach the tokenizer, so one hostile client costs at most ``max_bytes`` of memory and
-``timeout_s`` of a connection.
+An ASGI middleware buffers the body up to ``max_bytes`` (else 413) within ``timeout_s``
+(else 408), so one hostile client costs at most that much memory and connection time.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""SGLang's native HTTP API, so SGLang's frontend language (``sgl.RuntimeEndpoint``) runs
-unchanged against radixserve.
+"""SGLang's native HTTP API (docs/sglang.md), so ``sgl.RuntimeEndpoint`` runs unchanged.
 
-``POST /generate`` takes SGLang's body (``text`` or ``input_ids``, one prompt or a list of
-them, ``sampling_params`` with SGLang's names, the logprob options at the top level) and
-answers ``{"text", "output_ids", "meta_info"}`` per prompt, a list for a list. Each prompt
-becomes the same public GenerateRequest a gRPC client sends and runs through the shared
-completion path (http_completion.py) with ``NativeShape`` as its Renderer, so the pipeline,
-the validation and the radix cache are the OpenAI routes' and gRPC's. Beside it:
-``/get_model_info``, ``/server_info`` (and ``/get_server_info``), ``/flush_cache`` and
-``/abort_request`` (a running request by its rid, or all of them).
-
-``sampling_params.n`` > 1 answers with a list of n outputs (prompt by prompt in a batch), as
-SGLang does; a stream's events then carry their sample's ``index``.
-
-Where radixserve differs from SGLang, it says so instead of pretending (docs/sglang.md):
-a parameter SGLang knows but radixserve cannot honour (``skip_special_tokens: false``,
-images, LoRA, ...) is a 400 naming it, never ignored.
-
-Bodies are parsed in native_protocol.py (errors naming SGLang's fields); answers and
-stream events are shaped in native_answers.py.
+Each prompt of ``POST /generate`` runs through the shared completion path (http_completion.py)
+with ``NativeShape`` as its Renderer, so pipeline, validation and radix cache are the OpenAI
+routes' and gRPC's. Bodies: native_protocol.py; answers: native_answers.py.
 """
 
 from __future__ import annotations
@@ -81,11 +65,8 @@ async def _one(
 
 
 async def _batch(frontend: Frontend, body: NativeBody, http: Request) -> Response:
-    """Every prompt at once, answered with a list in their order.
-
-    Each runs to its end even if another fails, so no request is left without a reader;
-    the first failure is then the answer.
-    """
+    """Every prompt at once, answered with a list in their order. Each runs to its end even
+    if another fails, so none is left without a reader; the first failure is the answer."""
     runs = [_one(frontend, item, http, False, i) for i, item in enumerate(body.items)]
     results = await asyncio.gather(*runs, return_exceptions=True)
     answers = []
@@ -119,8 +100,7 @@ def native_routes(frontend: Frontend) -> APIRouter:
 
     @router.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        # SGLang's client picks its chat template by matching model_path against model
-        # names; the served name is what radixserve can say (--served-model-name sets it).
+        # SGLang's client picks its chat template by matching model_path against model names.
         name = frontend.model_id
         return {
             "model_path": name,
@@ -159,7 +139,6 @@ def native_routes(frontend: Frontend) -> APIRouter:
     @router.get("/flush_cache", response_model=docs.FlushResult, responses=docs.FLUSH)
     async def flush_cache_get(storage: bool = False) -> JSONResponse:
         # SGLang serves its flush on GET too; POST is in http_api's service routes.
-        # ?storage=true deletes the storage tier's pages as well.
         res = await frontend.flush_cache(storage)
         body = {"flushed": res.flushed, "message": res.message}
         return JSONResponse(body, status_code=200 if res.flushed else 400)

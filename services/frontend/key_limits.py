@@ -1,17 +1,9 @@
 """--max-concurrent-requests-per-key: one tenant may not fill the engines' queues.
 
-A generation (HTTP /v1/completions, /v1/chat/completions, /generate; gRPC Generate) holds
-one slot of the bearer token it presented from its arrival until its answer ends, however
-it ends: finished, failed, or cancelled / disconnected by the client. One request is one
-slot whatever its ``n`` or the number of prompts in a /generate batch: the limit bounds how
-many requests a key has open, not the engine work behind them. Beyond the limit a request
-is refused at once (HTTP 429 with ``Retry-After: 1``, gRPC RESOURCE_EXHAUSTED) and counted in
-``radixserve:frontend_refused_requests{reason="key_concurrency"}``.
-
-The slot is keyed by the token itself, not by the configured ``--api-key``: today there is
-one key, so every authenticated client shares it, but several keys configured later are
-each bounded on their own with no change here. Without ``--api-key`` the token is unchecked
-(a client may send any), and requests that send none share the empty token's slots.
+A generation (HTTP or gRPC) holds one slot of its bearer token from arrival until its answer
+ends, however it ends; one request is one slot whatever its ``n`` or batch size. Beyond the
+limit it is refused at once (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED). Slots are
+keyed by the token sent, not the configured key, so several keys would each be bounded.
 """
 
 from __future__ import annotations
@@ -55,8 +47,8 @@ class KeyConcurrency:
     def __init__(self, limit: int = 0, on_refused: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self._on_refused = on_refused
-        # sha256 of the token -> requests in flight (never the secret itself; no zero entries,
-        # so unchecked tokens sent without --api-key cannot grow it past what is in flight).
+        # sha256 of the token (never the secret) -> requests in flight; no zero entries, so
+        # unchecked tokens cannot grow it past what is in flight.
         self._held: dict[bytes, int] = {}
 
     @property
@@ -100,7 +92,6 @@ def _digest(token: bytes) -> bytes:
 
 
 def metadata_token(metadata: Iterable[tuple[str, Any]] | None) -> bytes:
-    """The bearer token of a gRPC call's metadata."""
     return bearer_token(next((v for k, v in metadata or () if k == "authorization"), None))
 
 
@@ -120,7 +111,6 @@ class KeyConcurrencyLimit:
         header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
         try:
             with self.limits.hold(bearer_token(header)):
-                # Returns once the answer is sent or the client went away (a stream's end).
                 await self.app(scope, receive, send)
         except KeyBusy as e:
             await _too_many(send, str(e))

@@ -31,8 +31,7 @@ from services.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("radixserve.frontend")
 
-# A health service name for liveness: SERVING while the process runs, whatever the engines do
-# (readiness is "" and the Generation service: at least one engine serving).
+# SERVING while the process runs, whatever the engines do (readiness is "" and Generation).
 LIVENESS_SERVICE = "liveness"
 
 
@@ -163,8 +162,7 @@ class FrontendServer:
         )
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING and no new calls at once; running gRPC and HTTP streams drain together
-        for up to ``grace_s`` (--shutdown-grace-period), then whatever is left is cut."""
+        """NOT_SERVING and no new calls at once; running streams get ``grace_s`` to drain."""
         grace = self.cfg.shutdown_grace_period if grace_s is None else grace_s
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
@@ -179,7 +177,6 @@ class FrontendServer:
 
 
 async def serve(cfg: FrontendConfig, stop: asyncio.Event) -> None:
-    """Runs the frontend until ``stop`` is set."""
     server = FrontendServer(cfg)
     try:
         await server.start()

@@ -1,9 +1,7 @@
 """Prometheus metrics of the frontend: requests, token counts, latency as clients see it.
 
-Names carry the ``radixserve:`` prefix and SGLang's suffixes (time_to_first_token_seconds,
-e2e_request_latency_seconds, ...) so its dashboards port over. Each frontend owns its
-registry (two frontends in one test process must not collide); the HTTP /metrics page
-shows it beside the default registry's process metrics.
+Names carry SGLang's suffixes so its dashboards port over. Each frontend owns its registry,
+so two frontends in one process do not collide.
 """
 
 from __future__ import annotations
@@ -22,9 +20,7 @@ P = "radixserve:"
 
 
 FINISH_REASONS = ("stop", "length", "abort")
-# Why the frontend itself refused a request before it reached an engine (key_limits.py).
 REFUSAL_REASONS = ("key_concurrency",)
-# The gRPC codes a request ends with (services/frontend/errors and the scheduler's refusals).
 ERROR_CODES = (
     "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED",
     "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED", "ALREADY_EXISTS",
@@ -53,8 +49,7 @@ class FrontendMetrics:
             registry=r,
         )
         self.labels = labels
-        # Every series a dashboard panel or alert reads exists from the start at 0, so it
-        # reads zero, not "no data", until the first request of that kind.
+        # Every series exists from the start, so dashboards read zero rather than "no data".
         for reason in FINISH_REASONS:
             self.requests.labels(**labels, finish_reason=reason)
         for code in ERROR_CODES:
@@ -117,8 +112,7 @@ class FrontendMetrics:
 
 
 class RoutingMetrics:
-    """Routing (router.py) and the engines' cache indexes (cache_index.py) as one frontend
-    sees them; in the frontend's registry."""
+    """Routing decisions and the engines' cache indexes as one frontend sees them."""
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         r, names, self.labels = registry, list(labels), labels

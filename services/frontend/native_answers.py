@@ -28,11 +28,8 @@ Entry = list[Any]  # [logprob or null, token id, token text or null]
 
 
 class NativeShape:
-    """SGLang's shape of one generation (a Renderer for http_completion.complete).
-
-    A stream's events carry the text and ids so far (cumulative, as SGLang's client reads
-    them), not the new piece; ``meta_info.finish_reason`` is null until the last.
-    """
+    """SGLang's shape of one generation (a http_completion Renderer). A stream's events carry
+    the text and ids so far, as SGLang's client reads them, not the new piece."""
 
     def __init__(self, tokenizer: Tokenizer, item: NativeItem, first_id: int | None = None) -> None:
         self.input_param = item.input_param
@@ -77,7 +74,6 @@ class NativeShape:
     def whole(
         self, text: str, lps: Sequence[pb.TokenLogprob], final: pb.GenerateResponse
     ) -> BaseModel:
-        # http_completion hands over the whole generation merged into ``final``.
         self._add(final)
         self._text = text
         return self._output(final)

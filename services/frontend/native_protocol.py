@@ -1,10 +1,8 @@
-"""SGLang's native request bodies (``/generate``, ``/abort_request``) and their mapping onto
-the public ``radixserve.v1`` GenerateRequest.
+"""SGLang's native request bodies (``/generate``, ``/abort_request``), mapped onto the public
+``radixserve.v1`` GenerateRequest.
 
-Each prompt of a /generate body becomes the same GenerateRequest a gRPC client sends, so
-validation and the radix cache are shared; anything wrong is a 400 naming SGLang's field.
-A parameter SGLang knows but radixserve cannot honour is refused, never ignored
-(docs/sglang.md). Answers and stream events: native_answers.py; routes: http_native.py.
+Anything wrong is a 400 naming SGLang's field; a parameter SGLang knows but radixserve cannot
+honour is refused, never ignored (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -31,10 +29,7 @@ from services.frontend.openai_protocol import logit_bias_entries
 MAX_BATCH = 256
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
-# ---- the body ----------------------------------------------------------------------------
-
-# SGLang's inputs that radixserve does not serve: refused when given, since ignoring an image
-# or an adapter would answer a different question than the one asked.
+# Refused when given: ignoring an image or an adapter would answer a different question.
 _UNSERVED_INPUTS = (
     "input_embeds",
     "image_data",
@@ -235,8 +230,7 @@ def _sampling(raw: Any, where: str) -> NativeSampling:
 
 
 def _logprob_ask(values: dict[str, Any], at: str) -> LogprobAsk:
-    """The logprob fields of one prompt; ``at`` is its ``[i]`` in a batch (errors say
-    ``logprob_start_len[2]: ...``)."""
+    """The logprob fields of one prompt; ``at`` is its ``[i]`` in a batch."""
     try:
         return LogprobAsk.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as e:
@@ -246,8 +240,7 @@ def _logprob_ask(values: dict[str, Any], at: str) -> LogprobAsk:
 
 
 def _lone_surrogate(value: Any, path: str) -> str | None:
-    """The path of the first string UTF-8 cannot encode (JSON's \\ud800 escapes can carry a
-    lone surrogate), or None."""
+    """The path of the first string UTF-8 cannot encode (a lone surrogate), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -291,7 +284,6 @@ _LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 def _items(
     body: dict[str, Any], prompts: list[str | list[int]], batch: bool, input_param: str
 ) -> list[NativeItem]:
-    """Each prompt with its own sampling params, logprob options and rid."""
     n = len(prompts)
     rids = _rids(body, n, batch)
     params = _per_prompt(body, "sampling_params", n, batch)
@@ -308,9 +300,6 @@ def _items(
     return items
 
 
-# ---- body -> GenerateRequest --------------------------------------------------------------
-
-# Same meaning, same or renamed field of the public SamplingParams.
 _FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty")
 
 
@@ -388,13 +377,9 @@ def native_error(e: ApiError, index: int | None = None) -> ApiError:
     return ApiError(e.status, message, param, e.kind, e.headers)
 
 
-# ---- /abort_request ------------------------------------------------------------------------
-
-
 def parse_abort(body: Any) -> str | None:
-    """SGLang's AbortReq: the rid to abort, or None for ``abort_all``. A batch's prompts
-    sent under one rid go with it (rid_0, rid_1, ...); unlike SGLang, which aborts every rid
-    that starts with the one given, no other request does."""
+    """SGLang's AbortReq: the rid to abort, or None for ``abort_all``. Unlike SGLang, only
+    the rid and its batch (rid_0, rid_1, ...) go, not every rid it prefixes."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     rid, abort_all = body.get("rid", ""), body.get("abort_all", False)

@@ -22,10 +22,8 @@ from services.frontend.chat_tools import (
 from services.frontend.openai_protocol import CompletionRequest, one_prompt
 from services.frontend.tokenizer import Tokenizer
 
-# ---- answers and chunks --------------------------------------------------------------
-# The completion path sends answers and chunks with exclude_unset: a field left unset
-# (``usage`` before the last chunk, a delta's ``role`` after the first) is absent, as in
-# OpenAI's answers, not null. The model list is sent whole, defaults included.
+# Answers and chunks are sent with exclude_unset: an unset field is absent, as in OpenAI's
+# answers, not null.
 
 
 class ModelCard(BaseModel):
@@ -62,9 +60,7 @@ class Usage(BaseModel):
 
     @classmethod
     def total(cls, finals: Sequence[pb.GenerateResponse]) -> Usage:
-        """n samples of one prompt: the prompt counted once (as OpenAI does; each sample
-        says the same cached_tokens), every sample's tokens counted, best_of's unreturned
-        ones too (they were generated)."""
+        """n samples of one prompt: the prompt counted once, every sample's tokens counted."""
         usage = cls.of(finals[0])
         usage.completion_tokens = sum(f.completion_tokens for f in finals)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -189,9 +185,6 @@ class ChatCompletion(_Answer):
     usage: Usage
 
 
-# ---- GenerateResponse -> answers -----------------------------------------------------
-
-
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     # Special tokens too: a logprob belongs to the token the model chose, whatever it is.
     return tokenizer.decode([token_id], skip_special_tokens=False)
@@ -237,20 +230,15 @@ def _chat_token(tokenizer: Tokenizer, lp: pb.TokenLogprob) -> ChatTokenLogprob:
 
 
 def chat_logprobs(tokenizer: Tokenizer, lps: Sequence[pb.TokenLogprob]) -> ChatLogprobs | None:
-    """Chat's logprobs: one entry per token, with its UTF-8 bytes, since a token may hold
-    only part of a character; None if none were asked for."""
+    """Chat's logprobs: one entry per token, with its UTF-8 bytes; None if none were asked for."""
     if not lps:
         return None
     return ChatLogprobs(content=[_chat_token(tokenizer, lp) for lp in lps])
 
 
 class _OpenAIShape(ABC):
-    """One OpenAI answer in the making: the id and creation time all its chunks share.
-
-    It is a Renderer (http_completion.py): the shared completion path asks it for the
-    chunks of a stream or for the whole answer. With n samples, each is rendered by a fork
-    (choice ``index``) and this one sends the usage of all.
-    """
+    """One OpenAI answer in the making (a http_completion.Renderer): the id and creation time
+    all its chunks share. With n samples each is rendered by a fork; this one sends the usage."""
 
     input_param: str  # the body field blamed for a bad prompt
     id_prefix: str  # of the answer's id
@@ -269,8 +257,7 @@ class _OpenAIShape(ABC):
         return []
 
     def fork(self, index: int) -> _OpenAIShape:
-        """Choice ``index`` of the same answer: a copy of this one as it is before any
-        response (so with state of its own) that shares the tokenizer."""
+        """Choice ``index`` of the same answer: a copy with state of its own."""
         clone = copy.deepcopy(self, {id(self._tokenizer): self._tokenizer})
         clone.__dict__.pop("_text_template", None)  # it holds choice 0's index
         clone.index, clone._include_usage = index, False
@@ -295,12 +282,10 @@ class _OpenAIShape(ABC):
         return body
 
     def _returned(self, wholes: Sequence[pb.GenerateResponse]) -> list[int]:
-        """The samples the answer returns, in its order: all of them."""
         return list(range(len(wholes)))
 
     def events(self, resp: pb.GenerateResponse) -> str:
-        """The events of chunks(resp); a chunk of new text alone (nearly every one) is
-        filled into a template of this answer's chunks: the same bytes, 1.3 instead of 15 us."""
+        """The events of chunks(resp); a text-only chunk is filled into a template (faster)."""
         if resp.text and not (resp.finish_reason or resp.logprobs) and self._plain():
             template = self._text_template
             if template is not None:
@@ -327,7 +312,6 @@ class _OpenAIShape(ABC):
         return out
 
     def _meta(self, obj: str) -> dict[str, Any]:
-        """The fields every answer and chunk starts with."""
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @abstractmethod
@@ -419,9 +403,8 @@ class CompletionShape(_OpenAIShape):
 class ChatShape(_OpenAIShape):
     """``/v1/chat/completions``: a stream opens with the role, then carries content deltas.
 
-    With ``output`` (chat_tools.ChatPlan.output) the text is read first: a stream carries
-    one chunk per reasoning, content or tool-call delta and ends with an empty delta that
-    holds the finish reason; "stop" becomes "tool_calls" when calls were made."""
+    With ``output`` each reasoning, content or tool-call delta gets a chunk, and an empty
+    delta holds the finish reason ("tool_calls" instead of "stop" when calls were made)."""
 
     input_param, id_prefix = "messages", "chatcmpl"
     chunk_object, chunk_model = "chat.completion.chunk", ChatCompletionChunk

@@ -14,8 +14,6 @@ from pydantic import BaseModel
 
 from services.frontend.pipeline import FrontendError
 
-# ---- errors -------------------------------------------------------------------------
-
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.NOT_FOUND: 404,
@@ -124,8 +122,8 @@ def body_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
 
 
 def _is_union_tag(x: object) -> bool:
-    """pydantic names each member of a union in ``loc`` ('str', 'list[constrained-int]',
-    a model's class name); the body's own field names are lower snake case."""
+    """pydantic's name for a union member in ``loc`` ('str', 'list[constrained-int]', a class
+    name), never a body field (lower snake case)."""
     if not isinstance(x, str):
         return False
     return (
@@ -159,9 +157,8 @@ def _path(err: Mapping[str, Any]) -> list[str | int]:
 
 
 def _most_telling(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """Of the errors of one field (one per member of a union), the one that says most: a
-    broken limit before a wrong type, a deeper position before a shallower one. None when
-    every member refused the value's type at the same depth."""
+    """Of one field's errors (one per union member), the one that says most: a broken limit,
+    then the deepest. None when every member refused the type at the same depth."""
     limits = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
     if limits:
         return max(limits, key=lambda e: len(_path(e)))

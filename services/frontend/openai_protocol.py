@@ -1,10 +1,7 @@
-"""OpenAI's HTTP request bodies and their mapping onto the public ``radixserve.v1``
-GenerateRequest.
+"""OpenAI's HTTP request bodies, mapped onto the public ``radixserve.v1`` GenerateRequest.
 
 A body becomes the same GenerateRequest a gRPC client sends, so validation, routing and the
-radix cache behave the same through either door; the routes (http_api.py) and the shared
-completion path (http_completion.py) hold no OpenAI field names. Answers and stream chunks:
-openai_answers.py; errors: openai_errors.py.
+radix cache behave the same through either door.
 """
 
 from __future__ import annotations
@@ -27,12 +24,8 @@ from services.frontend.openai_errors import ApiError, shown
 from services.frontend.tool_grammar import ToolGrammarError
 from services.frontend.validation import MAX_SAMPLES
 
-# ---- request bodies -----------------------------------------------------------------
-# Fields outside OpenAI's API are accepted and ignored (clients add their own); the OpenAI
-# fields below are not served yet, so anything but their "not asked for" values is a 400
-# naming the field: dropping them would answer another question than the one asked.
-# ``user`` and ``metadata`` are accepted and not used (they change no output). Chat declares
-# tools and tool_choice (chat_tools.py); on /v1/completions they stay refused here.
+# Unknown fields are ignored, but these OpenAI ones are not served: anything but their
+# "not asked for" values is a 400, since dropping them would answer another question.
 _UNSERVED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -50,7 +43,6 @@ _UNSERVED: dict[str, tuple[Any, ...]] = {
 }
 
 
-# OpenAI's deprecated forms of tool calling -> what replaces them.
 _DEPRECATED = {"functions": "tools", "function_call": "tool_choice"}
 
 
@@ -96,14 +88,12 @@ class ResponseFormat(BaseModel):
     triggers: list[str] | None = None
 
 
-# Integers the protobuf fields behind them hold: a larger one is a 400 naming the field, not
-# an overflow deep in the conversion (HTTP 500).
+# Fits the protobuf int32 behind it: a larger value is a 400, not an overflow (a 500).
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 
 def _first_unencodable(value: Any, path: str) -> str | None:
-    """The path of the first string that is not valid Unicode (a lone surrogate, which JSON's
-    \\ud800 escapes can carry and UTF-8 cannot encode), or None."""
+    """The path of the first string UTF-8 cannot encode (a lone surrogate), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -156,7 +146,6 @@ class _SamplingBody(BaseModel):
     request_id: str | None = None
     cache_salt: str | None = None
     priority: Int32 = 0
-    # Constrained decoding: OpenAI's response_format, and vLLM's / SGLang's regex and ebnf.
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -172,8 +161,7 @@ class CompletionRequest(_SamplingBody):
     # Samples generated, of which the n of highest cumulative logprob are returned (>= n).
     best_of: Int32 | None = None
     logprobs: Int32 | None = Field(default=None, description="top alternatives per token, [0, 20]")
-    # The prompt leads the choice's text (and, with logprobs, its lists); with max_tokens 0
-    # the answer scores the prompt alone (as lm-eval's loglikelihood does).
+    # With max_tokens 0 the answer scores the prompt alone (as lm-eval's loglikelihood does).
     echo: bool = False
 
 
@@ -192,13 +180,9 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
-    # Tool calling (chat_tools.py, docs/tools.md).
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-
-
-# ---- OpenAI body -> GenerateRequest --------------------------------------------------
 
 
 def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
@@ -240,8 +224,7 @@ def _sampling(body: _SamplingBody, max_tokens: int | None) -> pb.SamplingParams:
 
 
 def logit_bias_entries(bias: Mapping[str, float] | None) -> list[pb.LogitBias]:
-    """OpenAI's ``{"token id": bias}`` as LogitBias entries; ValueError for a key that is not
-    a token id. The limits (the vocabulary, [-100, 100], how many) are validation's."""
+    """OpenAI's ``{"token id": bias}`` as LogitBias entries; ValueError for a non-id key."""
     out = []
     for key, value in (bias or {}).items():
         if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
@@ -251,7 +234,6 @@ def logit_bias_entries(bias: Mapping[str, float] | None) -> list[pb.LogitBias]:
 
 
 def _constraints_given(body: _SamplingBody) -> list[str]:
-    """The body fields that constrain the output: response_format, regex, ebnf."""
     given = [p for p in ("regex", "ebnf") if getattr(body, p) is not None]
     rf = body.response_format
     if rf is not None and rf.type != "text":
@@ -313,11 +295,7 @@ def _request(body: _SamplingBody, sp: pb.SamplingParams) -> pb.GenerateRequest:
 
 
 def one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
-    """OpenAI's four prompt forms cut down to one prompt: text or token ids.
-
-    The body's type already made a list all ints or all prompts, so splitting by kind tells
-    which it is.
-    """
+    """OpenAI's four prompt forms cut down to one prompt: text or token ids."""
     if isinstance(prompt, str):
         return prompt
     ids = [p for p in prompt if isinstance(p, int)]
@@ -332,8 +310,7 @@ def one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str | l
 
 
 def completion_to_request(body: CompletionRequest) -> pb.GenerateRequest:
-    """A completions body as the public request; ``logprobs: k`` asks for k alternatives
-    (of the prompt's tokens too with ``echo``)."""
+    """A completions body as the public request."""
     req = _request(body, _sampling(body, body.max_tokens))
     if body.logprobs is not None:
         req.sampling.logprobs = True
@@ -379,8 +356,7 @@ def _content_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def chat_plan(body: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
-    """What the body's tools (and the server's parsers) ask of the output: the constraint,
-    and how the answer is read. 400 naming the field at fault."""
+    """What the body's tools ask of the output; 400 naming the field at fault."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     given = _constraints_given(body)
     try:
@@ -394,11 +370,8 @@ def chat_plan(body: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
 def chat_to_request(
     body: ChatCompletionRequest, plan: ChatPlan | None = None
 ) -> pb.GenerateRequest:
-    """A chat body as the public request: messages and tools, which the frontend's chat
-    template renders, and the constraint of ``plan`` (chat_plan) if it has one.
-
-    ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``.
-    """
+    """A chat body as the public request, with the constraint of ``plan`` if it has one;
+    ``max_completion_tokens`` wins over ``max_tokens``."""
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )

@@ -1,18 +1,9 @@
-"""n samples of one prompt that share its KV (GenerateRequest.n: OpenAI's ``n``, SGLang's
-``sampling_params.n``).
+"""n samples of one prompt that share its KV (GenerateRequest.n).
 
-As SGLang does it: the prompt goes first alone, as a request with max_tokens 0 (the
-"prefill"), so that the radix tree holds it; then the n samples go to the same engine as n
-requests whose prompt is cached but for its last token (always computed: its logits are
-sampled). The prompt is computed once, not n times.
-
-    request rid r, n = 3        r_prefill (max_tokens 0) ─► the prompt is in the tree
-                                r_0, r_1, r_2 (seed, seed+1, seed+2) ─► interleaved out
-
-Sample i has rid ``<rid>_<i>`` (SGLang's batch rule, so /abort_request of the rid aborts
-every sample) and, when the request has a seed, seed + i (mod 2^64): a seeded draw depends
-only on (seed, tokens so far), so sample i is token for token the request with that seed.
-Unseeded samples draw from the worker's generator, independently.
+As SGLang does it: the prompt goes first alone with max_tokens 0, so the radix tree holds it;
+then the n samples go to the same engine and find it cached, so it is computed once. Sample
+i has rid ``<rid>_<i>`` (so /abort_request of the rid aborts every sample) and seed + i
+where seeded, which makes it token for token the request with that seed.
 """
 
 from __future__ import annotations
@@ -27,9 +18,7 @@ _SEEDS = 2**64
 
 
 def prefill_request(treq: engine_pb2.TokenizedRequest) -> engine_pb2.TokenizedRequest:
-    """The prompt alone: computed and left in the radix tree, nothing sampled. Only what
-    decides which KV it may share (the ids, the cache salt) and its place in the queue are
-    kept; no constraint, logprobs or penalties, which concern the samples."""
+    """The prompt alone, left in the radix tree, nothing sampled."""
     out = engine_pb2.TokenizedRequest()
     out.CopyFrom(treq)
     out.rid = f"{treq.rid}_prefill"
@@ -58,9 +47,8 @@ async def interleave(
 ) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
     """The responses of every stream as they come, each with its stream's index.
 
-    The first stream that fails ends it all: the others are closed (each closing aborts its
-    request) and the failure is raised. Closing this generator closes them all the same way.
-    A stream closed before it started runs no ``finally``: the caller releases its request.
+    The first failure closes the others (aborting their requests) and is raised. A stream
+    closed before it started runs no ``finally``: the caller releases its request.
     """
     out: asyncio.Queue[_Item] = asyncio.Queue()
 

@@ -79,8 +79,7 @@ def _status_from_name(name: str) -> grpc.StatusCode:
 
 
 def _engine_error(delta: engine_pb2.TokenDelta, sp: engine_pb2.SamplingParams) -> FrontendError:
-    """The engine refused or failed the request. Its only INVALID_ARGUMENT is a constraint
-    the grammar compiler refused: the error names that field."""
+    """The engine's failure; its INVALID_ARGUMENT (a refused constraint) names that field."""
     code = _status_from_name(delta.error_code)
     message = delta.finish_message or delta.error_code
     kind = sp.constraint.WhichOneof("kind") if sp.HasField("constraint") else None
@@ -110,8 +109,6 @@ class _Progress:
 
 @dataclass
 class _InFlight:
-    """A submitted request, as its response stream needs it."""
-
     treq: engine_pb2.TokenizedRequest
     stop: list[str]  # stop strings: the engine never sees text, so the frontend applies them
     stop_regex: list[str]  # and stop regexes
@@ -132,8 +129,6 @@ class Frontend:
         self.engines = engines
         self.model_id = model_id
         self.metrics = metrics or FrontendMetrics(model_id)
-
-    # ---- small calls -------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
@@ -185,11 +180,8 @@ class Frontend:
         return flush_to_public(await self.engines.flush_cache(storage))
 
     def abort(self, rid: str | None, reason: str) -> list[str]:
-        """Aborts requests in flight: ``rid`` and the prompts of a batch sent under it
-        (``rid_0``, ``rid_1``, ...) and their samples (``rid_0_3``, ``rid_0_prefill``), or
-        all of them for None. Each ends as a cancel does (its engine frees its KV at once),
-        its stream with finish_reason "abort". Returns their rids; an unknown rid aborts
-        nothing."""
+        """Aborts ``rid`` with its batch prompts and samples (``rid_0``, ``rid_0_3``), or all
+        for None; each stream ends with finish_reason "abort". Returns the rids aborted."""
         batch = re.compile(re.escape(rid) + r"(_\d+)*(_prefill)?") if rid is not None else None
         rids = [
             r for r in self.engines.in_flight() if batch is None or r == rid or batch.fullmatch(r)
@@ -206,8 +198,6 @@ class Frontend:
                 grpc.StatusCode.UNAVAILABLE, "the engines are not ready yet; retry shortly"
             )
         return info
-
-    # ---- generate ----------------------------------------------------------------
 
     def _prepare(
         self, req: pb.GenerateRequest, arrival: float
@@ -239,11 +229,9 @@ class Frontend:
         """Validates and submits now (raising FrontendError); returns the response stream.
 
         The caller must iterate the stream (or ``aclose`` it): its end releases the request.
-        ``caller_trace`` is the caller's W3C context (traceparent, tracestate), if any.
-        Tokenizing (and the chat template) runs on a worker thread: a huge prompt must not
-        stall every other stream on the event loop. With ``n`` > 1 the prompt is prefilled
-        first (submitting includes waiting for it) and the stream interleaves the samples'
-        responses, each with its ``index``.
+        ``caller_trace`` is the caller's W3C context. Tokenizing runs on a worker thread so a
+        huge prompt does not stall the event loop. With ``n`` > 1 the stream interleaves the
+        samples, each with its ``index``.
         """
         arrival = time.time()
         span = RequestSpan(self.model_id, caller_trace)
@@ -287,7 +275,6 @@ class Frontend:
         error = "CANCELLED"
         last_t: float | None = None
         try:
-            # One child span for the whole response: detokenizing and streaming every delta.
             with span.child("stream"):
                 async for resp in self._stream(job):
                     now = time.time()
@@ -308,8 +295,6 @@ class Frontend:
             self.engines.release(job.treq.rid)
             if own_span:
                 span.finish(job.treq.rid, final, error)
-
-    # ---- n samples of one prompt (parallel_sampling.py) ------------------------------
 
     async def _open_samples(
         self,
@@ -357,9 +342,8 @@ class Frontend:
     async def _samples(
         self, rid: str, jobs: list[_InFlight], span: RequestSpan, prefill: engine_pb2.TokenDelta
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """The samples' responses as they come, each with its index. A sample's last one
-        says as cached_tokens what the cache held before the request (its prefill's): the
-        samples' reuse of the prefill is the request's own."""
+        """The samples' responses, each with its index; cached_tokens is the prefill's, since
+        the samples' reuse of the prefill is the request's own."""
         finals: list[pb.GenerateResponse] = []
         error = "CANCELLED"
         try:
@@ -381,7 +365,6 @@ class Frontend:
             span.finish(rid, _summary(finals) if not error else None, error)
 
     def _drop(self, rid: str) -> None:
-        """Aborts and forgets a request if it is still in flight (else nothing happens)."""
         self.engines.abort(rid, "cancelled by the client")
         self.engines.release(rid)
 
@@ -491,9 +474,8 @@ def _summary(finals: list[pb.GenerateResponse]) -> pb.GenerateResponse:
 
 
 def template_chat(chat: pb.ChatMessages) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The messages and tools as chat templates take them (OpenAI's shapes). A call's
-    arguments become an object, as vLLM hands them: templates write ``arguments | tojson``.
-    Validation has checked that every JSON text here parses to an object."""
+    """The messages and tools in OpenAI's shapes; a call's arguments become an object, as
+    templates write ``arguments | tojson`` (validation checked they parse)."""
     messages = []
     for m in chat.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -518,7 +500,6 @@ def _template_tool(tool: pb.Tool) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name}
     if tool.description:
         function["description"] = tool.description
-    # No parameters: OpenAI's empty parameter list.
     no_params = {"type": "object", "properties": {}}
     function["parameters"] = json.loads(tool.parameters) if tool.parameters else no_params
     return {"type": "function", "function": function}
@@ -531,10 +512,9 @@ def _stopped_text(
     done: int,
     min_tokens: int,
 ) -> tuple[str, int]:
-    """The delta's text through the stop strings and regexes (all of it, on the last), and
-    how many of its tokens the client gets: all, unless a stop matched in the text of one
-    of them, which is then the last (a delta of several tokens, from speculative decoding,
-    is fed token by token, so it stops where one token per delta would have)."""
+    """The delta's text through the stop strings and regexes, and how many of its tokens the
+    client gets. A multi-token delta (speculative decoding) is fed token by token, so it
+    stops where one token per delta would have."""
     ids = delta.token_ids
     kept = len(ids)
     try:

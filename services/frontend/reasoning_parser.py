@@ -1,11 +1,8 @@
 """Reasoning out of model text: ``reasoning_content`` beside ``content`` (``--reasoning-parser``).
 
-Thinking models write their reasoning between <think> and </think>, then the answer.
-deepseek_r1: the chat template may open the thinking itself, so the output can begin inside
-it; everything before </think> is reasoning, with or without <think>. qwen3: only an output
-that opens with <think> has reasoning; any other output is all content. The tags, and the
-whitespace next to them, belong to neither part. A stream holds back text that could still
-be a tag until the next piece decides it; ``split`` runs the same stream over the whole text.
+deepseek_r1: the template may open the thinking itself, so everything before </think> is
+reasoning. qwen3: only an output that opens with <think> has reasoning. The tags and the
+whitespace next to them belong to neither part; text that could still be a tag is held back.
 """
 
 from __future__ import annotations

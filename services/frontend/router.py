@@ -1,37 +1,9 @@
-"""Which engine replica gets a request (``--routing-policy``; docs/routing.md).
+"""Which engine replica gets a request (``--routing-policy``; docs/routing.md has the rules).
 
-Every policy is a pure function of what the frontend knows: each routable engine's load
-(its running + waiting requests, ``_Engine.load``) and, for cache_aware, how many leading
-prompt tokens each engine's radix tree holds (cache_index.py, fed by the engines' own
-CacheEvents). Frontends do not talk to each other: two that see the same loads and events
-decide the same, so every tie is broken by rendezvous order, never by arrival or dict order.
-
-cache_aware (the default; docs/routing.md has the why of each rule):
-
-(a) an engine overloaded against the least loaded one (load - least > ``balance_abs`` AND
-    load > ``balance_rel`` x least: SGLang's router's tests) takes no new request;
-(b) among the rest, if one holds at least ``min_match_tokens`` of the prompt, the engine
-    of the best score: matched tokens - ``load_cost_tokens`` x load (ties: the lower load,
-    then rendezvous order). A hot prefix (one that many prompts fork after: a shared system
-    prompt, hot_prefixes.py) counts as held by every engine once one holds it, so new
-    conversations spread by load and each engine computes it once; a conversation's own
-    history is not hot, and outweighs a few requests more;
-(c) else (no engine holds a useful prefix), prefix_hash below over them, so requests that
-    share a new prefix still converge on one engine, the same one from every frontend,
-    which then caches it for (b).
-
-prefix_hash (the routing before issue 37, kept exactly): the routing key is (cache_salt,
-the first ROUTING_PREFIX_TOKENS prompt ids). Engines are ranked for that key by rendezvous
-(highest-random-weight) hashing of (key, engine name), so requests that share a prefix rank
-the engines the same way from every frontend, and adding or removing an engine moves only
-the keys that it wins or loses. Bounded loads (consistent hashing with bounded loads,
-Mirrokni et al.): an engine may take a new request only while its load is below
-ceil(factor * (total load + 1) / engines); the request goes to the first engine of its
-ranking under that bound, so a hot prefix fills its first-choice engine up to a fair share
-and then spills to its second choice instead of queueing on one replica while others idle.
-
-round_robin: the engines in name order, one after the other (this frontend's own counter).
-least_load: the least loaded engine (ties: rendezvous order).
+Every policy is a pure function of each engine's load and, for cache_aware, the prompt
+tokens each engine's radix tree holds (cache_index.py). Frontends do not talk to each other,
+so every tie is broken by rendezvous order, never by arrival or dict order: two frontends
+that see the same loads and events decide the same.
 """
 
 from __future__ import annotations
@@ -53,7 +25,6 @@ CACHE_AWARE_BRANCHES = ("cache_hit", "balance", "fallback")
 
 
 def policy_names() -> list[str]:
-    """The choices of --routing-policy."""
     return list(POLICIES)
 
 
@@ -81,8 +52,7 @@ def load_bound(loads: Mapping[str, int], factor: float) -> int:
 def pick(key: bytes, loads: Mapping[str, int], factor: float = DEFAULT_LOAD_FACTOR) -> str:
     """prefix_hash: the first engine of the key's ranking whose load is under the bound.
 
-    One always qualifies: the bound exceeds the mean load, so the least loaded engine is
-    below it. ``factor`` >= 1; larger keeps prefixes together longer, 1 balances strictly.
+    One always qualifies: the bound exceeds the mean load. ``factor`` >= 1.
     """
     if not loads:
         raise ValueError("no engine to route to")
@@ -121,8 +91,7 @@ class RoutingParams:
 @dataclass(frozen=True)
 class Decision:
     engine: str
-    # cache_aware: cache_hit (the engine holding the most), balance (one holding less, for
-    # its load), fallback (none holds min_match_tokens); else the policy's name.
+    # cache_aware: cache_hit, balance or fallback (CACHE_AWARE_BRANCHES); else the policy.
     branch: str
     matched_tokens: int = 0  # cache_aware: the chosen engine's, when asked
 
@@ -160,10 +129,8 @@ class Router:
         self, key: bytes, loads: Mapping[str, int], matched: Callable[[str], int], hot: int
     ) -> Decision:
         p = self.params
-        # The engines the balance rule leaves in: those not so far above the least loaded
-        # that the two would be imbalanced (the least loaded always stays). An overloaded
-        # engine sheds new requests to the best of the rest, not to whoever is emptiest,
-        # so a conversation moves only when its own engine is the overloaded one.
+        # An overloaded engine sheds to the best of the rest, not to the emptiest, so a
+        # conversation moves only when its own engine is the overloaded one.
         low = min(loads.values())
         fit = {
             n: v

@@ -29,8 +29,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         metadata = context.invocation_metadata() or ()
         try:
-            # The key's slot (key_limits.py) is held until the stream ends, however it ends:
-            # a client's cancel raises CancelledError here, which leaves the ``with`` too.
+            # Held until the stream ends, however: a cancel raises CancelledError here too.
             with self._limits.hold(metadata_token(metadata)):
                 async for resp in self._fe.generate(request, carrier_from(metadata)):
                     yield resp
@@ -38,7 +37,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             retry = (("retry-after", str(RETRY_AFTER_S)),)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry)
         except FrontendError as e:
-            # An overloaded engine says when to retry (HTTP's Retry-After, in seconds).
             trailer = (("retry-after", f"{e.retry_after:g}"),) if e.retry_after > 0 else ()
             await context.abort(e.code, e.message, trailing_metadata=trailer)
 
@@ -61,8 +59,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 async def _unary(
     context: grpc.aio.ServicerContext, call: Callable[[], _T], in_thread: bool = False
 ) -> _T:
-    """The answer of ``call`` (on a worker thread when it may be slow: tokenizing), or its
-    FrontendError as the call's gRPC status."""
+    """The answer of ``call``, or its FrontendError as the call's gRPC status."""
     try:
         return await asyncio.to_thread(call) if in_thread else call()
     except FrontendError as e:

@@ -1,9 +1,7 @@
-"""The frontend's spans of one request: ``generate`` and its child ``tokenize``.
+"""The frontend's spans of one request: ``generate`` and its children.
 
-``generate`` is the root of the request's trace, or a child of the caller's W3C context
-(gRPC metadata or HTTP headers ``traceparent``/``tracestate``). Its context rides in
-TokenizedRequest.trace_context, so the scheduler's queue/prefill/decode spans and the
-worker's forward spans join the same trace. Every method is a no-op when tracing is off.
+``generate`` is a child of the caller's W3C context, if any; its context rides in
+TokenizedRequest.trace_context so the engine's spans join the trace. No-ops when tracing is off.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Server-sent events of a streamed answer, and a template for its text-only chunks.
 
-Every chunk is sent as ``data: <json.dumps of model_dump(exclude_unset)>\\n\\n``: unset
-fields absent, Python's default separators, non-ASCII characters as themselves. Nearly
-every chunk of a stream differs from the one before only in its new text, and rendering it
-the general way (pydantic models, model_dump, json.dumps) cost more per streamed token
-than the incremental detokenizer. TextTemplate renders such a chunk once the general way
-with a placeholder for the text, and fills in later texts as JSON strings: the same bytes,
-an order of magnitude cheaper (docs/benchmarks-history.md, item 10).
+Nearly every chunk differs from the last only in its text, and rendering it through pydantic
+and json.dumps cost more per token than detokenizing. TextTemplate renders such a chunk once
+with a placeholder and fills later texts in as JSON strings: the same bytes, far cheaper.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ _json_str: Callable[[str], str] = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def payload(answer: BaseModel) -> dict[str, Any]:
-    # Unset fields are absent rather than null (a chunk's usage, a later delta's role).
     return answer.model_dump(exclude_unset=True)
 
 
@@ -45,8 +40,7 @@ class TextTemplate:
 
     @classmethod
     def of(cls, chunk_with_text: Callable[[str], BaseModel]) -> TextTemplate | None:
-        """Splits the event of ``chunk_with_text(slot)`` at the slot; None when the slot is
-        not there exactly once (another field happens to contain it)."""
+        """Splits the event of ``chunk_with_text(slot)`` at the slot (None: not there once)."""
         parts = events([chunk_with_text(_SLOT)]).split(_json_str(_SLOT))
         return cls(parts[0], parts[1]) if len(parts) == 2 else None
 

@@ -1,23 +1,11 @@
 """Stop strings and stop regexes over streamed text.
 
-Text that could still turn out to be the start of a stop string is held back until the
-next pieces decide it, so a client never sees part of a stop string; on a match the text
-is cut just before it.
-
-Stop regexes (SGLang's ``stop_regex``, Python ``re`` syntax) work the same way: after each
-piece every pattern is searched in the text not shown yet and the last STOP_REGEX_LOOKBACK
-characters shown before it (so a lookbehind, or a match longer than one piece, still sees
-them); the text is cut before the earliest match, and a partial match at the end (text a
-later piece could complete) is held back, at most STOP_REGEX_MAX_HELD characters of it.
-Only a match that starts in text already shown (one longer than what was held) is cut at
-the end of the shown text instead. They are matched with the ``regex`` package, which
-takes ``re``'s syntax, finds partial matches and can time out: a pattern that backtracks
-for STOP_REGEX_BUDGET_S on one piece ends its request (StopRegexTimeout) instead of
-stalling every stream on the frontend's event loop.
-
-With min_tokens, as in vLLM, a stop string must end in the text of a token after the first
-min_tokens: ``feed`` takes how many leading characters of its text are still under that
-floor (a match may start in them, never end there). Stop regexes follow the same rule.
+Text that could still start a stop string (or a partial regex match) is held back, so a
+client never sees part of one; on a match the text is cut just before it. Regexes also see
+the last STOP_REGEX_LOOKBACK characters shown, and run on the ``regex`` package because it
+finds partial matches and can time out: a pattern that backtracks too long ends its request
+(StopRegexTimeout) instead of stalling the event loop. With min_tokens, as in vLLM, a match
+may not end within the text of the first min_tokens tokens.
 """
 
 from __future__ import annotations
@@ -80,7 +68,6 @@ class StopStringMatcher:
 
     @property
     def active(self) -> bool:
-        """Whether anything is matched at all (stop strings or regexes given)."""
         return bool(self.stops or self._regexes)
 
     def feed(self, text: str, floor_chars: int = 0) -> str:
@@ -108,13 +95,10 @@ class StopStringMatcher:
         out, self._held = self._held, ""
         return "" if self.matched is not None else out
 
-    # ---- stop strings ------------------------------------------------------------
-
     def _string_hits(self, buf: str, floor: int) -> list[tuple[int, str]]:
         found = ((buf.find(s, max(0, floor - len(s) + 1)), s) for s in self.stops)
         return [(pos, s) for pos, s in found if pos >= 0]
 
-    # ---- stop regexes ------------------------------------------------------------
     # Searched in ctx = _tail + buf: index i of ctx is _shown - len(_tail) + i of the whole
     # text, and buf starts at len(_tail). Once the tail has lost the text's start, searches
     # begin at ctx[1], so that ^ and \A never match at a cut (they need the real start).
@@ -158,9 +142,8 @@ class StopStringMatcher:
         want: Callable[[regex.Match[str]], bool],
         partial: bool = False,
     ) -> regex.Match[str] | None:
-        """Pattern i's first match in ctx (overlapping ones too; with ``partial`` also one
-        that the end of ctx leaves open) that ``want`` takes, within what is left of the
-        piece's time budget."""
+        """Pattern i's first match in ctx (overlapping; with ``partial`` also one left open
+        at the end) that ``want`` takes, within the piece's time budget."""
         left = deadline - time.monotonic()
         try:
             if left <= 0:
@@ -173,7 +156,6 @@ class StopStringMatcher:
             raise StopRegexTimeout(i, self._patterns[i]) from None
 
     def _show(self, buf: str, keep: int) -> str:
-        """Holds the last ``keep`` characters of buf back and shows the rest."""
         shown = buf[: len(buf) - keep]
         self._held = buf[len(buf) - keep :]
         self._shown += len(shown)
@@ -189,8 +171,7 @@ def feed_tokens(
     done_before: int,
     min_tokens: int,
 ) -> str:
-    """``ids`` (output tokens done_before.. of a request) through ``decode`` into ``stops``:
-    the text of those still within the first min_tokens cannot end a stop string."""
+    """``ids`` through ``decode`` into ``stops``; those within the first min_tokens end no stop."""
     under = max(0, min(len(ids), min_tokens - done_before))
     if not under:
         return stops.feed(decode(ids))

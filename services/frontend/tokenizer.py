@@ -34,8 +34,7 @@ def read_eos_token_ids(model_path: str, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-# Stand-ins for chat contents while the template renders: private-use characters that no
-# template writes, around the message's index.
+# Stand-ins for chat contents while the template renders: private-use characters.
 _PLACEHOLDER = re.compile("\ue000radixserve-content-(\\d+)\ue001")
 
 
@@ -55,8 +54,7 @@ def _as_dict(message: Message) -> dict[str, Any]:
 
 
 class ChatToolsError(ValueError):
-    """Tools or calls the chat template cannot be given as they are; ``field`` names them
-    (the path in GenerateRequest)."""
+    """Tools or calls the chat template cannot be given; ``field`` is their GenerateRequest path."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
@@ -71,7 +69,6 @@ class Tokenizer:
         self.eos_token_ids = read_eos_token_ids(model_path, self.hf)
         # len() counts added special tokens, which vocab_size leaves out.
         self.vocab_size = len(self.hf)
-        # The text of every special token (what chat content must never turn into).
         self._special_texts = [
             t.content for t in self.hf.added_tokens_decoder.values() if t.special and t.content
         ]
@@ -84,9 +81,8 @@ class Tokenizer:
         return list(self.hf.encode(text))
 
     def render_chat(self, messages: Sequence[Message], tools: Tools | None = None) -> str:
-        """The prompt text the chat template makes of the messages (and tools), ready to
-        answer. Tools the template does not render are refused (ChatToolsError): dropping
-        them would answer another question than the one asked."""
+        """The prompt text the chat template makes of the messages (and tools). Tools the
+        template does not render are refused (ChatToolsError), never silently dropped."""
         if self.hf.chat_template is None:
             raise ValueError("the model has no chat template; send text or input_ids")
         conv = [_as_dict(m) for m in messages]
@@ -111,9 +107,8 @@ class Tokenizer:
         return text
 
     def encode_chat(self, messages: Sequence[Message], tools: Tools | None = None) -> list[int]:
-        """The chat's ids; a message's content is always ordinary text: "<|im_start|>system"
-        typed by a user stays those characters and never opens a real turn. Tools and calls
-        are rendered by the template (as JSON): special-token text in them is refused."""
+        """The chat's ids; content is always ordinary text: "<|im_start|>system" typed by a
+        user never opens a real turn. Special-token text in tools and calls is refused."""
         conv = [_as_dict(m) for m in messages]
         self._check_tool_text(conv, tools or [])
         if not any(self._special_in(str(m.get("content") or "")) for m in conv):
@@ -125,9 +120,7 @@ class Tokenizer:
         return next((t for t in self._special_texts if t in text), None)
 
     def _check_tool_text(self, conv: list[dict[str, Any]], tools: Tools) -> None:
-        """Tools and calls (and a message's tool_call_id and name) reach the prompt as the
-        template writes them, where no placeholder keeps special-token text plain: such text
-        is refused instead."""
+        """Refuses special-token text in tools and calls: no placeholder keeps it plain there."""
         parts: list[tuple[str, Any]] = [(f"messages.tools[{i}]", t) for i, t in enumerate(tools)]
         for i, m in enumerate(conv):
             parts += [
@@ -139,10 +132,9 @@ class Tokenizer:
                 raise ChatToolsError(field, f"must not contain the special token text {found!r}")
 
     def _encode_chat_escaped(self, conv: list[dict[str, Any]], tools: Tools | None) -> list[int]:
-        """Renders the template around placeholders, then tokenizes the template's own text
-        with its special tokens and each content with special-token text split into plain
-        tokens. (A template that rewrites content, e.g. trims it, gets it unrewritten.)
-        Empty contents stay empty: templates test them ("{% if message.content %}")."""
+        """Renders the template around placeholders, then tokenizes the template's text with
+        its special tokens and each content with special-token text split into plain tokens.
+        Empty contents stay empty: templates test them."""
         held = [
             {**m, "content": _placeholder(i) if m.get("content") else m.get("content")}
             for i, m in enumerate(conv)
@@ -169,10 +161,8 @@ class Tokenizer:
 
 
 def _plain_rust_decode(hf: PreTrainedTokenizerBase) -> Callable[[list[int], bool], str] | None:
-    """The Rust tokenizer's own decode when transformers' decode adds nothing to it: a
-    TokenizersBackend with neither method overridden and no clean-up of spaces. The stream
-    decodes twice per output token, and transformers' argument handling around the Rust call
-    cost more than the call itself; None means use hf.decode."""
+    """The Rust tokenizer's own decode when transformers' decode adds nothing to it (its
+    wrapping costs more than the call; the stream decodes per token); None: use hf.decode."""
     cls = type(hf)
     plain = (
         isinstance(hf, TokenizersBackend)

@@ -1,21 +1,9 @@
-"""OpenAI tools as an xgrammar structural tag: tool calls whose arguments are guaranteed to
-match each function's JSON Schema.
+"""OpenAI tools as an xgrammar structural tag: calls whose arguments match each function's
+JSON Schema (the shapes per ``tool_choice``: docs/tools.md).
 
-The model writes a call in its own markup (Hermes: ``<tool_call>\\n{"name": "f",
-"arguments": {...}}\\n</tool_call>``), so the tag is built from that markup: the fixed text
-before the arguments (``begin``), the arguments as JSON constrained by the function's
-``parameters``, and the fixed text after them (``end``). ``tool_choice`` picks the shape:
-
-| tool_choice | output |
-|---|---|
-| "auto" | free text; once ``trigger`` appears, a call of one of the tools (triggered tags) |
-| "required" | one call or more, separated, and nothing else (no text before or between) |
-| {"type": "function", ...} | exactly one call, of that function |
-| "none" | no constraint (None) |
-
-``parallel_tool_calls`` false allows one call at most; ``after_free_reasoning`` puts a
-free thinking part before any of them. The markup is a plain dataclass, so
-this module knows no parser; the parser that reads the calls back owns the markup.
+The tag is built from the model's own call markup: fixed text before the arguments
+(``begin``), the constrained JSON, fixed text after (``end``). The markup is a plain
+dataclass, so this module knows no parser.
 """
 
 from __future__ import annotations
@@ -27,15 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 NAME_PLACEHOLDER = "{name}"
-# A call's name is written verbatim into the markup (inside a JSON string for Hermes): a
-# quote, a backslash or a ">" there would change what the markup says. OpenAI's rule, plus
-# "." (tools bridged from MCP servers use it).
+# Names are written verbatim into the markup, so no quote, backslash or ">": OpenAI's rule,
+# plus "." (tools bridged from MCP servers use it).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-# Functions per request at most: each is a tag of the grammar and a schema in the prompt.
-# 128 is OpenAI's own limit; agents with more tools pick a subset per step.
+# Each tool is a tag of the grammar and a schema in the prompt; 128 is OpenAI's own limit.
 MAX_TOOLS = 128
-# Whitespace the arguments' JSON may have in a row. Chat templates render tool arguments as
-# one line with ", " and ": "; unbounded, a small model can pad with spaces forever.
+# Whitespace in a row in the arguments' JSON: unbounded, a small model can pad forever.
 MAX_WHITESPACE = 1
 # No parameters: OpenAI's "empty parameter list", so the only arguments are {}.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -51,12 +36,8 @@ class ToolGrammarError(ValueError):
 
 @dataclass(frozen=True)
 class CallMarkup:
-    """How a model writes one tool call: ``begin``, the arguments JSON, ``end``.
-
-    ``{name}`` in ``begin`` and ``end`` stands for the function's name. ``trigger`` opens
-    every call in free text (each begin starts with it); ``separator`` goes between two
-    calls where no free text is allowed.
-    """
+    """How a model writes one tool call: ``begin`` (``{name}`` for the function), the
+    arguments JSON, ``end``. Every ``begin`` starts with ``trigger``."""
 
     trigger: str
     begin: str
@@ -76,8 +57,7 @@ def tool_structural_tag(
     parallel_tool_calls: bool,
     markup: CallMarkup,
 ) -> str | None:
-    """The structural-tag JSON (the engine's ``structural_tag`` constraint) for a request's
-    tools, or None when nothing is to be constrained. ToolGrammarError names the bad param."""
+    """The structural-tag JSON for a request's tools, or None when nothing is constrained."""
     fmt = tool_call_format(tools, tool_choice, parallel_tool_calls, markup)
     return None if fmt is None else json.dumps({"type": "structural_tag", "format": fmt})
 
@@ -111,9 +91,8 @@ _AFTER_THINKING = {"type": "regex", "pattern": r"\s{0,4}"}
 def after_free_reasoning(
     fmt: dict[str, Any], start: str, end: str, implicit_start: bool
 ) -> dict[str, Any]:
-    """``fmt`` behind a reasoning part that stays free text: ``start`` ... ``end``, then the
-    calls. ``implicit_start``: the template opens the thinking, so the output starts inside
-    it and must close it; otherwise the output may also skip the thinking altogether."""
+    """``fmt`` behind a free-text reasoning part ``start`` ... ``end``. ``implicit_start``: the
+    template opens the thinking, so the output must close it; else it may skip it."""
     thinking = {
         "type": "tag",
         "begin": "" if implicit_start else start,

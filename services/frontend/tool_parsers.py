@@ -1,15 +1,9 @@
-"""Tool calls out of model text: the ``tool_calls`` of an OpenAI chat completion.
+"""Tool calls out of model text (``--tool-call-parser``): the ``tool_calls`` of a chat completion.
 
-Each model family writes its calls in its own markup (``--tool-call-parser``: hermes,
-llama3_json, mistral, pythonic). A parser finds that markup, whole or streamed, turns it into
-calls and leaves the rest as content. A call is emitted only once its text is complete and
-parses, so a stream never shows a call that later proves malformed: text that could still
-open a call is held back, and markup that does not parse (invalid JSON, a call cut short by
-the length limit) goes to content unchanged. ``parse`` runs the same scanner as the stream,
-so both give the same content and calls however the text was split.
-
-``trigger``, ``call_begin``, ``call_end`` and ``separator`` on each parser describe its
-markup to the grammar side (constrained tool calling).
+A call is emitted only once its markup is complete and parses, so a stream never shows a
+call that later proves malformed; markup that does not parse goes to content unchanged.
+``parse`` runs the stream's scanner, so both agree however the text was split. ``trigger``,
+``call_begin``, ``call_end`` and ``separator`` describe the markup to tool_grammar.py.
 """
 
 from __future__ import annotations
@@ -59,7 +53,6 @@ class _Reject(NamedTuple):
 
 _Match = _Accept | _Reject | None  # None: undecided until more text comes
 
-# ---- scanning helpers -----------------------------------------------------------------
 
 _MORE, _BAD = -1, -2  # a value may still close / can never close
 _WS = re.compile(r"\s*")
@@ -90,8 +83,7 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 class _Scan:
-    """Finds where the bracketed value of one call ends (JSON, or a Python expression). It
-    resumes where it stopped, so a stream waiting on a long call reads each piece once."""
+    """Finds where one call's bracketed value ends; resumes where it stopped."""
 
     def __init__(self) -> None:
         self._reset(-1)
@@ -104,8 +96,7 @@ class _Scan:
 
     def end(self, text: str, start: int, syntax: _Syntax) -> int:
         """End of the value opening at ``text[start]`` (``text`` only grows between calls):
-        _MORE while it may still close, _BAD once nothing that follows can make it valid
-        (a stray character, a wrong bracket)."""
+        _MORE while it may still close, _BAD once nothing that follows can make it valid."""
         if start != self._start:
             self._reset(start)
         if self._result == _MORE:
@@ -161,8 +152,7 @@ def _give_up(end: int, skip: int, final: bool) -> _Match:
 
 def _tail(text: str, pos: int, mark: str, final: bool) -> int | None:
     """End of the whitespace and ``mark`` after a call's value; None while they may still
-    come, _BAD when something else follows. At the end of the text a missing or cut mark
-    is forgiven: the call is complete."""
+    come, _BAD when something else follows. At the end of the text a missing mark is forgiven."""
     start = _skip_ws(text, pos)
     head = text[start : start + len(mark)]
     if head == mark:
@@ -264,9 +254,6 @@ def _python_calls(src: str) -> list[tuple[str, str]] | None:
     return calls if len(calls) == len(tree.body.elts) else None
 
 
-# ---- the formats ----------------------------------------------------------------------
-
-
 class ToolParser:
     """One model family's call markup. Holds no state: a stream keeps its own."""
 
@@ -291,14 +278,12 @@ class ToolParser:
         return ParsedOutput(content, stream.tool_calls)
 
     def _find_open(self, text: str, ws_only: bool) -> tuple[int, int]:
-        """(start, safe): where the first complete opener starts (-1: none yet), and how much
-        of ``text`` holds no opener's start for sure (content to release). ``ws_only``: no
-        content but whitespace since the last call or the start."""
+        """(start, safe): where the first opener starts (-1: none yet), and how much of
+        ``text`` surely holds none. ``ws_only``: only whitespace since the last call."""
         return _find_literal(text, self.openers)
 
     def _match(self, text: str, final: bool, scan: _Scan) -> _Match:
-        """The call(s) that ``text``, which starts with an opener, begins with. ``scan`` is
-        kept for this opener while the stream waits on it."""
+        """The call(s) that ``text``, which starts with an opener, begins with."""
         raise NotImplementedError
 
 
@@ -352,8 +337,7 @@ class MistralParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     """Llama 3.1/3.2: optional ``<|python_tag|>``, then ``{"name": f, "parameters": {...}}``,
-    several joined by ``;``. Without the tag a call must open the output (or follow a call),
-    so a ``{`` inside prose stays prose."""
+    joined by ``;``. Untagged, a call must open the output, so a ``{`` in prose stays prose."""
 
     name = "llama3_json"
     trigger = "<|python_tag|>"
@@ -384,9 +368,8 @@ class Llama3JsonParser(ToolParser):
 
 
 class PythonicParser(ToolParser):
-    """Llama 3.2/4 pythonic: ``[get_weather(city="Paris"), f(x=1)]``, literal keyword
-    arguments only, optionally inside ``<|python_start|>...<|python_end|>``. Without those
-    tags the list must open the output (or follow a call)."""
+    """Llama 3.2/4: ``[get_weather(city="Paris")]``, literal keyword arguments, optionally in
+    ``<|python_start|>...<|python_end|>``; untagged, the list must open the output."""
 
     name = "pythonic"
     trigger = "["
@@ -437,8 +420,7 @@ def get_tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS[name]()
 
 
-# Templates of other formats that reuse one of the marks below (Qwen3-Coder's and GLM's XML
-# arguments inside <tool_call>, DeepSeek's own tokens): none of our parsers reads them.
+# Other formats that reuse one of the marks below (Qwen3-Coder, GLM, DeepSeek): unread.
 _OTHER_FORMATS = ("<function=", "<arg_key>", "<｜tool▁calls▁begin｜>")
 _SIGNS = (
     ("[func_name1(", "pythonic"),  # the Llama 3.2/4 pythonic system prompt
@@ -456,15 +438,11 @@ def detect_parser(chat_template: str) -> str | None:
     return next((name for mark, name in _SIGNS if mark in chat_template), None)
 
 
-# ---- the stream -----------------------------------------------------------------------
-
-
 class StreamParser:
     """Text in as it is generated; content text and OpenAI tool-call deltas out.
 
-    Each call comes out whole, once its markup has closed and parsed: a delta with its
-    index, id, type and name, then one with its arguments. Whitespace that only lays out the
-    calls (before the first one, between them, after the last) is dropped."""
+    Each call comes out whole: a delta with its index, id, type and name, then one with its
+    arguments. Whitespace that only lays out the calls is dropped."""
 
     def __init__(self, parser: ToolParser, new_id: IdFactory = new_call_id) -> None:
         self._parser = parser

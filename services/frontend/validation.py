@@ -20,9 +20,8 @@ from services.frontend.stop_strings import compile_stop_regex
 from services.frontend.tool_grammar import MAX_TOOLS, TOOL_NAME
 
 MAX_STOP_STRINGS = 16
-# A token is rarely more than a few characters; one of more than this many would be
-# pathological. A prompt longer than max_model_len * this cannot fit the context, so it is
-# refused by its size before tokenizing (which costs seconds for megabytes of text).
+# A prompt longer than max_model_len * this many characters cannot fit the context, so it is
+# refused before tokenizing (which costs seconds for megabytes of text).
 MAX_CHARS_PER_TOKEN = 64
 MAX_STOP_STRING_CHARS = 1024  # stop strings are matched against every streamed chunk
 MAX_CACHE_SALT_CHARS = 1024  # salts are kept in the radix tree, one per cached branch
@@ -33,8 +32,7 @@ MAX_STOP_REGEX_CHARS = 256
 MAX_REQUEST_ID_LEN = 256
 # Samples of one prompt (GenerateRequest.n) at most: each is a request in the engine.
 MAX_SAMPLES = 128
-# A constraint's text at most (characters): past it a schema or grammar is refused before
-# the engine spends a compile on it.
+# A constraint's characters at most: refused before the engine spends a compile on it.
 MAX_CONSTRAINT_CHARS = 128 * 1024
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
