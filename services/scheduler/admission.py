@@ -1,10 +1,6 @@
-"""The edge of the waiting queue: overload is refused at once, a wait too long ends.
-
-Without an edge a burst larger than the engine can serve is queued whole, and time to
-first token grows until clients give up, having cost KV and compute. So a new request is
-refused (RESOURCE_EXHAUSTED: HTTP 429 with Retry-After) when the queue already holds
-``--max-queued-requests`` requests or ``--max-total-queued-tokens`` prompt tokens, and a
-request that waited ``--max-queue-time`` seconds ends DEADLINE_EXCEEDED. Plain counts.
+"""The edge of the waiting queue: overload is refused at once (RESOURCE_EXHAUSTED with
+Retry-After), a wait past --max-queue-time ends DEADLINE_EXCEEDED. Without it a burst
+would queue whole until clients give up, having cost KV and compute.
 """
 
 from __future__ import annotations
@@ -48,8 +44,8 @@ class QueueLimits:
         )
 
     def overload(self, waiting: ReqQueue, prompt: int, token_s: float) -> Overload | None:
-        """Why a new request of ``prompt`` tokens is refused now, or None. ``token_s``: the
-        worker's measured seconds per prefill token (0: unknown), for Retry-After."""
+        """Why a new request of ``prompt`` tokens is refused now, or None. ``token_s``:
+        seconds per prefill token (0: unknown), for Retry-After."""
         if self.max_requests and len(waiting) >= self.max_requests:
             why = f"{len(waiting)} requests are waiting (--max-queued-requests {self.max_requests})"
         elif self.max_tokens and waiting.tokens + prompt > self.max_tokens:
@@ -65,8 +61,7 @@ class QueueLimits:
         return Overload(f"the engine is overloaded: {why}; retry in {wait:.0f} s", wait)
 
     def expired(self, waiting: ReqQueue, now: float) -> list[Req]:
-        """Requests that waited longer than max_wait_s by this process's monotonic clock
-        (retracted ones excepted: they were admitted once; their wait is not the queue's)."""
+        """Requests that waited longer than max_wait_s (retracted ones were admitted once)."""
         if not self.max_wait_s:
             return []
         deadline = now - self.max_wait_s

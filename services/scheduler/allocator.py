@@ -1,46 +1,21 @@
 """KV slot allocator: which slots of the worker's KV pool are free (slot numbers, no tensors).
 
-Slot 0 is padding (the worker points unused table entries at it) and is never handed out.
-With ``page_size`` p > 1 slots come in pages of p consecutive slots and the whole first
-page is reserved, so that one request's positions k*p .. k*p+p-1 share one page:
-
-    page_size = 4, num_slots = 8:
-    slot:   0  1  2  3 | 4  5  6  7 | 8  9 10 11
-    page:   0 (padding) | 1          | 2
-    usable: -- -- -- -- | yes ...    | yes ...     total = 8
-
-Free pages are of two kinds. Pages never handed out since the allocator was made are the
-range ``_fresh .. _num_pages`` (a watermark, no objects). Pages given back sit in a stack
-(a list: the top is handed out first, before any fresh page) and, for membership, in a set,
-so that a free() of hundreds of slots is checked (padding, range, double free) with a few
-C-level operations rather than a Python loop per slot. The hand-out order is that of one
-stack holding the fresh pages in descending order under the freed ones (pages 1, 2, 3, ...
-from a new allocator: readable logs). Plain Python beats numpy here: converting a list of
-slots to an array costs more than the set operations.
-
-Why a set of the *freed* pages, not of the used ones (the earlier design): a serving cache
-keeps the pool nearly full, so the freed set stays small (what eviction just freed) while
-a used set holds ~the whole pool. Under churn a set fills with deleted-entry markers and
-rehashes itself every few hundred requests, milliseconds each at a large pool (most of
-the mean allocation time); a small set rehashes in microseconds and stays in cache. Why
-the watermark: a set holding every page of a new pool is the big set again while the pool
-first fills, and building it (and the list) would cost tens of ms at start-up. Figures:
-docs/benchmarks-history.md, "Radix cache vs SGLang's RadixCache", second pass.
-Memory: about 80 bytes per freed page (a Python int in the stack and the set), i.e.
-~160 MB after freeing a whole pool of 2M slots at page_size 1; 16x less at page size 16.
+Slot 0 is padding and never handed out; with page_size p > 1 slots come in pages of p and
+the whole first page is reserved. Never-used pages are a watermark (``_fresh`` up); given-
+back pages sit in a stack plus a set for C-level double-free checks. Why the *freed* set,
+not a used one: a serving pool stays nearly full, so it stays small and rehashes cheaply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-# The free set is rebuilt smaller only from this size: below it its table fits in cache,
-# and rebuilding an emptied set every request would only make it grow again (rehashes).
+# Below this size the free set's table fits in cache: not worth rebuilding smaller.
 _SHRINK_MIN = 4096
 
 
 class SlotError(ValueError):
-    """A bad slot number or size given to the allocator (nothing was changed)."""
+    """A bad slot number or size (nothing was changed)."""
 
 
 class DoubleFreeError(SlotError):
@@ -58,7 +33,7 @@ class KVSlotAllocator:
         self._fresh = 1  # pages _fresh .. _num_pages were never handed out
         self._free_pages: list[int] = []  # pages given back; the top is handed out first
         self._free_set: set[int] = set()  # the same pages, for membership
-        self._free_set_peak = 0  # its size when its table was last sized
+        self._free_set_peak = 0
 
     # -- sizes ------------------------------------------------------------------------
     @property
@@ -74,26 +49,22 @@ class KVSlotAllocator:
         return len(self._free_pages) + self._num_pages + 1 - self._fresh
 
     def slots_needed(self, n: int, cur_len: int = 0) -> int:
-        """Free slots that ``alloc(n, cur_len, ...)`` would consume (whole new pages)."""
         return self.pages_needed(n, cur_len) * self.page_size
 
     def pages_needed(self, n: int, cur_len: int = 0) -> int:
-        """New pages that ``alloc(n, cur_len, ...)`` takes: the rest of the current page first."""
         _check_sizes(n, cur_len)
         ps = self.page_size
         room = (-cur_len) % ps  # unused slots left in the page of position cur_len - 1
         return -(-max(0, n - room) // ps)
 
     def is_free(self, slot: int) -> bool:
-        """Whether ``slot``'s page is free (slot 0 and out-of-range slots are never free)."""
         page = slot // self.page_size
         return 0 < page <= self._num_pages and (page >= self._fresh or page in self._free_set)
 
     # -- alloc / free -----------------------------------------------------------------
     def alloc(self, n: int, cur_len: int = 0, last_slot: int = 0) -> list[int] | None:
-        """n slots for positions cur_len .. cur_len+n-1 of one sequence whose position
-        cur_len-1 sits in ``last_slot``. With page_size > 1 the rest of last_slot's page is
-        used first, then whole new pages. None (nothing taken) when too few pages are free."""
+        """n slots for positions cur_len .. cur_len+n-1 of a sequence whose position cur_len-1
+        sits in ``last_slot`` (its page is filled first). None (nothing taken) if too few."""
         need = self.pages_needed(n, cur_len)
         if need > self._num_free_pages():
             return None
@@ -115,7 +86,6 @@ class KVSlotAllocator:
         return out
 
     def _take_pages(self, need: int) -> list[int]:
-        """need free pages (there are): freed ones from the top of the stack, then fresh."""
         freed = self._free_pages
         take = min(need, len(freed))
         pages = freed[len(freed) - take :]
@@ -133,32 +103,26 @@ class KVSlotAllocator:
         return pages
 
     def free(self, slots: Sequence[int]) -> None:
-        """Gives slots back; with page_size > 1 the distinct pages they lie in (the caller
-        guarantees nobody else uses those pages). Raises, changing nothing, on slot 0, an
+        """Gives back the pages the slots lie in. Raises, changing nothing, on slot 0, an
         out-of-range slot, a slot already free or one given twice."""
         if len(slots) == 0:
             return
         ps = self.page_size
         pages = slots if ps == 1 else {s // ps for s in slots}
-        # Fresh pages (from _fresh up) are free: giving one back is a double free.
         if min(pages) < 1 or max(pages) >= self._fresh:
             raise self._bad_free(slots)
         free = self._free_set
         before = len(free)
         free.update(pages)  # one C-level pass; the count tells whether all were in use
-        if len(free) - before != len(pages):  # one was free already, or given twice
+        if len(free) - before != len(pages):
             raise self._undo_bad_free(slots, pages)
         if len(free) > self._free_set_peak:
             self._free_set_peak = len(free)
         self._free_pages.extend(pages)
 
     def _shrink_free_set(self) -> None:
-        """Rebuilds the free set in a table sized for what it holds now. Why: a set never
-        shrinks when items leave it, so after a mass free (a flush, a burst of finished
-        requests) its table would keep spanning up to the whole pool (8 MB at 200k pages)
-        and every later free() would miss the cache; before the fresh-page watermark, when
-        the set started full, eviction's free() took twice as long for that reason.
-        Amortized O(1) per page: the set has lost 7/8 of its items since the last time."""
+        """A set never shrinks its table, so after a mass free it would keep missing the
+        cache; rebuilt once it lost 7/8 of its peak (amortized O(1) per page)."""
         self._free_set = set(self._free_pages)
         self._free_set_peak = len(self._free_set)
 
@@ -178,13 +142,11 @@ class KVSlotAllocator:
             )
 
     def _undo_bad_free(self, slots: Sequence[int], pages: Collection[int]) -> SlotError:
-        """Takes back out of the free set the pages a bad free() put there; returns the
-        error naming why. O(pool), but only on the error path."""
+        """Undoes what a bad free() put in the set (O(pool), error path only)."""
         self._free_set = set(self._free_pages)  # the list was not touched: it is the truth
         return self._bad_free(slots)
 
     def _bad_free(self, slots: Sequence[int]) -> SlotError:
-        """The error naming why free(slots) is refused (nothing was changed)."""
         free_now = self._free_set
         ps, last = self.page_size, (self._num_pages + 1) * self.page_size - 1
         pad = [s for s in slots if 0 <= s < ps]

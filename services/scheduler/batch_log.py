@@ -14,8 +14,7 @@ class BatchLog:
         self.decode_steps = 0
         self._tokens = 0
         self._since = time.perf_counter()
-        # Speculative decoding: SGLang's "accept len", tokens committed per request step
-        # (accepted drafts + 1) over the interval's decode steps.
+        # SGLang's "accept len": tokens committed per request step.
         self.speculative = speculative
         self._req_steps = 0
 

@@ -1,16 +1,9 @@
 """The radix tree's blocks as the frontends' routers see them (engine.proto CacheEvents).
 
-A block is ``block_tokens`` consecutive tokens from a sequence's start; its key hashes the
-seed, the namespace and every token up to its end (services/common/page_keys.py), so a
-router that hashes a prompt the same way learns how much of it this engine holds. Each tree
-node keeps the keys of the blocks that end inside it, with their end offsets, so a new leaf
-hashes only its own blocks (chained from the nearest ancestor's last key), a split divides
-them and a node leaving the tree reports them without walking its path.
-
-Changes are gathered between two publishes into one set per step: a key stored and removed
-within one step is reported once, as what it ended as. A node counts as held while it has
-KV on the device or in the host tier (a host hit is a copy, not a prefill); the storage tier
-is shared and not per engine.
+A block's key chains seed, namespace and every token up to its end (page_keys.py), so a
+router hashing a prompt alike learns how much of it this engine holds. Each node keeps the
+keys of the blocks ending inside it, so a new leaf hashes only its own. Changes per step
+are net (stored then removed reports once); host-tier KV counts as held, storage does not.
 """
 
 from __future__ import annotations
@@ -24,8 +17,6 @@ from services.common.page_keys import block_keys, chain, root_key
 
 
 class TreeNode(Protocol):
-    """What the events read of radix_cache.TreeNode (it sets ``blocks``)."""
-
     blocks: Sequence[tuple[int, bytes]]
 
     @property
@@ -42,16 +33,14 @@ DEFAULT_BLOCK_TOKENS = 16
 
 
 def block_tokens_for(asked: int, page_size: int) -> int:
-    """The events' block: --cache-event-block-tokens rounded up to whole KV pages. A block
-    inside a page could end in two nodes at once (two sequences sharing part of a page sit
-    in sibling nodes), and one node's eviction would then unlist what the other holds."""
+    """--cache-event-block-tokens rounded up to whole KV pages: a block inside a page could
+    end in two sibling nodes, and one's eviction would unlist what the other holds."""
     if asked < 1:
         raise ValueError(f"--cache-event-block-tokens must be >= 1, got {asked}")
     return -(-asked // page_size) * page_size
 
 
 def route_seed(model_id: str) -> bytes:
-    """The chain's seed: what a router needs besides the tokens (one model per frontend)."""
     return f"radixserve-route1|{model_id}".encode()
 
 
@@ -68,8 +57,7 @@ class TreeEvents:
 
     # -- the tree's hooks (radix_cache.py) -------------------------------------------------
     def added(self, node: TreeNode, namespace: str, tokens: Sequence[int], pos: int) -> None:
-        """node now holds tokens[pos:pos + len(node.key)] of a sequence (tokens from its
-        start): its blocks are those that end inside it."""
+        """node now holds tokens[pos:pos + len(node.key)] of a sequence."""
         b, end = self.block_tokens, pos + len(node.key)
         first, last = pos // b, end // b
         if first >= last:
@@ -86,8 +74,7 @@ class TreeEvents:
             self._changes[k] = True
 
     def _key_before(self, node: TreeNode, namespace: str, first: int) -> bytes | None:
-        """The key of block first-1: the last block of the nearest ancestor that has one
-        (None: hash from the start, e.g. a block that was never keyed)."""
+        """The key of block first-1 from the nearest keyed ancestor (None: hash from the start)."""
         if first == 0:
             return root_key(self.seed, namespace)
         n = node.parent
@@ -99,14 +86,11 @@ class TreeEvents:
 
     @staticmethod
     def split(new: TreeNode, child: TreeNode, n: int) -> None:
-        """child was cut after n tokens, new taking the first n: the blocks ending there
-        move to new."""
         blocks = child.blocks
         new.blocks = [(off, k) for off, k in blocks if off <= n]
         child.blocks = [(off - n, k) for off, k in blocks if off > n]
 
     def removed(self, node: TreeNode) -> None:
-        """node leaves the tree, and everything below it."""
         stack = [node]
         while stack:
             n = stack.pop()
@@ -120,7 +104,7 @@ class TreeEvents:
 
     # -- what goes on the wire -----------------------------------------------------------
     def take(self) -> engine_pb2.CacheEvents | None:
-        """The changes since the last call as one message (None: nothing changed)."""
+        """The changes since the last call (None: nothing changed)."""
         if not self._changes and not self._cleared:
             return None
         self.seq += 1
@@ -135,7 +119,7 @@ class TreeEvents:
         return self._message()
 
     def snapshot(self, root: TreeNode) -> engine_pb2.CacheEvents:
-        """Every key the tree holds, at the current seq (call right after ``take``)."""
+        """Every key the tree holds (call right after ``take``)."""
         keys: list[bytes] = []
         stack = list(root.children.values())
         while stack:

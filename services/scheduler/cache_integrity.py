@@ -1,7 +1,5 @@
 """Integrity checks of the KV bookkeeping: the slot invariant and a full recount of a tree.
-
-Both are debugging aids the scheduler runs when it goes idle and the tests run after every
-step; they walk everything, so they are not for the hot path.
+Run when idle and by the tests; they walk everything, so never on the hot path.
 """
 
 from __future__ import annotations
@@ -20,16 +18,13 @@ class _TokenCounts(Protocol):
 
 
 class _CountingCache(Protocol):
-    """What the slot check reads of a prefix cache (radix_cache's caches have it). A
-    protocol, not radix_cache.BasePrefixCache, so that this module imports nothing of the
-    cache that re-exports it."""
+    """A protocol, not BasePrefixCache: radix_cache re-exports this module."""
 
     def size_info(self) -> _TokenCounts: ...
 
 
 class SlotLeakError(RuntimeError):
-    """free + evictable + protected + held-by-requests != total: a slot leaked or is
-    counted twice."""
+    """free + evictable + protected + held-by-requests != total."""
 
 
 class CacheIntegrityError(RuntimeError):
@@ -39,7 +34,6 @@ class CacheIntegrityError(RuntimeError):
 def check_slot_integrity(
     allocator: KVSlotAllocator, cache: _CountingCache, held_by_requests: int
 ) -> None:
-    """Every slot is in exactly one place: the free list, the tree, or an in-flight request."""
     info = cache.size_info()
     free, total = allocator.num_free, allocator.total
     seen = free + info.evictable + info.protected + held_by_requests
@@ -58,16 +52,8 @@ def recount_tree(
     host_allocator: KVSlotAllocator | None = None,
     host_held: list[int] | None = None,
 ) -> tuple[int, int]:
-    """Walks the whole tree, checking each node; returns the recounted (evictable, protected)
-    device tokens.
-
-    Checked per node: keys and values of equal, non-zero, whole-page length (or, with a
-    host tier, no device slots and a host copy of that length); the child key is the first
-    token (page); parent links; a node's lock count covers its children's (each lock also
-    counts on every ancestor); device residency is prefix-closed; no slot appears twice or
-    is free, in either tier, and the host tier's used slots are exactly the tree's (plus
-    ``host_held``: those reserved for storage loads not yet answered).
-    """
+    """Checks every node; returns the recounted (evictable, protected) device tokens.
+    ``host_held``: host slots reserved by storage loads not yet answered."""
     evictable = protected = 0
     slots: set[int] = set()
     n_slots = 0

@@ -1,8 +1,5 @@
 """The control service's requests parsed by us, not by grpc, so bad bytes get a clear
-INVALID_ARGUMENT rather than grpc's INTERNAL "Exception deserializing request!".
-
-The thread-pool twin of services/frontend/grpc_parse.py (which serves grpc.aio): the
-method gets the raw bytes and parses them itself; nothing else changes.
+INVALID_ARGUMENT rather than grpc's INTERNAL (the twin of services/frontend/grpc_parse.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Decode steps of the running requests: the plain step (with drafts to verify, under
-speculative decoding: speculative.py), the lookahead step of the overlap schedule, and
-retraction when the KV pool runs dry."""
+"""Decode steps (with drafts under speculation), the overlap schedule's lookahead step,
+and retraction when the KV pool runs dry."""
 
 from __future__ import annotations
 
@@ -36,13 +35,11 @@ class DecodeBuilder:
 
     # -- the plain step ---------------------------------------------------------------
     def any_decoding(self) -> bool:
-        """Whether a running request is past its prefill (its next step is a decode)."""
         return any(not r.in_prefill for r in self.queues.running)
 
     def build(self) -> list[Item]:
-        """One decode step of every running request (with its drafts, speculating),
-        retracting others if KV runs out. A pool too short for a request's drafts drops
-        them before it retracts anyone."""
+        """One decode step of every running request, retracting others if KV runs out
+        (a request's drafts are dropped first)."""
         running = self.queues.running
         items: list[Item] = []
         for req in list(running):  # a retraction below removes requests from running
@@ -63,9 +60,7 @@ class DecodeBuilder:
         return [it for it in items if it.req in running]
 
     def after_step(self, n_reqs: int, n_tokens: int, result: engine_pb2.ForwardResult) -> None:
-        """Counts a decode step of n_reqs requests that came back with n_tokens tokens (the
-        per-batch log line, the ratio decay)."""
-        # Every decode step (however it was built) lowers the reserve a little.
+        """Counts a decode step of n_reqs requests that came back with n_tokens tokens."""
         self.ratio.decay()
         running = self.queues.running
         self.batch_log.decode(
@@ -80,17 +75,16 @@ class DecodeBuilder:
 
     # -- the overlap schedule ---------------------------------------------------------
     def lookahead(self, current: list[Item], batch_id: int) -> list[Item]:
-        """The decode step after ``current``, built before current's tokens are known; it
-        will be sent as batch ``batch_id``. [] when a chunked prefill runs next, the pool
-        cannot give every request its slot (then nothing is kept), or speculation wants
-        the next step (after a verify step, or when a request would draft in it)."""
+        """The decode step after ``current`` (to go as batch ``batch_id``), built before its
+        tokens are known. [] when a chunked prefill runs next, the pool runs short, or
+        speculation wants the next step."""
         if self.spec.enabled and self._speculating_next(current):
             return []
         sampling = {it.req for it in current if it.sample}
         items: list[Item] = []
         for req in self.queues.running:
             if req.in_prefill:
-                return self._take_back(items)  # a chunked prefill runs next: no lookahead
+                return self._take_back(items)
             from_last = req in sampling
             if not self._can_run_ahead(req, from_last):
                 continue
@@ -101,8 +95,7 @@ class DecodeBuilder:
         return items
 
     def _speculating_next(self, current: list[Item]) -> bool:
-        """A verify step is in flight (the next token's position is unknown until it is
-        back), or some request would draft in the next step (speculative.py)."""
+        """A verify step is in flight, or some request would draft in the next step."""
         if any(it.drafts for it in current):
             return True
         decoding = [r for r in self.queues.running if not r.in_prefill]
@@ -110,8 +103,7 @@ class DecodeBuilder:
 
     def _can_run_ahead(self, req: Req, sampled_in_current: bool) -> bool:
         if not sampled_in_current:
-            # Its input is a token it already has (one position without KV), or it is not
-            # in a decode step at all.
+            # Its input is a token it already has, or it is not in a decode step at all.
             return req.kv_len == req.seq_len - 1
         # Its input is the token current samples. Its length stop is known now; a dirty
         # table row needs the full output ids, which the worker's row does not have yet.
@@ -129,14 +121,11 @@ class DecodeBuilder:
 
     # -- retraction -------------------------------------------------------------------
     def _retract_one(self, keep: Req) -> bool:
-        """Frees KV by sending back the running request that loses least (fewest tokens
-        decoded)."""
         victim = self._pick_victim(keep)
         if victim is None:
             return False
         grown = victim.kv_len - (victim.seq_len - 1)  # this step's slot (and its drafts')
         if not victim.in_prefill and grown > 0:
-            # It already got this step's slots: give them back before caching the rest.
             self.kv.shrink(victim, grown)
             victim.draft_slots = 0
         self.queues.retract(victim)
@@ -156,8 +145,7 @@ class DecodeBuilder:
         return True
 
     def _pick_victim(self, keep: Req) -> Req | None:
-        """A decoding request if there is one, else one in prefill; among them the fewest
-        tokens decoded (least work lost), then the longest prompt."""
+        """Decoding requests first, then fewest tokens decoded, then longest prompt."""
         running = self.queues.running
         victims = [r for r in running if r is not keep and not r.in_prefill]
         victims = victims or [r for r in running if r is not keep]

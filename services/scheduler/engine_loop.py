@@ -1,14 +1,7 @@
-"""The scheduler's main loop and its three states: serving, waiting for a worker, draining.
-
-    serving   --worker gone-->   waiting for a worker  --hello answered-->  serving
-       |        (every request fails UNAVAILABLE,        (tree, allocator and queues
-       |         readiness NOT_SERVING, new requests      rebuilt on the new worker's pool)
-       |         refused UNAVAILABLE at once)
-       +--SIGTERM-->  draining: NOT_SERVING, new requests refused, running ones go on for
-                      --shutdown-grace-period, then fail UNAVAILABLE; the loop ends.
-
-Liveness ("liveness" on the control port) stays SERVING throughout: a scheduler whose
-worker died is not itself broken, and restarting it would only lose the frontends' links.
+"""The scheduler's main loop and its three states: serving, waiting for a worker (requests
+fail UNAVAILABLE, state rebuilt on the new pool), draining (SIGTERM: running requests get
+--shutdown-grace-period). Liveness stays SERVING throughout: a scheduler whose worker
+died is not itself broken, and restarting it would only lose the frontends' links.
 """
 
 from __future__ import annotations
@@ -31,9 +24,7 @@ from services.scheduler.worker_link import WorkerLost
 
 log = logging.getLogger("radixserve.scheduler")
 IDLE_POLL_MS = 5
-# The idle engine recounts its whole tree (tens of ms per 10k cached tokens) only after
-# this long without work: a burst's requests arrive over a few hundred ms, and a recount
-# between two of them would delay the rest.
+# Idle this long before the whole-tree recount, so it never lands inside a burst.
 FULL_CHECK_IDLE_S = 1.0
 FRONTEND_DROPS = transport.DropLog("scheduler frontend socket")
 
@@ -54,7 +45,7 @@ class EngineLoop:
         self.drain_deadline: float | None = None  # set by SIGTERM
         self.health: HealthServicer | None = None
         self.health_names: list[str] = []
-        self.publisher: EventPublisher | None = None  # the tree's CacheEvents (main.py)
+        self.publisher: EventPublisher | None = None
 
     # ---- what the outside sees ----------------------------------------------------------
     def attach_health(self, health: HealthServicer, names: list[str]) -> None:
@@ -75,7 +66,6 @@ class EngineLoop:
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self, frontends: zmq.Socket) -> None:
-        """Serves until SIGTERM (``stop``) and the drain that follows are over."""
         last_work = time.monotonic()
         while not self._finished():
             if self.stop.is_set() and self.drain_deadline is None:
@@ -115,7 +105,7 @@ class EngineLoop:
 
     # ---- the worker going and coming back --------------------------------------------------
     def _stop_waiting(self) -> str:
-        """WorkerLink's question while it waits for a result: why it should stop waiting."""
+        """Why WorkerLink should stop waiting for a result ("": keep waiting)."""
         if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
             return "shutdown grace period over"
         return self.conn.lost()
@@ -165,8 +155,8 @@ class EngineLoop:
 
 
 def drain_frontends(sched: Scheduler, sock: zmq.Socket, timeout_ms: int, refuse: str = "") -> None:
-    """Takes every message waiting on the frontend socket (waits up to timeout_ms for the
-    first). With ``refuse``, new requests are answered UNAVAILABLE with it at once."""
+    """Takes every waiting frontend message (up to timeout_ms for the first). With
+    ``refuse``, new requests are answered UNAVAILABLE with it at once."""
     if not sock.poll(timeout_ms):
         return
     while True:

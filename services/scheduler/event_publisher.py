@@ -1,7 +1,5 @@
-"""The scheduler's PUB socket of CacheEvents (cache_events.py): one message per step that
-changed the tree or the load (running + waiting requests), a heartbeat with the current seq
-every HEARTBEAT_S, so a router notices a lost last message as a gap and asks for
-CacheSnapshot. Every message carries the load: routers see it a step after it changes."""
+"""The scheduler's PUB socket of CacheEvents: a message per step that changed the tree or
+the load, and a heartbeat every HEARTBEAT_S so a router notices a lost message as a gap."""
 
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ class EventPublisher:
         self._load = -1
 
     def publish(self, load: int) -> None:
-        """The step's changes; else the load if it changed, or a heartbeat when nothing was
-        sent for HEARTBEAT_S (both repeat the seq)."""
+        """The step's changes, else a changed load or a due heartbeat (same seq)."""
         msg = self.events.take()
         now = time.monotonic()
         if msg is None:

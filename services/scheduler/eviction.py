@@ -1,15 +1,8 @@
 """Eviction policies of the radix cache, and the heap of leaves they order.
 
-A policy only *scores* a cached leaf; the cache evicts the unlocked leaf with the smallest
-score first. A policy cannot pin a node: when nothing else is left, the highest-scored
-leaves go too; only locks protect.
-
-Scores are ints: a lexicographic pair (major, clock) is packed as major * CLOCK_SPAN +
-clock, so the heap compares plain ints (several times cheaper than tuples). Every score
-must be non-decreasing over a node's life (clocks and hit counts only grow, a priority is
-a running max): a heap entry older than the node's current score is then only ever too
-*small*, so a popped entry is re-scored and pushed back instead of being searched for in
-the heap (lazy invalidation, no whole-tree scan).
+A policy scores a leaf (smallest evicted first; only locks protect). Scores pack
+(major, clock) into one int, cheaper to compare than tuples, and must never decrease over
+a node's life: a stale heap entry is then only too small, so pop re-files it lazily.
 """
 
 from __future__ import annotations
@@ -24,12 +17,10 @@ _SEQ_SPAN = 1 << 48  # heap entries pack (score, sequence number) the same way
 
 
 class ScoredNode(Protocol):
-    """What a policy may read from a tree node (the cache keeps these up to date)."""
-
-    last_access: int  # logical clock of the last match/insert that reached the node
-    hit_count: int  # matches that reached the node
+    last_access: int  # logical clock
+    hit_count: int
     priority: int  # max priority of the requests that inserted or matched it
-    heap_seq: int  # sequence number of the node's live heap entry (-1: none)
+    heap_seq: int  # the node's live heap entry (-1: none)
 
 
 N = TypeVar("N", bound=ScoredNode)
@@ -44,7 +35,6 @@ class EvictionPolicy(ABC):
 
     @classmethod
     def create(cls, slru_protected_hits: int) -> EvictionPolicy:
-        """Builds the policy from the cache's options (most policies take none)."""
         return cls()
 
 
@@ -58,7 +48,7 @@ def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
 
 @register_policy
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first (logical clock, so a busy or idle machine evicts alike)."""
+    """Least recently used first."""
 
     name = "lru"
 
@@ -107,7 +97,6 @@ class PriorityPolicy(EvictionPolicy):
 
 
 def policy_names() -> list[str]:
-    """Registered policy names, sorted: the CLI's ``--radix-eviction-policy`` choices."""
     return sorted(_REGISTRY)
 
 
@@ -122,17 +111,12 @@ def make_policy(name: str, slru_protected_hits: int = 2) -> EvictionPolicy:
 
 
 class LeafHeap(Generic[N]):
-    """Candidate leaves (of node type N) ordered by score, invalidated lazily.
-
-    Entries are ints ``score * _SEQ_SPAN + seq``; ``seq`` finds the node in a dict. A node
-    has at most one live entry (its ``heap_seq``); re-pushing it orphans the older one,
-    which pop() then skips. Orphans are swept when they outnumber live entries.
-    """
+    """Candidate leaves ordered by score. Entries are ints ``score * _SEQ_SPAN + seq``; a
+    re-push orphans a node's older entry, which pop() skips (swept when they pile up)."""
 
     def __init__(self, score: Callable[[ScoredNode], int], seq_attr: str = "heap_seq"):
         self._score = score
-        # The node attribute holding its live entry's sequence number: a node may sit in two
-        # heaps (the device pool's and the host tier's), each with its own attribute.
+        # A node may sit in two heaps (device and host tier), each with its own attribute.
         self._attr = seq_attr
         self._heap: list[int] = []
         self._nodes: dict[int, N] = {}
@@ -159,7 +143,7 @@ class LeafHeap(Generic[N]):
         setattr(node, self._attr, -1)
 
     def pop(self, is_candidate: Callable[[N], bool]) -> N | None:
-        """The lowest-scored node that is still a candidate, or None when there is none."""
+        """The lowest-scored node that is still a candidate, or None."""
         heap, nodes = self._heap, self._nodes
         while heap:
             score, seq = divmod(heapq.heappop(heap), _SEQ_SPAN)

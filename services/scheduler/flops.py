@@ -1,9 +1,5 @@
-"""Estimated FLOPs and bytes of a forward batch, from the model's shape alone.
-
-Per computed token: 2 FLOPs per weight of every linear layer (attention projections and
-MLP), plus the attention term that grows with context (QK^T and PV: 4 x heads x head_dim
-x context per layer), plus the LM head for tokens that are sampled. Cached tokens cost
-nothing: only (start, n) of each request's new tokens is counted.
+"""Estimated FLOPs and bytes of a forward batch, from the model's shape alone: 2 per weight
+per token, the attention term growing with context, the LM head for sampled tokens.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Constrained requests wait for their grammar before they take any KV.
 
-The worker compiles grammars (xgrammar lives there, beside the sampler: this process has
-no torch). A constrained request arrives -> the next batch sent to the worker asks for its
-grammar (``ForwardBatch.grammars``) -> it stays in the waiting queue, skipped by admission
-(``Req.grammar_wait``), until a ForwardResult reports it settled: ready (admitted like any
-request from then on) or refused (it ends with the compiler's message as INVALID_ARGUMENT,
-or DEADLINE_EXCEEDED past --grammar-compile-timeout). The running requests' batches go on
-meanwhile; with nothing else to run, the scheduler sends batches that only wait on
-grammars (the worker answers each when a grammar settles or after ~20 ms).
+The worker compiles grammars (this process has no torch): the next batch asks for it, and
+the request is skipped by admission (``Req.grammar_wait``) until a result settles it.
 """
 
 from __future__ import annotations
@@ -22,13 +16,11 @@ class GrammarGate:
         self._compiling: dict[str, Req] = {}  # asked, not settled, by rid
 
     def add(self, req: Req) -> None:
-        """A new request: constrained ones wait for their grammar."""
         if req.sampling.HasField("constraint"):
             req.grammar_wait = True
             self._unsent.append(req)
 
     def waiting(self) -> bool:
-        """Whether some request still waits on its grammar (the worker has to be asked)."""
         return bool(self._unsent or self._compiling)
 
     def num_waiting(self) -> int:
@@ -36,7 +28,7 @@ class GrammarGate:
         return len(self._unsent) + len(self._compiling)
 
     def take_requests(self) -> list[engine_pb2.GrammarCompile]:
-        """The compiles for the next batch to carry (each asked for once)."""
+        """The compiles for the next batch (each asked for once)."""
         out = []
         for req in self._unsent:
             if not req.finished:

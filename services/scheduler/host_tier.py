@@ -1,19 +1,9 @@
 """The host-memory tier behind the device KV pool (hierarchical cache): slot numbers only.
 
-A tree node's KV may sit in the device pool (``node.value``), in the host tier
-(``node.host``), or both. Evicting a node from the device copies it to the host tier
-instead of dropping it (unless a host copy already exists); a later match loads it back
-into fresh device slots. The worker does the copies: each one the tree decides is queued
-here and rides on the next ForwardBatch, which the worker runs before that batch's
-forward, in order. So a slot freed by a demotion may be handed out at once (whatever
-writes it next runs after the copy), and loaded KV is readable by the same batch.
-
-    device residency is prefix-closed (a node on the device has its parent there too):
-    anchor -- [A dev+host] -- [B dev] -- [C host] -- [D host]
-                                  \\-- [E dev]
-    device eviction: leaves of the device part (B has C below it, but C is host-only)
-    host eviction: nodes with a host copy and no child with one (D, then C); a host-only
-    node leaves the tree with its copy, a resident one keeps its device slots
+Device eviction copies a node to the host tier; a later match loads it back. Copies ride
+on the next ForwardBatch and run before its forward, in order, so a demoted slot may be
+reused at once. Device residency is prefix-closed (a node on the device has its parent
+there too).
 """
 
 from __future__ import annotations
@@ -49,10 +39,10 @@ class Copy:
 
 @dataclass
 class TierCounters:
-    """Tokens moved, cumulative (Prometheus counters read the differences)."""
+    """Tokens moved, cumulative."""
 
     demoted: int = 0  # device -> host copies
-    loaded: int = 0  # host -> device copies (cache hits served from the host tier)
+    loaded: int = 0  # host -> device copies
     dropped: int = 0  # host copies evicted for good
 
 
@@ -88,6 +78,5 @@ class HostTier:
             self.counters.loaded += len(src)
 
     def take_copies(self) -> list[Copy]:
-        """The copies for the next batch to carry, in the order they were decided."""
         out, self.copies = self.copies, []
         return out

@@ -1,8 +1,7 @@
 """Request-level KV bookkeeping: the allocator and the radix cache seen through one request.
 
-The scheduler never touches slots directly; it asks this manager to match a request's
-prefix, grow its KV, hand finished KV to the tree and give back what the tree did not
-keep. Every slot stays in exactly one place (allocator, tree, or one request).
+The scheduler never touches slots directly. Every slot stays in exactly one place
+(allocator, tree, or one request).
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ class KVManager:
         storage: StorageTier | None = None,
         events: TreeEvents | None = None,
     ) -> KVManager:
-        """The allocator and cache for a worker whose KV pool has pool_slots slots (and
-        whose host tier host_slots, and storage tier ``storage``: the hierarchical cache)."""
+        """The allocator and cache for a worker pool of pool_slots slots (and host tier)."""
         allocator = KVSlotAllocator(usable_slots(pool_slots, cfg.page_size), cfg.page_size)
         cache = create_prefix_cache(
             allocator,
@@ -52,7 +50,6 @@ class KVManager:
         return cls(allocator, cache)
 
     def take_copies(self) -> list:
-        """Copies between the device pool and the host tier for the next batch to carry."""
         return self.cache.take_copies()
 
     def has_copies(self) -> bool:
@@ -65,24 +62,21 @@ class KVManager:
 
     @property
     def available(self) -> int:
-        """Slots a new allocation can get: free now, or freed by evicting unlocked cache."""
+        """Free slots plus those evicting unlocked cache would free."""
         return self.allocator.num_free + self.cache.size_info().evictable
 
     @property
     def used(self) -> int:
-        """Slots neither free nor evictable: held by requests or locked in the tree."""
         return self.total - self.allocator.num_free - self.cache.size_info().evictable
 
     @property
     def usage(self) -> float:
-        """The share of the pool in use (the per-batch log's "token usage")."""
         return self.used / max(1, self.total)
 
     def held_by_requests(self) -> int:
         return sum(self._held.values())
 
     def _own_pages_slots(self, req: Req) -> int:
-        """Slots the request holds outside the tree, counted in whole pages."""
         own = req.kv_len - req.locked_len
         ps = self.page_size
         return -(-own // ps) * ps if ps > 1 else own
@@ -96,8 +90,7 @@ class KVManager:
 
     # -- request lifecycle ------------------------------------------------------------
     def match(self, req: Req, limit: int | None = None) -> int:
-        """Locks the longest cached prefix of the request (never its last token, nor more
-        than ``limit`` tokens); returns its length."""
+        """Locks the longest cached prefix (at most ``limit``); returns its length."""
         ids = req.fill_ids if limit is None else req.fill_ids[: limit + 1]
         m = self.cache.match_prompt(ids, req.namespace, req.priority)
         self.cache.lock(m.node)
@@ -108,7 +101,6 @@ class KVManager:
         return req.locked_len
 
     def unmatch(self, req: Req) -> None:
-        """Undoes match() for a request that could not be scheduled after all."""
         self.cache.unlock(req.node)
         req.node, req.kv_slots, req.locked_len = None, [], 0
 
@@ -116,7 +108,7 @@ class KVManager:
         return self.allocator.slots_needed(n, req.kv_len)
 
     def grow(self, req: Req, n: int) -> list[int] | None:
-        """n more KV slots for the request, evicting cache if needed; None if impossible."""
+        """n more KV slots, evicting cache if needed; None if impossible."""
         need = self.slots_needed(req, n)
         if need > self.allocator.num_free:
             self.cache.evict(need - self.allocator.num_free)
@@ -132,7 +124,7 @@ class KVManager:
         """Gives back the last n slots grown for the request (a batch that was not sent)."""
         keep = req.kv_len - n
         ps = self.page_size
-        # Free whole pages only: those that start at or after the first page not kept.
+        # Free whole pages only.
         first_free = -(-keep // ps) * ps if ps > 1 else keep
         gone = req.kv_slots[max(first_free, req.locked_len) :]
         if gone:
@@ -141,15 +133,10 @@ class KVManager:
         self._sync_held(req)
 
     def commit(self, req: Req, n: int | None = None) -> bool:
-        """Inserts the KV of the request's first n positions (default: all it has) into the
-        tree and re-locks the deeper node. Slots beyond n (a step already queued) stay its own.
-
-        Returns True when the tree already held some of those tokens under other slots:
-        the request now reads the tree's slots, so the worker's table row must be rewritten.
-        """
+        """Inserts the KV of the first n positions (default: all) and re-locks. True when the
+        tree held some under other slots: the worker's table row must be rewritten."""
         n = req.kv_len if n is None else n
-        # start: req.node is the locked match of fill_ids' first locked_len tokens, so the
-        # insert resumes there instead of comparing that prefix again.
+        # req.node is the locked match of the first locked_len tokens: resume there.
         kv = req.kv_slots if n == req.kv_len else req.kv_slots[:n]  # insert only reads it
         res = self.cache.insert_prefix(
             req.fill_ids[:n], kv, req.namespace, req.priority, start=req.node
@@ -157,8 +144,7 @@ class KVManager:
         dup = req.kv_slots[req.locked_len : res.prefix_len]
         if dup:
             self.allocator.free(dup)
-        # The insert's node ends at the last whole page of the n tokens: a match of them
-        # would land there, so its path gives the tree's slots without a second walk.
+        # A match of the n tokens would land on the insert's node: no second walk.
         node = res.node
         slots = self.cache.path_slots(node)
         self.cache.lock(node)
@@ -172,8 +158,7 @@ class KVManager:
         return changed
 
     def release(self, req: Req, cache_it: bool = True) -> None:
-        """The request leaves the running set: its KV goes to the tree (or back to the
-        allocator)."""
+        """Its KV goes to the tree (cache_it) or back to the allocator."""
         if req.node is None:
             return
         if cache_it and req.kv_len > req.locked_len:
@@ -187,8 +172,7 @@ class KVManager:
         self._held.pop(req.rid, None)
 
     def check(self) -> None:
-        """Slot invariant (raises SlotLeakError naming the four counts) plus the tree's own
-        check."""
+        """Slot invariant (raises SlotLeakError) plus the tree's own check."""
         self.cache.check_integrity()
         check_slot_integrity(self.allocator, self.cache, self.held_by_requests())
 
@@ -197,11 +181,7 @@ class KVManager:
 
 
 def usable_slots(pool_slots: int, page_size: int) -> int:
-    """Slots the allocator may hand out so that none exceeds the worker's pool (1..pool_slots).
-
-    With pages, page 0 (which holds padding slot 0) is reserved and only whole pages that
-    end at or before slot pool_slots count.
-    """
+    """Slots within the worker's pool (1..pool_slots) in whole pages, page 0 reserved."""
     if page_size == 1:
         return pool_slots
     return max(0, (pool_slots + 1) // page_size - 1) * page_size

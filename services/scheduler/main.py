@@ -1,6 +1,5 @@
 """The scheduler process: connects to its worker, serves frontends over ZeroMQ and control
-over gRPC. The loop and its states (serving, waiting for a worker, draining) are in
-engine_loop.py; the worker connection and how its death is noticed in worker_conn.py."""
+over gRPC (the loop: engine_loop.py)."""
 
 from __future__ import annotations
 
@@ -54,17 +53,14 @@ class ControlServicer(engine_pb2_grpc.SchedulerControlServicer):
         return self.sched.call(lambda: self.sched.flush_cache(request.storage))
 
     def GetStats(self, request, context):
-        # The frontends' health check. No worker: route around this engine until one is
-        # back (its requests have failed). Draining: send it nothing new, but let what runs
-        # there finish (services/frontend/engine_replica.py reads the DRAINING prefix).
+        # The frontends' health check; engine_replica.py reads the DRAINING prefix.
         if why := self.loop.worker_down:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has no worker ({why})")
         if self.loop.drain_deadline is not None:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{DRAINING}: the engine is shutting down"
             )
-        # The snapshot of the last step: answers even while a long batch runs, so the
-        # frontend's health check never mistakes a busy engine for a dead one.
+        # The last step's snapshot: a long batch never makes a busy engine look dead.
         return self.sched.snapshot
 
     def CacheSnapshot(self, request, context):
@@ -102,9 +98,8 @@ def start_control_server(
     token: str = "",
     tls: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int]:
-    """``token``: what every control call must carry as ``authorization: Bearer`` (health
-    excepted; services/common/curve.py); empty: nothing. ``tls``: the port's TLS (None:
-    plaintext)."""
+    """``token``: the Bearer every control call but health must carry (empty: none).
+    ``tls``: None for plaintext."""
     # The token is checked first: nothing from a caller without it is parsed.
     bearer = [BearerInterceptor(MethodKeys(token))] if token else []
     interceptors = [*bearer, ParseControlRequests()]

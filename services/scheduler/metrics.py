@@ -1,8 +1,5 @@
 """Prometheus metrics of the scheduler: cache hits, token counters, pool gauges, FLOPs.
-
-Names carry the ``radixserve:`` prefix and SGLang's suffixes so its dashboards port over.
-Counters are cumulative, so ``cached_tokens_total / prompt_tokens_total`` is a stable hit
-rate; ``cache_hit_rate`` is the last prefill batch's, as in SGLang.
+Names carry SGLang's suffixes so its dashboards port over.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ P = "radixserve:"
 
 
 class _Declare:
-    """Declares metrics in one registry, every one labelled with model name and engine."""
+    """Declares metrics in one registry, labelled with model name and engine."""
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self.registry, self.labels, self.names = registry, labels, list(labels)
@@ -91,9 +88,7 @@ class SchedulerMetrics:
         )
         for reason in ("overloaded", "queue_time"):
             self.refused.labels(**self.labels, reason=reason)
-        # Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens,
-        # mean accepted length per verify = accepted / drafts, and tokens per verify step
-        # (SGLang's accept length) = 1 + accepted / drafts.
+        # Speculative decoding, vLLM's names (acceptance rate = accepted / draft tokens).
         self.spec_drafts = d.labelled_counter(
             "spec_decode_num_drafts", "Request steps that verified drafts (speculative decoding)"
         )
@@ -121,7 +116,6 @@ class SchedulerMetrics:
         self.used = d.gauge("kv_used_tokens", "KV slots held by running requests")
         self.max_total = d.gauge("max_total_num_tokens", "KV pool size in tokens")
         self.page_size = d.gauge("page_size", "Radix cache page size")
-        # The hierarchical cache's host tier (zeros without one).
         self.host_total = d.gauge("hicache_host_total_tokens", "Host tier size in tokens")
         self.host_used = d.gauge("hicache_host_used_tokens", "Host tier tokens holding KV")
         self.host_moved = d.counter(
@@ -172,7 +166,6 @@ class SchedulerMetrics:
             self.refused.labels(**self.labels, reason=reason).inc()
 
     def on_verify(self, drafted: int, accepted: int) -> None:
-        """One request's verify step: ``accepted`` of its ``drafted`` tokens were right."""
         if self.enabled:
             self.spec_drafts.inc()
             self.spec_draft_tokens.inc(drafted)

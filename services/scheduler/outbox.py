@@ -54,7 +54,6 @@ class Outbox:
         self._pending.setdefault(req.identity, []).append(delta_of(req))
 
     def take(self) -> dict[bytes, list[engine_pb2.TokenDelta]]:
-        """Everything collected so far, by frontend identity (the outbox is emptied)."""
         pending, self._pending = self._pending, {}
         return pending
 

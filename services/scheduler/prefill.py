@@ -1,9 +1,6 @@
-"""Prefill batches: the next chunk of each running prefill, then newly admitted requests.
-
-A batch is bounded by ``--max-prefill-tokens`` (the budget) and each request's share by
-``--chunked-prefill-size``; a long prompt runs as several chunks, one per batch, and stays
-in the running set in between. Admission also keeps room for the tokens the running
-requests are still expected to produce (the new-token ratio below).
+"""Prefill batches: the next chunk of each running prefill, then newly admitted requests,
+within ``--max-prefill-tokens`` (per request ``--chunked-prefill-size``). Admission keeps
+room for the tokens running requests are expected to produce (the new-token ratio).
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ NO_CHUNKING = 1 << 30
 
 
 class NewTokenRatio:
-    """The share of remaining max_tokens that admission reserves: raised by a retraction
-    (admission was too optimistic), lowered a little by every decode step."""
+    """Raised by a retraction (too optimistic), lowered a little by every decode step."""
 
     def __init__(self) -> None:
         self.value = INIT_NEW_TOKEN_RATIO
@@ -50,18 +46,13 @@ class NewTokenRatio:
         self.value = max(MIN_NEW_TOKEN_RATIO, self.value - NEW_TOKEN_RATIO_DECAY)
 
 
-# --max-prefill-tokens 0: by the worker's device. A batch's first tokens leave when all of
-# it is computed: 8 x 1,000-token prompts in one batch of 8,192 took 30-38 s on the 2-core
-# CPU with the Qwen2-0.5B shape, and none of the 8 saw a token before the end (vLLM, in
-# 2,048-token steps: time to first token p50 19-21 s, the same wall time). A CPU worker
-# computes a large batch in groups of ~2,048 rows anyway (CPU_EXTEND_ROWS,
-# services/worker/models/llama.py), so batches of that size cost it nothing.
+# --max-prefill-tokens 0: by device. No request in a batch sees a token before all of it
+# is computed, and a CPU worker computes in groups of ~2,048 rows anyway (CPU_EXTEND_ROWS).
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 CPU_MAX_PREFILL_TOKENS = 2048
 
 
 def max_prefill_tokens(setting: int, device: str) -> int:
-    """New tokens of one prefill batch at most: the setting, or by device when it is 0."""
     if setting > 0:
         return setting
     return CPU_MAX_PREFILL_TOKENS if device == "cpu" else DEFAULT_MAX_PREFILL_TOKENS
@@ -83,13 +74,11 @@ class PrefillBuilder:
 
     @property
     def chunk(self) -> int:
-        """The most tokens of one request in one batch (--chunked-prefill-size)."""
         size = self.cfg.chunked_prefill_size
         return size if size > 0 else NO_CHUNKING
 
     def build(self, budget: int | None = None) -> list[Item]:
-        """The next prefill batch of at most ``budget`` new tokens (default
-        --max-prefill-tokens): [] when no chunk is due and no waiting request fits."""
+        """At most ``budget`` new tokens (default max_prefill); [] when nothing is due."""
         budget = self.max_prefill if budget is None else budget
         items = self._next_chunks(budget)
         budget -= sum(it.n for it in items)
@@ -100,7 +89,6 @@ class PrefillBuilder:
         return items
 
     def _next_chunks(self, budget: int) -> list[Item]:
-        """The next chunk of every running request whose prompt is not all computed."""
         items: list[Item] = []
         for req in self.queues.running:
             if req.in_prefill and budget > 0:
@@ -128,7 +116,7 @@ class PrefillBuilder:
                 continue
             item = self._admit_one(req, budget, reserved)
             if item is None:
-                break  # the head of the order does not fit: nothing behind it jumps ahead
+                break  # nothing behind the head of the order jumps ahead
             admitted.append(req)
             items.append(item)
             budget -= item.n
@@ -136,10 +124,8 @@ class PrefillBuilder:
         return admitted
 
     def _ask_storage(self, req: Req) -> bool:
-        """A request about to be admitted whose prompt runs past the tree first asks the
-        storage tier for its pages (once): True when it now waits for them. Asked here, not
-        at arrival, so a burst does not fill the host tier with pages of requests that
-        will wait long, evicting each other's before they are used."""
+        """Asks storage once for the pages past the tree: True when the request now waits.
+        Asked at admission, not arrival, so a burst does not thrash the host tier."""
         if req.storage_asked or prompt_logprobs.match_limit(req) is not None:
             return False
         req.storage_asked = True
@@ -147,9 +133,7 @@ class PrefillBuilder:
         return req.storage_wait
 
     def _admit_one(self, req: Req, budget: int, reserved: float) -> Item | None:
-        """Matches, locks and grows the request's first chunk; None (all undone) if the
-        pool cannot hold it beside what the running requests are expected to need."""
-        # Prompt logprobs need the logits of every position they score: no cache there.
+        """Matches, locks and grows the first chunk; None (all undone) if it does not fit."""
         matched = self.kv.match(req, prompt_logprobs.match_limit(req))
         todo = req.seq_len - matched
         need = todo + req.remaining_new_tokens * self.ratio.value
@@ -158,7 +142,7 @@ class PrefillBuilder:
             self.kv.unmatch(req)
             return None
         self.queues.assign_row(req)
-        if req.cached_tokens < 0:  # its first admission (not a retracted one coming back)
+        if req.cached_tokens < 0:  # its first admission
             req.cached_tokens = matched
             loaded = min(self.kv.cache.last_loaded, matched)
             req.cached_storage_tokens = min(req.storage_tokens, loaded)
@@ -169,7 +153,6 @@ class PrefillBuilder:
         return Item.prefill(req, n)
 
     def _ordered_waiting(self) -> list[Req]:
-        # A request whose grammar is still compiling takes no KV yet (grammar_gate.py).
         waiting = [r for r in self.queues.waiting if not (r.grammar_wait or r.storage_wait)]
         return schedule_policy.order(self.cfg.schedule_policy, waiting, self.kv.cache)
 

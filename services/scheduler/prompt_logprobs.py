@@ -1,18 +1,6 @@
-"""Prompt logprobs (SamplingParams.prompt_logprobs): which prompt positions the worker
-scores in each prefill chunk, how far the radix cache may match, and stitching the
-worker's answers across chunks and retractions into one list for the frontend.
-
-    prompt p[0 .. n-1]; asked from s = max(prompt_logprobs_start, 1) (p[0] has no logit)
-    entry k           logprob of p[s + k] under the logits at position s + k - 1
-    next              s + (entries collected so far): the next position to score
-    cache match       at most next - 1 tokens: a cached position has no logits, so the
-                      logits of every position still to score come from this request
-    chunk [a, a + m)  its new token a + r (row r) predicts p[a + r + 1]; the chunk scores
-                      p[q] for q in [max(next, a + 1), min(a + m + 1, n))
-
-The whole prompt is still inserted into the tree after the prefill (only the match is
-limited), so a later request hits it. The list goes out once, complete, on the first
-delta after the prefill (the one with the first token, or the only one with max_tokens 0).
+"""Prompt logprobs: which prompt positions the worker scores in each prefill chunk, how
+far the cache may match (a cached position has no logits), and one list stitched across
+chunks and retractions, sent once complete. Entry k scores p[s + k], s >= 1.
 """
 
 from __future__ import annotations
@@ -24,7 +12,7 @@ from services.scheduler.request import Req
 
 
 def first_position(req: Req) -> int:
-    """s: the first prompt position scored (position 0 has nothing before it)."""
+    """s: the first prompt position scored."""
     sp = req.sampling
     return max(sp.prompt_logprobs_start if sp.HasField("prompt_logprobs_start") else 0, 1)
 
@@ -34,7 +22,6 @@ def next_position(req: Req) -> int:
 
 
 def pending(req: Req) -> bool:
-    """Asked for, and some prompt position is not scored yet."""
     if req.prompt_logprobs_done:
         return False
     return next_position(req) < len(req.input_ids)
@@ -46,8 +33,8 @@ def match_limit(req: Req) -> int | None:
 
 
 def targets(req: Req, start: int, n: int) -> tuple[int, list[int]]:
-    """For the chunk of new tokens [start, start + n): the first row to score and the
-    prompt token each scored row predicts (empty when none)."""
+    """For the chunk [start, start + n): the first row to score and the prompt token each
+    scored row predicts (empty when none)."""
     if not pending(req):
         return 0, []
     lo = max(next_position(req), start + 1)
@@ -58,13 +45,11 @@ def targets(req: Req, start: int, n: int) -> tuple[int, list[int]]:
 
 
 def collect(req: Req, logprobs: list[engine_pb2.TokenLogprob]) -> None:
-    """A chunk's scores, in order (the chunks of a request come back in the order sent)."""
     if logprobs and pending(req):
         req.prompt_logprobs.extend(logprobs)
 
 
 def fill_delta(req: Req, delta: engine_pb2.TokenDelta) -> None:
-    """Puts the whole list on the delta once, when complete (an abort mid-prefill sends none)."""
     if req.prompt_logprobs_done or pending(req):
         return
     delta.prompt_logprobs.extend(req.prompt_logprobs)
@@ -74,7 +59,6 @@ def fill_delta(req: Req, delta: engine_pb2.TokenDelta) -> None:
 
 
 def fill_request(fr: engine_pb2.ForwardRequest, it: Item) -> None:
-    """The rows of a prefill chunk the worker scores (none when the request asks none)."""
     row, scored = targets(it.req, it.start, it.n)
     if scored:
         fr.prompt_logprob_row = row

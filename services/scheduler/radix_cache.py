@@ -1,21 +1,10 @@
 """The radix tree of cached KV: token runs -> KV slot numbers (RadixAttention).
 
-Each node holds a run of token ids (``key``) and the KV slots of those tokens (``value``);
-its children are filed under their first token (page_size 1) or their first page (a tuple
-of page_size tokens), so only whole pages are ever cached when page_size > 1.
-
-    root
-     +- anchor ""            one child of the root per namespace (cache salt, adapter id):
-     |   +- [P ...] -------- sequences under different namespaces never share a node
-     |   |   +- [q1 ...]     A = P + q1
-     |   |   +- [q2 ...]     B = P + q2
-     +- anchor "adapter-7"
-         +- ...
-
-Requests lock the path from their node up to the anchor (reference counts); the tree keeps
-the evictable (unlocked) and protected (locked) token counts incrementally. Unlocked leaves
-wait in a heap keyed by the eviction policy's score; entries are invalidated lazily (see
-eviction.py), so ``evict`` never scans the tree.
+A node holds a run of tokens (``key``) and their slots (``value``); children are filed
+under their first token, or first page when page_size > 1 (only whole pages are cached).
+The root has one anchor child per namespace, so namespaces never share a node. Requests
+lock paths (reference counts); evictable and protected counts are kept incrementally,
+and unlocked leaves wait in a lazily invalidated heap (eviction.py): evict never scans.
 """
 
 from __future__ import annotations
@@ -80,22 +69,21 @@ class TreeNode:
     def __init__(
         self, key: Tokens, value: list[int], parent: TreeNode | None, anchor: bool = False
     ):
-        self.key = key  # token ids of this run (an int32 array: see tokens.py)
+        self.key = key  # an int32 array (tokens.py)
         self.value = value  # their KV slots, same length
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent  # None once evicted (or for the root)
         self.lock_ref = 0  # in-flight requests whose path runs through here
-        self.last_access = 0  # logical clock (policy input)
-        self.hit_count = 0  # matches that reached this node (policy input)
-        self.priority = 0  # max priority of requests that used it (policy input)
-        self.heap_seq = -1  # sequence number of this node's live heap entry
+        self.last_access = 0  # logical clock; this and the next two feed the policy
+        self.hit_count = 0
+        self.priority = 0  # max priority of requests that used it
+        self.heap_seq = -1
         self.anchor = anchor  # the root or a namespace root: holds no tokens
-        # Host-tier slots of the same tokens (host_tier.py), or None. With a host copy,
-        # ``value`` may be empty: the node's KV is then in the host tier only.
+        # Host-tier slots of the same tokens, or None; ``value`` empty: host-only.
         self.host: list[int] | None = None
-        self.host_seq = -1  # this node's live entry in the host tier's heap
+        self.host_seq = -1
         self.stored = False  # the storage tier has the pages that end inside this node
-        # (end offset, key) of the routers' blocks that end inside this node (cache_events.py).
+        # (end offset, key) of the routers' blocks ending inside this node (cache_events.py).
         self.blocks: Sequence[tuple[int, bytes]] = ()
 
     def __repr__(self) -> str:
@@ -121,9 +109,9 @@ class BasePrefixCache(ABC):
     page_size: int
     root: TreeNode
     last_loaded: int = 0  # tokens the last (non-peek) match loaded from the host tier
-    host: HostTier | None = None  # the hierarchical cache's tiers behind the device pool
+    host: HostTier | None = None
     storage: StorageTier | None = None
-    events: TreeEvents | None = None  # the routers' view of the tree (cache_events.py)
+    events: TreeEvents | None = None
 
     def match_prefix(
         self,
@@ -133,8 +121,7 @@ class BasePrefixCache(ABC):
         *,
         peek: bool = False,
     ) -> MatchResult:
-        """Longest cached prefix (whole pages only); counts a hit for the eviction policy
-        unless ``peek`` (e.g. ordering the waiting queue is not a use of the cache)."""
+        """Longest cached prefix (whole pages only); with ``peek`` not counted as a use."""
         tokens = as_tokens(tokens)
         return self._match(tokens, len(tokens), namespace, priority, peek)
 
@@ -162,20 +149,15 @@ class BasePrefixCache(ABC):
         """Caches tokens -> slots (whole pages only). Slots at positions [0, prefix_len) were
         already cached: the caller frees those it owns, and any tail beyond the whole pages.
 
-        ``start``: a node whose path (from the namespace's anchor) is ``tokens[:k]``, such
-        as the node the caller matched these tokens to and still holds locked. The walk
-        resumes there instead of re-comparing those k tokens; why: they are the request's
-        cached prefix, most of a shared-prefix request, and comparing them again was the
-        largest part of an insert. The caller guarantees the tokens; the result is the same
-        as without ``start``. Ignored when k exceeds the whole pages of ``tokens``."""
+        ``start``: a node whose path is ``tokens[:k]`` (the caller guarantees it), where the
+        walk resumes instead of re-comparing the cached prefix; same result as without."""
         tokens, slots = as_tokens(tokens), _as_list(slots)
         if len(tokens) != len(slots):
             raise ValueError(f"insert_prefix: {len(tokens)} tokens but {len(slots)} slots")
         return self._insert(tokens, slots, namespace, priority, start)
 
     def path_slots(self, node: TreeNode) -> list[int]:
-        """The KV slots of node's path from its anchor: what a match ending at node returns
-        (e.g. at the node an insert returned, without matching the tokens again)."""
+        """The KV slots of node's path from its anchor: what a match ending at node returns."""
         parts: list[list[int]] = []
         while not node.anchor:
             parts.append(node.value)
@@ -203,12 +185,11 @@ class BasePrefixCache(ABC):
         priority: int,
         start: TreeNode | None,
     ) -> InsertResult:
-        """insert_prefix once its arguments are a token array and a slot list of one length."""
+        """insert_prefix with a token array and a slot list of one length."""
 
     @abstractmethod
     def lock(self, node: TreeNode) -> None:
-        """Locks the path from node up to the root against eviction; counted, so each lock
-        needs one unlock. The root (a match of nothing) is a no-op."""
+        """Locks node's path against eviction; counted (one unlock each); root: no-op."""
 
     @abstractmethod
     def unlock(self, node: TreeNode) -> None:
@@ -219,13 +200,11 @@ class BasePrefixCache(ABC):
         """Frees at least n tokens' slots to the allocator when possible; returns how many."""
 
     def take_copies(self) -> list:
-        """KV copies between tiers decided since the last call (host_tier.Copy), for the
-        next batch to carry; none without a host tier."""
+        """KV copies between tiers decided since the last call, for the next batch."""
         return []
 
     def ask_storage(self, prompt: Sequence[int], namespace: str, req: object = None) -> bool:
-        """Queues a load from the storage tier of what prompt needs past the tree; False
-        when there is nothing to ask (no storage tier)."""
+        """Queues a storage load of what prompt needs past the tree; False if none."""
         return False
 
     def storage_answer(self, load_id: int, pages: int) -> object:
@@ -270,9 +249,7 @@ class RadixCache(BasePrefixCache):
         self._evictable = 0
         self._protected = 0
         self._clock = 0
-        # Unlocked leaves: the eviction candidates.
         self._leaves: LeafHeap[TreeNode] = LeafHeap(self.policy.score)
-        # The host tier behind the pool (None: evicted KV is dropped, as without HiCache).
         self.host = (
             HostTier.create(host_slots, page_size, self.policy, write_policy)
             if host_slots > 0
@@ -284,7 +261,7 @@ class RadixCache(BasePrefixCache):
                 f"({storage.page_tokens} tokens) must be whole KV pages of {page_size}"
             )
         self.storage = storage
-        self.events = events  # what the routers are told (None: nothing is published)
+        self.events = events
 
     # -- match ------------------------------------------------------------------------
     def _match(
@@ -320,8 +297,7 @@ class RadixCache(BasePrefixCache):
         self, node: TreeNode, tokens: Tokens, end: int, pos: int = 0
     ) -> tuple[TreeNode, int, list[TreeNode]]:
         """Follows tokens[pos:end] down from node (whose path is tokens[:pos]), splitting
-        where the match ends inside a node. Returns the last matched node, the matched
-        length (from 0) and the matched path below node."""
+        where the match ends inside a node: (last node, matched length, path below node)."""
         ps = self.page_size
         path: list[TreeNode] = []
         while pos < end:
@@ -331,7 +307,7 @@ class RadixCache(BasePrefixCache):
             n = common_prefix_len(child.key, tokens, pos, end)
             if ps > 1:
                 n -= n % ps
-            if n < len(child.key):  # the match ends inside child: cut it there and stop
+            if n < len(child.key):
                 child = self._split(child, n)
                 path.append(child)
                 return child, pos + n, path
@@ -341,8 +317,7 @@ class RadixCache(BasePrefixCache):
         return node, pos, path
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Cuts child after n tokens: a new parent takes the first n, child keeps the rest.
-        The child object survives (requests may hold it); the parent inherits its stats."""
+        """A new parent takes child's first n tokens; child survives (requests hold it)."""
         parent = child.parent
         assert parent is not None
         new = TreeNode(child.key[:n], child.value[:n], parent)
@@ -405,8 +380,7 @@ class RadixCache(BasePrefixCache):
         return InsertResult(known, node)
 
     def _path_len(self, node: TreeNode, anchor: TreeNode) -> int:
-        """Tokens on the path from anchor down to node. Raises if node left the tree or
-        lies under another anchor (another namespace)."""
+        """Tokens from anchor down to node; raises if node is not in anchor's subtree."""
         depth, n = 0, self._lockable(node)
         while n is not None and not n.anchor:
             depth += len(n.key)
@@ -416,7 +390,6 @@ class RadixCache(BasePrefixCache):
         return depth
 
     def _touch_path(self, node: TreeNode | None, priority: int) -> None:
-        """Stamps the path from node up to its anchor as an insert's walk would have."""
         clock = self._clock
         while node is not None and not node.anchor:
             node.last_access = clock
@@ -473,8 +446,7 @@ class RadixCache(BasePrefixCache):
 
     @staticmethod
     def _lockable(node: TreeNode) -> TreeNode | None:
-        """node, or None for an anchor: the root or a namespace root holds nothing, so a
-        lock of "no match" needs no special case. Raises if node left the tree."""
+        """node, or None for an anchor (holds nothing); raises if node left the tree."""
         if node.anchor:
             return None
         if node.parent is None:
@@ -485,11 +457,8 @@ class RadixCache(BasePrefixCache):
     def evict(self, n: int) -> int:
         if n < 0:
             raise ValueError(f"evict: cannot free a negative number of tokens ({n})")
-        # Values are whole pages of consecutive slots, so one slot per page names the page
-        # for the allocator (16x less work at page_size 16).
+        # Values are whole pages, so one slot per page names the page for the allocator.
         step = self.page_size
-        # The evicted values themselves (no copy): one leaf is the common case, and its
-        # value goes to the allocator as is; several are joined once.
         freed: list[list[int]] = []
         count = 0
         is_leaf = _is_evictable_leaf if self.host is None else _is_device_leaf
@@ -525,14 +494,13 @@ class RadixCache(BasePrefixCache):
             if parent.lock_ref == 0:
                 self._file_tiered(parent)
         elif not parent.children and parent.lock_ref == 0:
-            self._leaves.push(parent)  # the parent is a leaf now: it becomes a candidate
+            self._leaves.push(parent)
 
     # -- the host tier (host_tier.py) -------------------------------------------------
     def take_copies(self) -> list:
         return self.host.take_copies() if self.host is not None else []
 
     def _file_tiered(self, n: TreeNode) -> None:
-        """Files an unlocked node in the heaps whose candidate it may have become."""
         assert self.host is not None
         if n.value and not any(c.value for c in n.children.values()):
             self._leaves.push(n)
@@ -540,8 +508,7 @@ class RadixCache(BasePrefixCache):
             self.host.heap.push(n)
 
     def _resident(self, path: list[TreeNode], load: bool) -> list[TreeNode]:
-        """The matched path's device part, after loading (``load``) as much of its host-only
-        part as fresh device slots can be found for: their copies ride on the next batch."""
+        """The path's device part, after loading (``load``) what of its host part fits."""
         k = next((i for i, n in enumerate(path) if not n.value), len(path))
         if k == len(path) or not load:
             return path[:k]
@@ -565,9 +532,8 @@ class RadixCache(BasePrefixCache):
         return path[:loaded]
 
     def _adopt(self, path: list[TreeNode], slots: list[int], end: int) -> int:
-        """An insert walked through host-only nodes: they take the inserting request's own
-        device slots for those tokens (computed by it) instead of calling them duplicates.
-        Returns where the tree's device KV of this path ended before (its prefix_len)."""
+        """Host-only nodes an insert walked through take the request's own device slots;
+        returns where the tree's device KV of this path ended before (its prefix_len)."""
         pos = end - sum(len(n.key) for n in path)
         known = end
         for n in path:
@@ -587,8 +553,7 @@ class RadixCache(BasePrefixCache):
         return known
 
     def _demote(self, node: TreeNode) -> bool:
-        """A device leaf leaves the pool for the host tier (copied unless a copy exists);
-        False when the host tier has no room: the caller drops the node."""
+        """A device leaf moves to the host tier; False when it has no room (drop it)."""
         assert self.host is not None
         self._store(node)  # the last moment its whole path is on the device
         if node.host is None:
@@ -620,14 +585,12 @@ class RadixCache(BasePrefixCache):
                 self._file_tiered(node)
 
     def _alloc(self, allocator: KVSlotAllocator, n: int, evict) -> list[int] | None:
-        """n slots of a fresh sequence from ``allocator``, evicting with ``evict`` first."""
         need = allocator.slots_needed(n)
         if need > allocator.num_free:
             evict(need - allocator.num_free)
         return allocator.alloc(n)
 
     def _evict_host(self, n: int) -> int:
-        """Drops host copies, leaves of the host part first, until n slots are free."""
         assert self.host is not None
         count = 0
         while count < n:
@@ -669,8 +632,7 @@ class RadixCache(BasePrefixCache):
 
     # -- the storage tier (storage_tier.py) ----------------------------------------------
     def _store(self, node: TreeNode) -> None:
-        """Writes the pages that end inside node to storage, from device slots: node is on
-        the device, and so is its path (device residency is prefix-closed)."""
+        """Writes the pages ending inside node to storage while its whole path is on device."""
         st = self.storage
         if st is None or node.stored or not node.value:
             return
@@ -699,9 +661,7 @@ class RadixCache(BasePrefixCache):
         return namespace, path[::-1]
 
     def ask_storage(self, prompt: Sequence[int], namespace: str, req: object = None) -> bool:
-        """Asks the storage tier for the pages of prompt past what the tree holds (either
-        tier), into fresh host slots; True when the load is queued (the request waits for
-        its answer, storage_answer)."""
+        """Loads prompt's pages past the tree into fresh host slots; True when queued."""
         st = self.storage
         if st is None:
             return False
@@ -741,9 +701,8 @@ class RadixCache(BasePrefixCache):
         return True
 
     def storage_answer(self, load_id: int, pages: int) -> object:
-        """A load's answer: its first ``pages`` pages join the tree as host-only nodes (past
-        what the tree holds by now), the rest of its host slots are freed. Returns the
-        request that waited on it (None for an unknown load)."""
+        """Its first ``pages`` pages join the tree as host-only nodes, the rest of its host
+        slots are freed; returns the waiting request (None for an unknown load)."""
         st = self.storage
         load = st.pending.pop(load_id, None) if st is not None else None
         if load is None:
@@ -762,8 +721,8 @@ class RadixCache(BasePrefixCache):
         return load.req
 
     def _attach_loaded(self, load: PendingLoad, end: int) -> tuple[int, int]:
-        """Hangs tokens up to end of a load under what the tree matches of them; the range
-        of load.host it kept ((0, 0): none, the tree lost the pages before them)."""
+        """Hangs a load's tokens up to end under the tree's match of them; returns the range
+        of load.host kept ((0, 0): none, the tree lost the pages before them)."""
         anchor = self.root.children.get(load.namespace)
         if anchor is None:
             if load.start:
@@ -878,7 +837,7 @@ class DisabledCache(BasePrefixCache):
         return 0
 
     def reset(self) -> None:
-        return None  # nothing is ever cached, so a flush has nothing to give back
+        return None
 
     def size_info(self) -> SizeInfo:
         return SizeInfo(0, 0)
@@ -909,7 +868,6 @@ def create_prefix_cache(
 
 # -- helpers ----------------------------------------------------------------------------
 def _as_list(seq: Sequence[int]) -> list[int]:
-    """Slots as a plain list (the allocator's and the requests' container)."""
     if type(seq) is list:
         return seq
     tolist = getattr(seq, "tolist", None)  # numpy arrays and tensors: plain ints, not scalars
@@ -919,14 +877,8 @@ def _as_list(seq: Sequence[int]) -> list[int]:
 def common_prefix_len(
     key: Sequence[int], tokens: Sequence[int], start: int = 0, end: int | None = None
 ) -> int:
-    """Length of the common prefix of key and tokens[start:end].
-
-    The one helper for this in the scheduler and its tests. Both must be of one type (two
-    token arrays, as the tree's keys are, or two lists): a tuple never equals a list slice,
-    an array never equals a list. Whole-slice comparisons run in C; a per-token Python loop
-    would dominate the cost of a request. When the slices differ, bisect with slice
-    comparisons (O(len) C work in all).
-    """
+    """Length of the common prefix of key and tokens[start:end]. Both must be of one
+    type (an array never equals a list); slice comparisons keep the work in C."""
     n = min(len(key), (len(tokens) if end is None else end) - start)
     if (key if n == len(key) else key[:n]) == tokens[start : start + n]:
         return n
@@ -943,8 +895,7 @@ def common_prefix_len(
 
 
 def _check_pages(slots: list[int], start: int, end: int, ps: int) -> None:
-    """Cheap guard (two slots per page) that slots[start:end] are whole allocator pages in
-    order, as eviction frees a page by naming its first slot."""
+    """Guards that slots[start:end] are whole pages (eviction names one by its first slot)."""
     firsts, lasts = slots[start:end:ps], slots[start + ps - 1 : end : ps]
     for first, last in zip(firsts, lasts, strict=True):
         if first % ps or last != first + ps - 1:

@@ -1,8 +1,5 @@
 """Where each request is: waiting for admission, or running with a table row and KV.
-
-Both queues keep their order (admission and decode walk them front to back; a retracted
-request goes back to the front of the waiting queue) and answer "is it here?" and
-"remove it" in O(1), so no step scans a list per request.
+Both queues keep their order and answer membership and removal in O(1).
 """
 
 from __future__ import annotations
@@ -15,13 +12,12 @@ from services.scheduler.request import Req
 
 
 class ReqQueue:
-    """Requests in order, with O(1) membership and removal (a Req hashes by identity), and
-    the prompt tokens they hold (admission control reads it on every arrival)."""
+    """Requests in order (a Req hashes by identity), and the prompt tokens they hold."""
 
     __slots__ = ("_reqs", "tokens")
 
     def __init__(self) -> None:
-        # An insertion-ordered set; the value is the prompt length counted into ``tokens``.
+        # An insertion-ordered set; the value is what was counted into ``tokens``.
         self._reqs: dict[Req, int] = {}
         self.tokens = 0
 
@@ -50,8 +46,6 @@ class ReqQueue:
 
 
 class ReqQueues:
-    """The waiting and running requests, by rid too, and what a running one holds."""
-
     def __init__(self, kv: KVManager, table: ReqSlotTable, cache_finished: bool):
         self.waiting = ReqQueue()
         self.running = ReqQueue()
@@ -65,18 +59,15 @@ class ReqQueues:
         self.waiting.append(req)
 
     def assign_row(self, req: Req) -> None:
-        """A row of the request-slot table for a request being admitted."""
         req.req_slot = self.table.alloc()
 
     def start(self, admitted: Iterable[Req]) -> None:
-        """Admitted requests move from waiting to running, in admission order."""
         for req in admitted:
             self.waiting.discard(req)
             self.running.append(req)
 
     def leave_running(self, req: Req, cache_it: bool) -> None:
-        """The request stops running: its KV goes to the tree (cache_it) or is freed, and
-        its table row is given back."""
+        """Its KV goes to the tree (cache_it) or is freed; its table row is given back."""
         self.running.discard(req)
         if req.lookahead:
             # The queued step computes a token nobody will read: give back its slot (the
@@ -98,5 +89,4 @@ class ReqQueues:
         self.waiting.push_front(req)
 
     def forget(self, req: Req) -> None:
-        """A finished request: its rid may be used again."""
         self.by_rid.pop(req.rid, None)

@@ -1,13 +1,7 @@
 """One request as the scheduler sees it: token ids, KV slots, stop conditions, timings.
 
-Token positions and KV slots of a request (``fill_ids = input_ids + output_ids``):
-
-    position:  0 ............ locked_len ........ kv_len ............ len(fill_ids)
-    kv_slots:  [tree's slots  | own slots          ]   (no KV yet: computed next batch)
-               locked in tree   held by the request
-
-``kv_slots`` always has ``kv_len`` entries. The last sampled token never has KV, so a
-finished request leaves ``len(fill_ids) - 1`` tokens of KV behind.
+``kv_slots[:locked_len]`` are the tree's (locked), the rest up to ``kv_len`` the request's
+own. The last sampled token never has KV.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from services.scheduler.tokens import Tokens, as_tokens, new_tokens
 class Req:
     rid: str
     identity: bytes  # the frontend socket that gets this request's output
-    input_ids: Tokens  # int32 arrays (tokens.py); a list given here is converted
+    input_ids: Tokens  # a list given here is converted
     sampling: engine_pb2.SamplingParams
     priority: int = 0
     namespace: str = ""
@@ -37,19 +31,17 @@ class Req:
     output_ids: Tokens = field(default_factory=new_tokens)
     kv_slots: list[int] = field(default_factory=list)
     locked_len: int = 0  # leading kv_slots owned by the tree (and locked)
-    node: Any = None  # the tree node locked for this request
+    node: Any = None
     req_slot: int | None = None  # row of the request-slot table while running
     table_dirty: bool = True  # the worker's row must be (re)written: send is_new
     lookahead: int = 0  # id of a queued batch that computes its next token (overlap)
-    # Speculative decoding: trailing kv_slots grown for the drafts of the step being built
-    # or in flight (freed, those rejected, when its result comes); its SpecState.
+    # Trailing kv_slots grown for the drafts of the step being built or in flight.
     draft_slots: int = 0
     spec: Any = None
     cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not yet)
     sent_tokens: int = 0  # output tokens already streamed to the frontend
     logprobs: list = field(default_factory=list)
-    # Prompt logprobs collected so far (services/scheduler/prompt_logprobs.py), until sent;
-    # done: none (more) to send, not asked or sent (one bool read on every delta).
+    # Collected until sent; done: nothing (more) to send.
     prompt_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs_done: bool = True
     finish_reason: str = ""
@@ -60,7 +52,7 @@ class Req:
     num_retractions: int = 0
     grammar_wait: bool = False  # constrained: not admitted until the worker compiled its grammar
     storage_wait: bool = False  # not admitted until the storage tier answered (storage_tier.py)
-    storage_asked: bool = False  # asked it once already (at its first admission attempt)
+    storage_asked: bool = False
     storage_tokens: int = 0  # tokens its storage load added to the tree
     cached_host_tokens: int = 0  # of cached_tokens, loaded from the host tier ...
     cached_storage_tokens: int = 0  # ... and, having come there from storage, from storage
@@ -69,7 +61,6 @@ class Req:
     finish_time: float = 0.0
     spans: dict[str, Any] = field(default_factory=dict)
 
-    # max_tokens 0: computes its prompt (all of it gets KV) and ends; never sampled.
     prefill_only: bool = False
 
     def __post_init__(self) -> None:
@@ -101,7 +92,7 @@ class Req:
 
     @property
     def in_prefill(self) -> bool:
-        """More than one token lacks KV: the next step is (a chunk of) a prefill, not a decode."""
+        """More than one token lacks KV: the next step is (a chunk of) a prefill."""
         return self.seq_len - self.kv_len > 1
 
     @property
@@ -109,9 +100,8 @@ class Req:
         return bool(self.finish_reason)
 
     def _stop_token(self, token: int) -> bool:
-        """EOS (unless ignore_eos) or a stop id, once past min_tokens (the worker masks them
-        before it; this keeps the two in step). With a constraint the grammar's end wins: a
-        finished grammar allows nothing but EOS, which the worker then leaves unmasked."""
+        """EOS (unless ignore_eos) or a stop id, past min_tokens as the worker masks them;
+        with a constraint the grammar's end wins (a finished grammar allows only EOS)."""
         s = self.sampling
         if not (token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids)):
             return False

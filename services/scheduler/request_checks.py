@@ -1,9 +1,5 @@
-"""What the scheduler checks itself on every request, whoever sent it.
-
-The frontend validates first, but the scheduler's socket is an internal port: a peer that
-skips the frontend must not be able to put a token id the model cannot embed, or sampling
-values the worker cannot honour, into a batch shared with other users' requests (one bad
-row fails the whole forward). A request that fails here ends alone, before any KV.
+"""What the scheduler checks itself on every request, whoever sent it: a peer skipping the
+frontend must not put a bad row into a shared batch (it would fail the whole forward).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ def token_problem(ids: np.ndarray, vocab_size: int, field: str) -> str:
 
 
 def sampling_problem(sp: engine_pb2.SamplingParams, prompt_len: int) -> str:
-    """The bounds the frontend enforces (services/common/sampling_limits.py); max_tokens 0
-    (prefill only) is valid."""
+    """The bounds the frontend enforces; max_tokens 0 (prefill only) is valid."""
     bound = sampling_bound_problem(sp)
     if bound is None and prompt_len:  # an empty prompt is refused by name elsewhere
         bound = prompt_logprobs_start_problem(sp, prompt_len)

@@ -1,7 +1,5 @@
 """Per-request spans in the scheduler: queue -> prefill -> decode, children of the frontend's span.
-
-Each phase is a live span so that the worker's per-batch ``forward`` spans can name it as
-their parent (the first request of the batch) or link to it (every request of the batch).
+Live spans, so the worker's ``forward`` spans can name them as parent or link.
 """
 
 from __future__ import annotations

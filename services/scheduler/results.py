@@ -1,14 +1,6 @@
-"""What a ForwardResult does to its requests: the scheduler loop's other half.
-
-A batch comes back (worker_link.py) -> grammars and storage loads it answers settle their
-waiting requests -> each item's request takes its tokens: a prefill chunk's KV goes to the
-tree, a verify step's rejected drafts give back their KV (speculative.py), the sampled
-token (after the accepted drafts) is appended with its logprob and checked against the
-stop conditions -> a request that stopped leaves the running queue and finishes, the rest
-stream their new tokens (outbox.py). A batch the worker failed ends its requests INTERNAL.
-
-Ending a request is also here (``finish``), for the scheduler's admission paths as well:
-one place frees what it holds in the side tables and sends its last delta.
+"""What a ForwardResult does to its requests: settle grammars and storage loads, commit
+prefill KV, free rejected drafts, append tokens, stop or stream. Also the one place a
+request ends (``finish``), for the admission paths as well.
 """
 
 from __future__ import annotations
@@ -34,8 +26,6 @@ log = logging.getLogger("radixserve.scheduler")
 
 @dataclass(eq=False)
 class ResultApplier:
-    """Applies the worker's results to the requests of their batches; ends requests."""
-
     queues: ReqQueues
     spec: Speculator
     metrics: SchedulerMetrics
@@ -50,7 +40,6 @@ class ResultApplier:
 
     # -- a batch came back ------------------------------------------------------------
     def apply(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
-        """A batch came back: append each sampled token, stop or stream, cache prefills."""
         self._settle_grammars(result.grammars)
         self._settle_storage(result)
         if result.error:
@@ -64,7 +53,6 @@ class ResultApplier:
     def _apply_item(
         self, it: Item, tok: engine_pb2.SampledToken, batch_id: int, now: float
     ) -> None:
-        """One request's share of the batch: its prefill chunk, drafts and sampled token."""
         req = it.req
         if req.lookahead == batch_id:
             req.lookahead = 0  # no step of it in flight any more (a later one may be)
@@ -86,14 +74,12 @@ class ResultApplier:
         if it.sample:
             self._append_token(req, tok, now)
         elif req.prefill_only and it.start + it.n == req.seq_len:
-            # Prefill only: the prompt's KV goes to the tree, nothing is sampled.
             req.finish_reason = "length"
             self.queues.leave_running(req, cache_it=True)
             self.finish(req)
 
     def _verified(self, it: Item, tok: engine_pb2.SampledToken) -> None:
-        """A verify step came back: the KV of its rejected drafts is freed at once (what
-        it holds after this: the last token's and the accepted drafts')."""
+        """Frees the KV of a verify step's rejected drafts at once."""
         req = it.req
         accepted = len(tok.extra_token_ids)
         self.kv.shrink(req, len(it.drafts) - accepted)
@@ -101,11 +87,10 @@ class ResultApplier:
         self.spec.verified(req, len(it.drafts), accepted)
 
     def _append_token(self, req: Req, tok: engine_pb2.SampledToken, now: float) -> None:
-        """Appends the sampled token (a verify step: the accepted drafts, then the target's
-        token), checking the stop conditions after each: nothing after a stop is kept."""
+        """Appends the accepted drafts and the sampled token, checking the stop conditions
+        after each: nothing after a stop is kept."""
         if tok.grammar_error:
-            # A dead end is the constraint's (a grammar that stops accepting anything mid-way);
-            # anything else is never expected: the mask allows only what the grammar does.
+            # A dead end is the constraint's fault; anything else is never expected.
             code = "INVALID_ARGUMENT" if tok.grammar_dead_end else "INTERNAL"
             message = f"constrained decoding failed after {len(req.output_ids)} tokens"
             self.end_running(req, code, f"{message}: {tok.grammar_error}")
@@ -121,7 +106,7 @@ class ResultApplier:
                 req.logprobs.append(logprobs[j])
             reason, matched = req.stop_reason(token, self.max_model_len)
             if not reason and tok.grammar_terminated and j == len(tokens) - 1:
-                reason = "stop"  # the grammar is complete (its end, not a stop token, ended it)
+                reason = "stop"  # the grammar is complete
             if reason:
                 # Accepted drafts past the stop: their KV is not the output's.
                 self.kv.shrink(req, len(tokens) - 1 - j)
@@ -132,8 +117,7 @@ class ResultApplier:
         self.emit(req)
 
     def _settle_storage(self, result: engine_pb2.ForwardResult) -> None:
-        """Storage loads answered (or lost with a failed batch: they found nothing) free
-        their requests for admission."""
+        """Answered (or lost: found nothing) storage loads free their requests."""
         storage = self.kv.cache.storage
         if storage is None:
             return
@@ -148,7 +132,7 @@ class ResultApplier:
                 req.storage_wait = False
 
     def _settle_grammars(self, statuses: Iterable[engine_pb2.GrammarStatus]) -> None:
-        """Grammars the worker finished compiling: refused ones end their (waiting) request."""
+        """Refused grammars end their (waiting) request."""
         for req, st in self.grammars.settle(list(statuses)):
             self.queues.waiting.discard(req)
             req.finish_reason, req.error_code = "abort", st.error_code or "INVALID_ARGUMENT"
@@ -156,7 +140,6 @@ class ResultApplier:
             self.finish(req)
 
     def _fail(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
-        """The worker could not run the batch: its requests end with INTERNAL."""
         log.error("worker failed batch %d: %s", result.batch_id, result.error)
         for it in items:
             req = it.req
@@ -170,14 +153,14 @@ class ResultApplier:
 
     # -- ending requests --------------------------------------------------------------
     def end_running(self, req: Req, code: str, message: str) -> None:
-        """A running request ends alone with an error (the rest of its batch goes on)."""
+        """A running request ends alone with an error (its batch goes on)."""
         log.error("request %s: %s", req.rid, message)
         self.queues.leave_running(req, cache_it=True)
         req.finish_reason, req.error_code, req.finish_message = "abort", code, message
         self.finish(req)
 
     def finish(self, req: Req) -> None:
-        """A request ends (its KV already given back): forgotten, counted, last delta out."""
+        """A request ends (its KV already given back)."""
         req.finish_time = time.time()
         self.spec.finished(req)
         self.queues.forget(req)
@@ -186,5 +169,4 @@ class ResultApplier:
         self.emit(req)
 
     def emit(self, req: Req) -> None:
-        """Queues the request's new tokens (or its end) for the frontends."""
         self.outbox.add(req)

@@ -1,12 +1,8 @@
 """Orders the waiting queue before each prefill batch (``--schedule-policy``).
 
-- ``lpm``: longest cached prefix first (cache-aware: what is already in the tree is used
-  before it can be evicted). Falls back to fcfs on very long queues, where matching every
-  request each step would cost more than it saves.
-- ``dfs-weight``: depth-first over the tree, heavier subtrees (more waiting requests) first,
-  so requests sharing a branch run back to back.
-- ``fcfs``: arrival order. ``lof``: longest output first. ``random``. ``priority``: the
-  request's priority, then arrival.
+The cache-aware ones (``lpm``: longest cached prefix first; ``dfs-weight``: heavier
+subtrees first) fall back to fcfs on long queues, where matching every request each step
+would cost more than it saves.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The scheduler loop: one thread owns the radix cache, the allocator and the queues.
 
-Each turn: take what the frontends sent, build one batch (a prefill batch when requests
-wait and fit, else a decode step of every running request; while requests decode, one
-mixed batch of both), have the worker run it, apply the sampled tokens, stream them back,
-and hand finished KV to the tree (results.py). When the loop goes idle it checks that no
-KV slot leaked.
-
-The loop only wires these together (one job per module):
-
-    prefill.py      prefill batches: chunks of long prompts, admission, new-token ratio
-    step_costs.py   the worker's decode-step and prefill-token times: mixed batch budgets
-    decode.py       decode steps, the lookahead step (overlap schedule), retraction
-    speculative.py  speculative decoding: drafts per request, what a verify step commits
-    results.py      what a result does to its requests: tokens, stops, finishing, streaming
-    worker_link.py  batches to the worker and results back, in order (ZeroMQ)
-    req_queues.py   the waiting and running requests and what a running one holds
-    kv_manager.py   one request's KV: match, grow, commit to the tree, release
+Each turn builds one batch (prefill, decode, or both mixed), has the worker run it and
+applies the result; the work itself lives in prefill.py, decode.py, speculative.py,
+results.py, worker_link.py, req_queues.py and kv_manager.py. When idle it checks for
+leaked KV slots.
 """
 
 from __future__ import annotations
@@ -74,7 +62,7 @@ class Scheduler:
         self.outbox = Outbox()
         self.commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self.snapshot = engine_pb2.SchedulerStats()
-        # The routers' view of the tree; it outlives the trees of restarted workers.
+        # Outlives the trees of restarted workers.
         self.events = (
             TreeEvents(
                 block_tokens_for(cfg.cache_event_block_tokens, cfg.page_size),
@@ -83,14 +71,14 @@ class Scheduler:
             if cfg.cache_events_port >= 0
             else None
         )
-        self.events_port = 0  # where EventPublisher publishes them (main.py)
+        self.events_port = 0  # set by main.py
         # Drafts come from text, not KV: the draft index outlives a restarted worker's pool.
         self.spec = Speculator.of(cfg, self.metrics)
         self.attach_worker(worker_sock, info)
 
     def attach_worker(self, worker_sock: zmq.Socket, info: engine_pb2.WorkerInfo) -> None:
-        """Everything sized by the worker's pool, built anew: a (re)started worker has a new,
-        empty pool, so the old tree's slots mean nothing. Call with no request left."""
+        """Rebuilds everything sized by the worker's pool (a restarted worker's is new and
+        empty). Call with no request left."""
         cfg = self.cfg
         self.info = info
         self.max_model_len = info.max_model_len
@@ -128,7 +116,7 @@ class Scheduler:
         )  # fmt: skip
         self.limits = QueueLimits.of(cfg, max_running, self.kv.total)
         self.in_burst = False  # admitting a burst of arrivals (_mixed_budget)
-        self.costs = StepCosts()  # the worker's decode-step and prefill-token times
+        self.costs = StepCosts()
         self.dirty_since_check = False  # work done since the idle slot check
         self.tree_unchecked = False  # work done since the idle whole-tree recount
         self.publish_stats()
@@ -137,12 +125,8 @@ class Scheduler:
     def step(self) -> bool:
         """Runs one batch if there is work; returns False when idle.
 
-        Overlap schedule: while the worker runs batch N, the next decode step N+1 is built
-        and queued behind it (its requests' input is the token the worker samples in N), so
-        the scheduler's own work hides behind the forward. Stop conditions are then seen one
-        step late; the extra step's token of a request that finished is dropped. It pauses
-        while speculation is live (speculative.py: a verify step's tokens decide where the
-        next step starts).
+        Overlap schedule: the next decode step is queued behind the one the worker runs, so
+        stops are seen a step late (the extra token is dropped); paused while speculating.
         """
         if self.limits.max_wait_s:
             self._expire_waiting()
@@ -153,7 +137,6 @@ class Scheduler:
             if not items and not self.grammars.waiting() and not self.kv.has_copies():
                 return False
             self.dirty_since_check = True
-            # No items: a batch that only waits on grammars or carries copies between tiers.
             self._send(items)
         current = self.link.in_flight[0]
         if not self.cfg.disable_overlap_schedule and not self._admissible_waiting():
@@ -161,8 +144,7 @@ class Scheduler:
             if ahead:
                 self._send(ahead)
         self._apply(current.items, self.link.recv())
-        # Before this step's outputs go out, so a client that just got its last token
-        # reads gauges that already count the KV its request left behind.
+        # Before the outputs go out: a client's last token never precedes its gauges.
         self.publish_stats()
         return True
 
@@ -173,20 +155,14 @@ class Scheduler:
             storage.mark_sent(self.link.next_batch_id - 1)
 
     def _held_back(self) -> int:
-        """Waiting requests not admissible yet: their grammar compiles, or the storage tier
-        has not answered (an aborted one counts until then)."""
+        """Waiting requests held back by a grammar compile or a storage load."""
         storage = self.kv.cache.storage
         return self.grammars.num_waiting() + (len(storage.pending) if storage else 0)
 
     def _next_batch(self) -> list[Item]:
-        """With nothing decoding (or --mixed-prefill-tokens 0, or chunking off), a prefill
-        batch if one is due, else a decode step. While requests decode, a mixed batch: every
-        decoding request's next token (slots taken first, retracting if the pool runs dry)
-        plus at most --mixed-prefill-tokens of prefill, so a long prompt arriving costs the
-        running streams a slightly longer step instead of a stall.
-
-        Mixed batches are built only with nothing in flight (the overlap schedule queues no
-        lookahead while a prefill is due), so every decode item's input token is known."""
+        """A prefill batch if due, else a decode step; while requests decode, one mixed
+        batch, so a long prompt costs the streams a longer step instead of a stall. Built
+        only with nothing in flight, so every decode item's input token is known."""
         mixed = self.cfg.mixed_prefill_tokens
         if mixed <= 0 or self.cfg.chunked_prefill_size <= 0 or not self.decode.any_decoding():
             return self.prefill.build() or self.decode.build()
@@ -195,19 +171,14 @@ class Scheduler:
         return self.prefill.build(budget) + decode
 
     def _mixed_budget(self) -> int:
-        """Prefill tokens of the next mixed batch. Few arrivals beside many decoding
-        streams get --mixed-prefill-tokens a step, fewer where that would make the step
-        more than --mixed-step-slowdown decode steps long (step_costs.py: the streams'
-        inter-token latency is what matters); a burst, as many requests waiting for a
-        first token as decoding, gets --mixed-burst-tokens, since then the burst's time
-        to first token is what matters: at --mixed-prefill-tokens a step, a burst admitted
-        beside its own first request would trickle in over dozens of steps."""
+        """Prefill tokens of the next mixed batch: capped by --mixed-step-slowdown (the
+        streams' inter-token latency matters), or --mixed-burst-tokens during a burst (as
+        many awaiting a first token as decoding: then time to first token matters)."""
         cfg = self.cfg
         running = self.queues.running
         decoding = sum(not r.in_prefill for r in running)
         first = len(running) - decoding + len(self.queues.waiting) - self._held_back()
-        # A burst lasts until all of it is admitted: its tail (fewer left waiting than
-        # already decoding) is part of it, not a few late arrivals.
+        # A burst lasts until all of it is admitted, its tail included.
         if first <= 0:
             self.in_burst = False
         elif first >= decoding:
@@ -219,8 +190,7 @@ class Scheduler:
         return min(budget, self.prefill.max_prefill)
 
     def _admissible_waiting(self) -> bool:
-        """Whether a waiting request may be admitted next (one whose grammar still compiles
-        may not: the lookahead step need not make way for it)."""
+        """Whether a waiting request may be admitted next (the lookahead makes way)."""
         return len(self.queues.waiting) > self._held_back()
 
     def has_requests(self) -> bool:
@@ -260,7 +230,6 @@ class Scheduler:
         request_spans.on_arrival(req)
 
     def _expire_waiting(self) -> None:
-        """Waiting requests past --max-queue-time end DEADLINE_EXCEEDED (they hold no KV)."""
         for req in self.limits.expired(self.queues.waiting, time.monotonic()):
             self.queues.waiting.discard(req)  # a grammar it waits on is dropped when it settles
             req.finish_reason, req.error_code = "abort", "DEADLINE_EXCEEDED"
@@ -305,8 +274,7 @@ class Scheduler:
         self.results.emit(req)
 
     def fail_all(self, message: str) -> int:
-        """Every request ends UNAVAILABLE with ``message`` and gives back what it holds (the
-        worker is gone, or the shutdown grace ran out); returns how many ended."""
+        """Every request ends UNAVAILABLE with ``message``; returns how many ended."""
         ended = [*self.queues.running, *self.queues.waiting]
         for req in ended:
             if req in self.queues.running:
@@ -315,7 +283,6 @@ class Scheduler:
             req.finish_reason, req.error_code, req.finish_message = "abort", "UNAVAILABLE", message
             self.results.finish(req)
         self.link.in_flight.clear()
-        # Compiles asked for ended requests: nobody waits.
         self.grammars = self.results.grammars = GrammarGate()
         self.dirty_since_check = True
         self.publish_stats()
@@ -334,15 +301,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results --
     def _apply(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
-        """A batch came back: its requests take their tokens (results.py), then the step
-        counts toward the batch builders' estimates."""
         self.results.apply(items, result)
         if not result.error:
             self._observe_step(items, result)
 
     def _observe_step(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
-        """Feeds a step's forward time to the mixed budget and its decode part to the
-        new-token ratio and the batch log."""
         decoded = sum(not it.is_prefill for it in items)
         prefilled = sum(it.n for it in items if it.is_prefill)
         self.costs.observe(decoded, prefilled, result.forward_time)
@@ -389,8 +352,7 @@ class Scheduler:
         return engine_pb2.FlushReply(flushed=True, message=message)
 
     def publish_stats(self) -> None:
-        """Refreshes the snapshot that control calls and gauges read without waiting for
-        the loop."""
+        """Refreshes the snapshot control calls and gauges read without waiting for the loop."""
         self.snapshot = self.stats()
         self.metrics.update_gauges(self.snapshot)
 
@@ -435,7 +397,7 @@ class Scheduler:
         return stats
 
     def run_commands(self) -> None:
-        """Runs control calls (from the gRPC thread) between batches, on the loop's thread."""
+        """Runs queued control calls on the loop's thread, between batches."""
         while True:
             try:
                 fn, fut = self.commands.get_nowait()
@@ -453,12 +415,8 @@ class Scheduler:
         return fut.result(timeout)
 
     def check_idle(self, full: bool = True) -> None:
-        """The invariant when nothing runs: every slot is free or evictable; nothing locked.
-
-        The slot counts are checked at once (O(requests)). The recount of the whole tree
-        (O(cached tokens): ~100 ms at 100k tokens on one busy core) runs only when ``full``:
-        the loop passes it once the engine has stayed idle a while, so the walk never sits
-        between the arrivals of a burst."""
+        """Idle invariant: every slot free or evictable, nothing locked. The whole-tree
+        recount (O(cached tokens)) runs only when ``full``."""
         if self.dirty_since_check:
             self.dirty_since_check = False
             self.tree_unchecked = True

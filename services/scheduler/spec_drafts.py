@@ -1,14 +1,8 @@
-"""Draft tokens for speculative decoding without a draft model (issue 39, part 1).
+"""Draft tokens for speculative decoding without a draft model (docs/speculative.md).
 
-Pure bookkeeping in the scheduler, no tensors:
-
-- ``ngram_draft``: prompt lookup (vLLM's ``ngram``, SGLang's ``NGRAM``): the request's last
-  few tokens occurred earlier in it, so draft what followed them there.
-- ``DraftIndex``: SuffixDecoding (arXiv 2411.04975) over the whole cache: a suffix trie of
-  every held sequence's windows with counts; it drafts the most frequent continuation of
-  the longest suffix of a request that occurred anywhere in its namespace.
-- ``AdaptiveLength``: each request's speculation length, from its acceptance history.
-- ``propose``: the call the scheduler makes per decoding request and step.
+Pure bookkeeping, no tensors: ``ngram_draft`` (prompt lookup in the request's own tokens),
+``DraftIndex`` (SuffixDecoding's suffix trie over every sequence of a namespace),
+``AdaptiveLength`` (per-request speculation length) and ``propose`` (the scheduler's call).
 """
 
 from __future__ import annotations
@@ -36,14 +30,13 @@ _ITEM = array(TYPECODE).itemsize
 
 
 def ngram_draft(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
-    """Prompt lookup: the longest suffix of `tokens` (max_n down to min_n) that occurred
-    earlier in `tokens`; returns up to k tokens that followed its most recent earlier occurrence."""
+    """Up to k tokens that followed the most recent earlier occurrence of the longest
+    suffix of `tokens` (max_n down to min_n tokens)."""
     toks = as_tokens(tokens)
     n_all = len(toks)
     if k <= 0 or n_all < 2:
         return []
-    # bytes.rfind searches in C; a hit at an offset that is not a multiple of the item size
-    # straddles two tokens and is skipped.
+    # rfind runs in C; a hit off an item boundary straddles two tokens and is skipped.
     hay = toks.tobytes()
     end = (n_all - 1) * _ITEM  # an occurrence must end before the last token: something follows
     for n in range(min(max_n, n_all - 1), max(min_n, 1) - 1, -1):
@@ -72,8 +65,7 @@ class _Run:
 
 
 class _Seq(_Run):
-    """A held sequence. Its live windows start at positions base + first .. base + len - 1;
-    `ends[i]` is the node where the window starting at base + i ends."""
+    """A held sequence; `ends[i]` is the node where the window starting at base + i ends."""
 
     __slots__ = ("ns", "sid", "ends", "first")
 
@@ -90,14 +82,10 @@ class _Seq(_Run):
 
 
 class _Node:
-    """A node of the path-compressed trie; the edge from its parent ends at `depth`.
-
-    Its path from the root is ``src.tokens[o : o + depth]`` (``o = at - src.base``), the
-    tokens of one window that passes through it, so edge labels cost no memory. `count`:
-    windows passing through or ending on the edge (constant along it: a node is kept
-    wherever a window ends); `ends`: those ending here; `stamp`: when a window last entered
-    the edge; `best`: the child with the highest (count, stamp), None when unknown.
-    """
+    """A node of the path-compressed trie; its path is a slice of one window through it
+    (``src``, ``at``), so edge labels cost no memory. `count`: windows through or ending on
+    the edge (a node is kept wherever a window ends); `ends`: those ending here; `best`:
+    the child with the highest (count, stamp), None when unknown."""
 
     __slots__ = ("parent", "children", "count", "ends", "depth", "src", "at", "stamp", "best")
 
@@ -113,11 +101,9 @@ class _Node:
         self.best: _Node | None = None
 
     def token(self, d: int) -> int:
-        """The token at depth d of its path (0-based)."""
         return self.src.tokens[self.at - self.src.base + d]
 
     def path(self, a: int, b: int) -> Tokens:
-        """Tokens at depths a .. b-1 of its path."""
         o = self.at - self.src.base
         return self.src.tokens[o + a : o + b]
 
@@ -126,16 +112,13 @@ _rank = attrgetter("count", "stamp")
 
 
 def _best(node: _Node) -> _Node | None:
-    """The most frequent child, ties to the most recently entered; cached until a count
-    that could change the answer drops."""
+    """The most frequent child, ties to the most recently entered (cached)."""
     if node.best is None and node.children:
         node.best = max(node.children.values(), key=_rank)
     return node.best
 
 
 class Draft(NamedTuple):
-    """What DraftIndex.draft proposes."""
-
     tokens: list[int]
     match_len: int  # length of the context's suffix the draft continues (0: no match)
     prob: float  # estimated probability that every drafted token is accepted
@@ -146,15 +129,9 @@ def _no_draft() -> Draft:
 
 
 class DraftIndex:
-    """A suffix index over the token sequences of the whole cache (finished and running
-    requests), per namespace (a cache salt: a draft never comes from another namespace),
-    bounded in memory (max_tokens total indexed; oldest sequences evicted first, LRU by last
-    use/add).
-
-    Each sequence of n tokens inserts its n windows ``tokens[i : i + max_depth]`` (shorter
-    at the end) into its namespace's trie; a node counts the windows through it. Sequences
-    are used when added or extended; one larger than max_tokens keeps its last max_tokens.
-    """
+    """A suffix index over finished and running sequences, one trie per namespace (a draft
+    never crosses namespaces), holding at most max_tokens (LRU sequences evicted first).
+    Each sequence inserts its windows ``tokens[i : i + max_depth]``, counted per node."""
 
     def __init__(
         self, max_tokens: int = 1 << 20, max_depth: int = 32, min_prob: float = 0.1
@@ -176,7 +153,6 @@ class DraftIndex:
 
     @property
     def num_nodes(self) -> int:
-        """Trie nodes, namespace roots included (0 when nothing is held)."""
         return self._num_nodes
 
     def __len__(self) -> int:
@@ -199,8 +175,7 @@ class DraftIndex:
         self._grow(seq, toks)
 
     def extend(self, namespace: str, seq_id: str, new_tokens: Sequence[int]) -> None:
-        """A running sequence grew: inserts only the windows the new tokens touch
-        (O(len(new_tokens) * max_depth)). An unknown (or evicted) seq_id is added."""
+        """Inserts only the windows the new tokens touch; an unknown seq_id is added."""
         seq = self._seqs.get(seq_id)
         if seq is not None and seq.ns != namespace:
             raise ValueError(f"sequence {seq_id!r} is held in namespace {seq.ns!r}")
@@ -215,7 +190,6 @@ class DraftIndex:
             self._drop_front(seq)
 
     def remove(self, seq_id: str) -> None:
-        """Forget a sequence (no-op when not held)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
@@ -241,14 +215,8 @@ class DraftIndex:
             self._num_nodes += 1
         return root
 
-    # Windows of a sequence of n tokens, by index i into its arrays (D = max_depth):
-    #
-    #   i:       first ......... n-D | n-D+1 ............. n-1
-    #   length:  D (complete)        | n-i < D (active: every new token extends them)
-    #
-    # A new token t at index n first opens the window starting there (length 0, ending at
-    # the root), then extends each active window by t: it moves from its end node to the
-    # child for t, one dict lookup each.
+    # A new token opens a window at the root and extends each active window (the last
+    # max_depth, still short of full length) by one step from its end node.
 
     def _grow(self, seq: _Seq, new: Tokens) -> None:
         if not new:
@@ -262,7 +230,6 @@ class DraftIndex:
             root.count += 1
             root.ends += 1
             lo = max(seq.first, len(tokens) - d_max)
-            # enumerate, not range(lo, n): no int objects for indices in the common case
             for j, node in enumerate(ends[lo:]):
                 if node.count == 1 and not node.children and node.parent is not None:
                     node.depth += 1  # a leaf of this window alone: its edge just grows
@@ -274,14 +241,12 @@ class DraftIndex:
         self._num_tokens += len(new)
 
     def _step(self, seq: _Seq, pos: int, node: _Node, t: int, depth: int) -> _Node:
-        """Move the window starting at `pos` from its end `node` (at depth-1), which other
-        windows pass or end at, on by token t; returns its new end node, at `depth`."""
+        """Moves the window starting at `pos` on by token t; returns its new end node."""
         kids = node.children
         if node.ends == 1 and kids and len(kids) == 1 and node.parent is not None:
             child = kids.get(t)
             if child is not None and child.depth > depth:
-                # It alone ends here and takes the one way on: slide node's end down the
-                # edge (what splitting the child and merging node into it would leave).
+                # Alone here with one way on: slide node down the edge (split + merge).
                 node.depth = depth
                 node.src, node.at = seq, pos
                 node.children = {child.token(depth): child}
@@ -339,7 +304,7 @@ class DraftIndex:
         self._num_nodes -= 1
 
     def _drop_front(self, seq: _Seq) -> None:
-        """Forget the oldest window of seq; compacts its arrays once half of them is dead."""
+        """Forgets seq's oldest window; compacts its arrays once half of them is dead."""
         self._remove_window(seq, seq.first)
         seq.first += 1
         if seq.first >= 64 and 2 * seq.first >= len(seq.tokens):
@@ -349,8 +314,7 @@ class DraftIndex:
             seq.first = 0
 
     def _remove_window(self, seq: _Seq, i: int) -> None:
-        """Take the window starting at index i of seq out of the trie, bottom-up from its
-        end: decrement counts, delete emptied nodes, re-point nodes that referenced it."""
+        """Takes the window at index i of seq out of the trie, bottom-up from its end."""
         pos = seq.base + i
         node = seq.ends[i]
         node.ends -= 1
@@ -382,8 +346,7 @@ class DraftIndex:
             self._merge(survivor)
 
     def _repoint(self, node: _Node) -> None:
-        """node's reference window is going: borrow a child's (it passes through node), or
-        for a leaf keep a private copy of the path (its remaining windows all end here)."""
+        """node's reference window is going: borrow a child's, or copy a leaf's path."""
         if node.children:
             child = next(iter(node.children.values()))
             node.src, node.at = child.src, child.at
@@ -395,22 +358,15 @@ class DraftIndex:
     def propose(
         self, namespace: str, context: Sequence[int], k: int, exclude: str | None = None
     ) -> list[int]:
-        """Up to k tokens likely to follow `context` (the rule: `draft`'s)."""
         return self.draft(namespace, context, k, exclude).tokens
 
     def draft(
         self, namespace: str, context: Sequence[int], k: int, exclude: str | None = None
     ) -> Draft:
-        """Up to k tokens likely to follow `context`, with the suffix they continue.
-
-        The rule (SuffixDecoding's path scoring, simplified): match the longest suffix of
-        `context` (at most max_depth - k tokens, so the draft fits in a window) that some
-        window of the namespace continues, then keep taking the most frequent continuation
-        (ties: the most recent), of probability count(child) / count(node). count(node)
-        counts only the windows that go on past node: one cut off by max_depth or by the end
-        of its sequence (the request's own tail) says nothing against any token. Stop at k
-        tokens, or before the product of the probabilities would fall below min_prob.
-        `exclude`: a seq_id left out of every count (the caller tried its own tokens)."""
+        """Up to k tokens likely to follow `context`: the most frequent continuation of its
+        longest matched suffix (at most max_depth - k), while the joint probability stays
+        >= min_prob. Windows cut off by max_depth or their sequence's end do not count
+        against a token. `exclude`: a seq_id left out of every count."""
         root = self._roots.get(namespace)
         if root is None or k <= 0 or not context:
             return _no_draft()
@@ -428,9 +384,8 @@ class DraftIndex:
     def _match(
         self, root: _Node, ctx: Tokens, longest: int, skip: _Seq | None
     ) -> tuple[_Node, int, list[int]] | None:
-        """The longest d <= longest whose context[-d:] a counted window continues. Binary
-        search: if a window continues P, the next window of its sequence continues P's
-        suffixes, so the lengths that match form a range from 1."""
+        """The longest d <= longest whose context[-d:] a counted window continues; binary
+        search, as the matching lengths form a range from 1."""
         lo, hi, found = 0, longest, None
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -442,8 +397,7 @@ class DraftIndex:
         return None if found is None else (found[0], lo, found[1])
 
     def _probe(self, root: _Node, pat: Tokens, skip: _Seq | None) -> tuple[_Node, list[int]] | None:
-        """(node whose edge holds pat's end, skip's windows continuing pat) when a counted
-        window continues pat."""
+        """(node holding pat's end, skip's windows continuing pat), or None."""
         node = _locate(root, pat)
         if node is None:
             return None
@@ -455,12 +409,11 @@ class DraftIndex:
     def _walk(
         self, node: _Node, d: int, occ: list[int], k: int, skip: _Seq | None
     ) -> tuple[list[int], float]:
-        """The greedy walk from depth d on node's edge: (tokens, their joint probability)."""
         out: list[int] = []
         prob = 1.0
         while len(out) < k:
             if d < node.depth:  # inside an edge: one way on, which every window there takes
-                t, nxt, p = node.token(d), node, 1.0  # (and some counted one: occ only shrinks)
+                t, nxt, p = node.token(d), node, 1.0
             else:
                 step = _pick(node, d, occ, skip)
                 if step is None:
@@ -478,8 +431,7 @@ class DraftIndex:
     # -- checks (tests, debugging: they walk everything) --------------------------------
 
     def path_counts(self) -> dict[tuple[str, tuple[int, ...]], int]:
-        """{(namespace, path): windows with that prefix} for every non-empty path held: the
-        uncompressed trie's counts, to compare with a rebuild from scratch."""
+        """{(namespace, path): windows with that prefix}: the uncompressed trie's counts."""
         out: dict[tuple[str, tuple[int, ...]], int] = {}
         for ns, node in _walk_nodes(self._roots):
             if node.parent is None:
@@ -490,7 +442,7 @@ class DraftIndex:
         return out
 
     def check_integrity(self) -> None:
-        """Recount everything; raises DraftIndexError on the first disagreement."""
+        """Raises DraftIndexError on the first disagreement of a full recount."""
         nodes = 0
         for ns, node in _walk_nodes(self._roots):
             nodes += 1
@@ -557,7 +509,7 @@ def _walk_nodes(roots: dict[str, _Node]) -> Iterator[tuple[str, _Node]]:
 
 
 def _locate(root: _Node, pat: Tokens) -> _Node | None:
-    """The node whose edge holds the end of path `pat` (root for an empty one), or None."""
+    """The node whose edge holds the end of `pat` (root when empty), or None."""
     node, d, n = root, 0, len(pat)
     while d < n:
         child = node.children.get(pat[d]) if node.children else None
@@ -587,8 +539,7 @@ def _continuing(seq: _Seq, pat: Tokens, max_depth: int) -> list[int]:
 
 
 def _advance(seq: _Seq | None, occ: list[int], d: int, t: int, max_depth: int) -> list[int]:
-    """Of the windows in occ (holding the path to depth d-1), those whose token at depth
-    d-1 is t and that go on past depth d."""
+    """The windows of occ whose token at depth d-1 is t and that go on past depth d."""
     if seq is None or d >= max_depth:
         return []
     toks, n = seq.tokens, len(seq.tokens)
@@ -598,7 +549,6 @@ def _advance(seq: _Seq | None, occ: list[int], d: int, t: int, max_depth: int) -
 def _pick(
     node: _Node, d: int, occ: list[int], skip: _Seq | None
 ) -> tuple[int, _Node, float] | None:
-    """At node's end: (token, child, its probability) of the best continuation."""
     going_on = node.count - node.ends - len(occ)
     if going_on <= 0 or not node.children:
         return None
@@ -614,18 +564,9 @@ def _pick(
 
 
 class AdaptiveLength:
-    """Per-request speculation length from its acceptance history.
-
-    Start at max_k. A fully accepted draft grows k by one (up to max_k); a partly accepted
-    one sets k to the accepted count plus one; a wholly rejected one halves k. Speculation
-    goes off (k = 0) when k halves to 0 or when the moving share of drafted tokens accepted
-    falls below `min_rate`: a verify step costs more than a plain one (and pauses the
-    overlap schedule), so drafts that rarely hold lose more than they save. At 0 it probes
-    with one draft after `probe_every` steps; each failed probe doubles the wait (up to
-    `max_probe_every`), so text that never repeats is probed ever more rarely, and an
-    accepted probe brings k back to 2. A step that drafted nothing changes nothing.
-    `start_off`: begin probing instead of at max_k (the engine's recent drafts failed).
-    """
+    """Per-request speculation length from its acceptance history (the rule:
+    docs/speculative.md). It goes off below `min_rate` because a verify step costs more
+    than a plain one; while off it probes, ever more rarely. `start_off`: begin probing."""
 
     def __init__(
         self,
@@ -646,11 +587,10 @@ class AdaptiveLength:
 
     @property
     def k(self) -> int:
-        """The current length (0: off, probing)."""
+        """0: off, probing."""
         return self._k
 
     def next_k(self) -> int:
-        """Tokens to draft this step."""
         if self._k > 0 or self.max_k == 0:
             return self._k
         self._idle += 1
@@ -689,13 +629,9 @@ def propose(
     k: int,
     exclude_own: bool = False,
 ) -> list[int]:
-    """'ngram': ngram_draft over the request's own tokens (prompt + output) only.
-    'suffix': the request's own tokens first (ngram_draft); if that gives fewer tokens than a
-    suffix-index match would, the index over the whole namespace. 'none': [].
-
-    By default the request's own windows (seq_id, when the index holds it) stay in the
-    index's counts: its repeats are evidence too, weighed with the namespace's, and leaving
-    them out costs a scan of its tokens per step. `exclude_own` leaves them out."""
+    """'ngram': ngram_draft of the request's own tokens; 'suffix': that, else the index if
+    it drafts more; 'none': []. The request's own windows stay in the index's counts (its
+    repeats are evidence too, and leaving them out costs a scan) unless `exclude_own`."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown draft algorithm {algorithm!r}; choose from {ALGORITHMS}")
     if algorithm == "none" or k <= 0:

@@ -1,35 +1,10 @@
 """Speculative decoding, the scheduler's half: which requests draft, how many tokens, and
-what a verify step's result commits.
+what a verify step's result commits (the verify step itself: docs/speculative.md).
 
-The drafts come from the request's own tokens and, with ``suffix``, from a suffix index
-over every sequence the engine has seen in the request's namespace (spec_drafts.py); the
-worker verifies them in one forward (a verify step: the last token plus k drafts, an
-extend over the request's cached KV) and returns the accepted ones plus its own next token.
-
-    one decode step of a request with k drafts (S = seq_len before the step)
-
-    position:   S-1        S .......... S+k-1
-    input:      last token d_0 ........ d_{k-1}           KV slots grown: 1 + k
-    returns:    e_0        e_1 ........ e_m               m <= k drafts accepted (e_i == d_i, i < m)
-    after:      kv_len = S + m (the m rejected slots of d_m.. are freed at once), seq_len = S+m+1
-
-Who does not speculate (k = 0 every step; a plain one-token step):
-- ``--speculative-algorithm none`` (the default), or a request with
-  ``SamplingParams.disable_speculation``;
-- a request whose remaining max_tokens (or context) leaves no room for one draft plus the
-  target's own token.
-Everything else speculates, exactly: sampled requests (the worker's verify is the same
-draw as a one-token step, sampling.py), penalties, min_tokens, logit_bias, logprobs and
-top logprobs (each committed token's logprobs are computed at its own row), constrained
-decoding (the worker masks each row with the grammar's state after the drafts before it
-and drops the drafts the grammar refuses: services/worker/grammar/slots.py).
-
-The overlap schedule pauses while speculation is live: a lookahead step is built before the
-current step's tokens are known, and after a verify step even the position of the next
-token is unknown (it depends on how many drafts were accepted). So no lookahead is queued
-behind a verify step, nor behind a plain step when some request would draft in the next
-one (predicted from its tokens known so far); once every request's adaptive length has
-fallen to 0, or their text offers nothing to draft, the lookahead chain runs as before.
+Every request speculates except with ``--speculative-algorithm none``, with
+``disable_speculation``, or when max_tokens or the context leaves no room for a draft.
+The overlap schedule pauses while speculation is live: after a verify step even the
+position of the next token is unknown.
 """
 
 from __future__ import annotations
@@ -45,23 +20,20 @@ from services.scheduler.spec_drafts import ALGORITHMS, AdaptiveLength, DraftInde
 
 FEED_TOKENS_PER_STEP = 64  # tokens a request adds to the draft index per step, at most
 START_OFF_BELOW = 0.2  # a new request starts probing below this engine-wide acceptance
-# (algorithm, index, namespace, seq_id, tokens, k) -> up to k drafts (spec_drafts.propose).
+# (algorithm, index, namespace, seq_id, tokens, k) -> up to k drafts
 DraftFn = Callable[[str, DraftIndex | None, str, str, Sequence[int], int], list[int]]
 
 
 def algorithm_names() -> list[str]:
-    """--speculative-algorithm's choices (the registry lives in spec_drafts.py)."""
     return list(ALGORITHMS)
 
 
 @dataclass(eq=False)
 class SpecState:
-    """A request's speculation: its index sequence and adaptive length."""
-
     seq_id: str
     length: AdaptiveLength
     indexed: int = 0  # tokens of the request's fill_ids already in the draft index
-    # k decided for the next step ahead of it (the lookahead's prediction); None: not yet.
+    # k decided ahead for the next step (the lookahead's prediction); None: not yet.
     planned: int | None = None
 
 
@@ -87,28 +59,22 @@ class Speculator:
         return self.algorithm != "none" and self.max_k > 0
 
     def may_speculate(self, req: Req) -> bool:
-        """Whether the request drafts at all (module docstring: who does not)."""
         s = req.sampling
         return self.enabled and not s.disable_speculation
 
     def _state(self, req: Req) -> SpecState:
         if req.spec is None:
-            # A new request starts probing when the engine's recent drafts mostly failed
-            # (text that does not repeat): its first full-length drafts would fail too,
-            # and each verify step of any request slows the whole batch.
+            # Recent drafts mostly failed: start probing, as verify steps slow the batch.
             start_off = self.accept_rate < START_OFF_BELOW
             length = AdaptiveLength(self.max_k, start_off=start_off)
             req.spec = SpecState(f"{req.rid}#{next(self._ids)}", length)
         return req.spec
 
     def _room(self, req: Req, max_model_len: int) -> int:
-        """Drafts that fit: each accepted one is an output token, and the target adds one
-        more; every draft takes a position of the context."""
         return min(req.remaining_new_tokens - 1, max_model_len - req.seq_len)
 
     # -- a step -----------------------------------------------------------------------
     def drafts(self, req: Req, max_model_len: int) -> list[int]:
-        """The drafts of the request's next step ([]: a plain step)."""
         if not self.may_speculate(req):
             return []
         st = self._state(req)
@@ -125,9 +91,7 @@ class Speculator:
         return self.draft_fn(self.algorithm, self.index, req.namespace, st.seq_id, ids, k)[:k]
 
     def would_verify(self, reqs: Iterable[Req], max_model_len: int) -> bool:
-        """Whether any of these decoding requests is likely to draft in its next step, judged
-        on the tokens known now (the overlap schedule's lookahead asks; module docstring).
-        Each one's length for that step is decided here, so it is counted once."""
+        """Whether any request is likely to draft next step; decides each one's k for it."""
         found = False
         decided: list[SpecState] = []
         for req in reqs:
@@ -148,7 +112,6 @@ class Speculator:
         return found
 
     def verified(self, req: Req, drafted: int, accepted: int) -> None:
-        """A verify step came back: ``accepted`` of the ``drafted`` tokens were right."""
         self._state(req).length.observe(drafted, accepted)
         self.metrics.on_verify(drafted, accepted)
         if drafted > 0:
@@ -156,9 +119,7 @@ class Speculator:
 
     # -- the draft index ----------------------------------------------------------------
     def _feed(self, req: Req, st: SpecState, limit: int = FEED_TOKENS_PER_STEP) -> None:
-        """The index catches up with the request's tokens, at most ``limit`` of them a call:
-        indexing costs ~10 us a token, so a long prompt is spread over its first steps
-        instead of stalling one (its own tokens draft through ngram meanwhile)."""
+        """Indexes at most ``limit`` new tokens a call, so a long prompt stalls no step."""
         if self.index is None:
             return
         ids = req.fill_ids
@@ -170,15 +131,12 @@ class Speculator:
         st.indexed = end
 
     def finished(self, req: Req) -> None:
-        """A request ended: its whole text stays in the index (other requests of its
-        namespace draft from it; the index's LRU bound evicts it in time). A request that
-        never decoded (refused, prefill only) adds nothing."""
+        """A request's whole text stays in the index for its namespace to draft from."""
         if self.index is None or not req.output_ids:
             return
         self._feed(req, self._state(req), limit=len(req.fill_ids))
 
     def reset(self) -> None:
-        """Forgets every indexed sequence (FlushCache, which runs only when no request
-        does: drafts come from nothing seen before it)."""
+        """Forgets every indexed sequence (FlushCache, with no request running)."""
         if self.index is not None:
             self.index = DraftIndex(max_tokens=self.index.max_tokens)

@@ -1,18 +1,7 @@
 """The storage tier behind the host tier (hierarchical cache): page names and pending loads.
 
-The worker keeps pages of ``page_tokens`` tokens as files (services/worker/page_store.py);
-this side decides which to write and which to look for, by name only. A page's key hashes
-the engine's identity (model, KV layout), the namespace (cache salt / adapter) and every
-token from the sequence's start to the page's end, so equal keys mean equal KV: whoever
-computes the same tokens finds the page, a restarted worker or another engine on the
-volume, and a page of one namespace is never served to another.
-
-    write: a node leaving the device (or copied to the host, write_through) sends its
-           pages (those ending inside it) from its device slots: its path is on the device
-    load:  a new request whose prompt runs past what the tree holds asks for the next
-           pages into fresh host slots (STORAGE_TO_HOST); it waits (``Req.storage_wait``)
-           until the batch's result says how many leading pages were found, which then
-           join the tree as host-only nodes and load to the device like any host hit
+The worker keeps the pages as files; this side only names them. A key hashes the engine's
+identity, the namespace and every token up to the page's end: equal keys mean equal KV.
 """
 
 from __future__ import annotations
@@ -28,9 +17,8 @@ MAX_LOAD_PAGES = 64  # pages one request asks for at once (what a batch reads fr
 def engine_seed(
     model_id: str, weights: str, dtype: str, layers: int, kv_heads: int, head_dim: int
 ) -> bytes:
-    """What a page's KV depends on besides its tokens: two engines share pages only when
-    these agree (the worker checks the layout again in each file's header). weights is the
-    checkpoint's fingerprint: one served name over other weights shares nothing."""
+    """What a page's KV depends on besides its tokens (weights: the checkpoint's
+    fingerprint, so one served name over other weights shares nothing)."""
     return f"radixserve-kv2|{model_id}|{weights}|{dtype}|{layers}|{kv_heads}|{head_dim}".encode()
 
 
@@ -75,7 +63,6 @@ class StorageTier:
         return load_id
 
     def held_host_slots(self) -> list[int]:
-        """Host slots reserved by loads not yet answered (outside the tree)."""
         return [s for ld in self.pending.values() for s in ld.host]
 
     def mark_sent(self, batch_id: int) -> None:
@@ -84,6 +71,5 @@ class StorageTier:
                 ld.batch_id = batch_id
 
     def unanswered(self, batch_id: int) -> list[int]:
-        """Loads whose batch (results come in order) came back without their answer: it
-        failed, so they found nothing."""
+        """Loads whose batch came back without their answer (it failed: nothing found)."""
         return [i for i, ld in self.pending.items() if 0 <= ld.batch_id <= batch_id]

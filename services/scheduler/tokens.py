@@ -1,18 +1,9 @@
 """Token ids in the scheduler: ``array('i')`` (int32, as on the wire), not lists of ints.
 
-Why: the radix tree compares a request's prompt with its cached runs at every
-match. Two lists of ints compare element by element through the int objects (~20 ns a
-token: ~45 us for a 2,048-token system prompt, a third of a request's whole cache
-bookkeeping on the generated-shared-prefix trace); two arrays of one typecode compare
-their buffers in C (~2 us). The wire already carries token ids as packed int32
-(``services/common/transport.pack_i32``), so a request's ids become an array by a memcpy
-of the payload where ``.tolist()`` built 2,048 int objects (~50 us). Appending, slicing,
-``len`` and ``+`` behave as for lists; ``pack_i32`` reads an array through the buffer
-protocol without a per-token loop.
-
-One rule makes this safe: every token container the tree compares must be an array of
-typecode ``"i"`` (an array never equals a list, so a list would silently match nothing).
-``as_tokens`` converts at the cache's door; ``Req`` converts in its constructor.
+Why: two arrays compare their buffers in C, many times faster than lists of ints, and the
+wire's packed int32 becomes an array by one copy. The rule: every container the tree
+compares must be such an array (an array never equals a list, so a list would silently
+match nothing); ``as_tokens`` converts at the cache's door, ``Req`` in its constructor.
 """
 
 from __future__ import annotations
@@ -28,8 +19,7 @@ Tokens = array  # annotate as Tokens; elements are ints
 
 
 def as_tokens(seq: Sequence[int]) -> array[int]:
-    """``seq`` as an int32 token array: itself when it already is one, else a copy
-    (numpy arrays and tensors via ``tolist``). Raises ValueError for an id outside int32."""
+    """``seq`` itself if already a token array, else a copy; ValueError outside int32."""
     if type(seq) is array and seq.typecode == TYPECODE:
         return seq
     tolist = getattr(seq, "tolist", None)
@@ -40,7 +30,7 @@ def as_tokens(seq: Sequence[int]) -> array[int]:
 
 
 def tokens_from_wire(payload: bytes) -> array[int]:
-    """The int32 little-endian ids of a packed proto field (``pack_i32``), copied once."""
+    """The little-endian int32 ids of a packed proto field (``pack_i32``)."""
     out = array(TYPECODE)
     out.frombytes(payload)  # ValueError when len(payload) is not a multiple of 4
     if sys.byteorder == "big":
@@ -49,5 +39,4 @@ def tokens_from_wire(payload: bytes) -> array[int]:
 
 
 def new_tokens() -> array[int]:
-    """An empty token array (a dataclass default_factory)."""
     return array(TYPECODE)

@@ -1,18 +1,8 @@
 """The scheduler's connection to its worker, and how it knows the worker is gone.
 
-A worker that dies (kill -9, OOM, a crashed container) must not leave streams hanging.
-Two real signals, both from libzmq, none from a timer in this process:
-
-- the socket monitor: the kernel closes a dead process's sockets, so libzmq reports
-  DISCONNECTED at once (kill -9 on the same host or pod);
-- ZMTP heartbeats: the I/O thread PINGs the worker every HEARTBEAT_IVL_MS and drops the
-  connection when nothing comes back for HEARTBEAT_TIMEOUT_MS (a frozen process, a lost
-  node). libzmq's own I/O thread answers them, so a worker busy in a long forward still does.
-
-Whatever the cause, the socket is thrown away and a fresh one (a new identity, nothing
-queued) says hello again: the worker answers with its WorkerInfo once it is back, and
-the scheduler starts over on that pool. A worker that is alive but never answers a batch is
-the WorkerLink's result deadline (--worker-result-timeout).
+Two libzmq signals: the socket monitor's DISCONNECTED (the kernel closed a dead process's
+socket) and ZMTP heartbeats (a frozen process or lost node; libzmq's I/O thread answers
+them even during a long forward). Then a fresh socket says hello again.
 """
 
 from __future__ import annotations
@@ -44,8 +34,7 @@ class WorkerConn:
         self.addr = addr
         self.ctx = ctx
         self.setup = setup  # run on each new socket before it connects (CURVE keys)
-        # Context defaults reach every socket made from it before it connects (heartbeat
-        # options only apply to connections made after they are set).
+        # Heartbeat options only apply to connections made after they are set.
         ctx.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         ctx.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         ctx.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
@@ -55,8 +44,7 @@ class WorkerConn:
         self.renew()
 
     def renew(self) -> None:
-        """A fresh socket: batches queued for a dead worker are dropped with the old one, and
-        the new identity tells the worker this is a new scheduler session."""
+        """A fresh socket and identity: nothing queued for a dead worker reaches the next."""
         self.close()
         identity = f"scheduler-{os.getpid()}-{next(self._ids)}".encode()
         self.sock = transport.dealer(self.ctx, self.addr, identity=identity, setup=self.setup)
@@ -75,8 +63,7 @@ class WorkerConn:
             self._monitor = None
 
     def lost(self) -> str:
-        """Why the worker is gone ("" while it is not known to be): reads the monitor's
-        events without waiting."""
+        """Why the worker is gone ("" while it is not known to be); never waits."""
         assert self._monitor is not None
         reason = ""
         while self._monitor.poll(0):
@@ -88,14 +75,13 @@ class WorkerConn:
         return reason
 
     def say_hello(self) -> None:
-        """Asks for the worker's info; the worker also resets its per-request state (a new
-        scheduler: no request of the old one is running)."""
+        """Asks for the worker's info; the worker also resets its per-request state."""
         assert self.sock is not None
         transport.send(self.sock, engine_pb2.SchedulerToWorker(info=engine_pb2.WorkerInfoRequest()))
 
     def hello_reply(self, timeout_ms: int = 0) -> engine_pb2.WorkerInfo | None:
-        """The worker's answer to say_hello, if it came within ``timeout_ms``. A connection
-        lost meanwhile (the worker restarted while loading) gets a new socket and hello."""
+        """The answer to say_hello within ``timeout_ms``, or None (a lost connection gets a
+        new socket and hello)."""
         assert self.sock is not None
         if self.sock.poll(timeout_ms):
             try:

@@ -1,8 +1,5 @@
-"""The scheduler's end of the ZeroMQ link to its worker: batches out, results back.
-
-The worker runs batches in the order they arrive and answers each in that order, so the
-link keeps the batches it sent and has not read the result of in a FIFO. With the overlap
-schedule it holds two: the one the worker runs and the lookahead step queued behind it.
+"""The scheduler's end of the ZeroMQ link to its worker: batches out, results back, both in
+order, so unanswered batches wait in a FIFO (two with the overlap schedule).
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ class WorkerError(RuntimeError):
 
 class WorkerLost(WorkerError):
     """The worker cannot answer the batches in flight (gone, restarted, or past the result
-    deadline): their requests fail with UNAVAILABLE and the scheduler waits for a worker."""
+    deadline): their requests fail UNAVAILABLE."""
 
 
 def _never_lost() -> str:
@@ -49,8 +46,6 @@ def _never_lost() -> str:
 
 @dataclass(frozen=True, slots=True)
 class SentBatch:
-    """A batch the worker has (or will have) run, its result not read yet."""
-
     batch_id: int
     items: list[Item]
 
@@ -74,7 +69,6 @@ class WorkerLink:
 
     @property
     def next_batch_id(self) -> int:
-        """The id the next send() gives its batch."""
         return self._last_id + 1
 
     def send(
@@ -83,8 +77,8 @@ class WorkerLink:
         grammars: Sequence[engine_pb2.GrammarCompile] = (),
         copies: Sequence[Copy] = (),
     ) -> None:
-        """Queues a batch; it may carry grammars to compile, or be only that (no items), and
-        the KV copies between tiers the tree decided since the last batch (run first)."""
+        """Queues a batch, with grammars to compile and KV copies between tiers (run first);
+        it may have no items."""
         self._last_id += 1
         batch = engine_pb2.ForwardBatch(batch_id=self._last_id, is_decode=is_decode(items))
         batch.grammars.extend(grammars)
@@ -107,7 +101,7 @@ class WorkerLink:
         self.in_flight.append(SentBatch(self._last_id, items))
 
     def recv(self) -> engine_pb2.ForwardResult:
-        """Waits for the result of the oldest batch in flight (in_flight[0], removed)."""
+        """Waits for the result of the oldest batch in flight (removed from in_flight)."""
         sent = self.in_flight.popleft()
         reply = self._recv_reply()
         if not reply.HasField("result") or reply.result.batch_id != sent.batch_id:
@@ -121,8 +115,7 @@ class WorkerLink:
         return reply.result
 
     def _recv_reply(self) -> engine_pb2.WorkerToScheduler:
-        """The next reply; WorkerLost as soon as the connection is known dead, or when the
-        worker, alive, has not answered within the result deadline."""
+        """The next reply; WorkerLost once the connection is dead or the deadline passed."""
         deadline = time.monotonic() + self.result_timeout_s
         while not self.sock.poll(POLL_SLICE_MS):
             if why := self.lost():
@@ -139,7 +132,6 @@ class WorkerLink:
 
 
 def forward_request(it: Item) -> engine_pb2.ForwardRequest:
-    """The item on the wire: its new tokens (or "the token you sampled last") and slots."""
     req = it.req
     end = it.start + it.n
     fr = engine_pb2.ForwardRequest(
@@ -163,7 +155,7 @@ def forward_request(it: Item) -> engine_pb2.ForwardRequest:
 
 
 def _rewrite_row(fr: engine_pb2.ForwardRequest, req: Req, prefix_len: int) -> None:
-    """The worker's table row is new or stale: send all it needs to (re)build it."""
+    """The worker's table row is new or stale: send all it needs to rebuild it."""
     fr.is_new = True
     fr.prefix_slots = pack_i32(req.kv_slots[:prefix_len])
     fr.sampling.CopyFrom(req.sampling)
