@@ -44,6 +44,7 @@ PEERS_DIR = Path(
 MODELS_DIR = PEERS_DIR / "models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MAX_POSITIONS = 4096
+LONG_POSITIONS = 32768  # "small-32k": the context curves (issue 42) reach 32k tokens
 
 SHAPES: dict[str, dict] = {
     "small": dict(
@@ -55,6 +56,17 @@ SHAPES: dict[str, dict] = {
         head_dim=64,
         intermediate_size=1408,
         tie_word_embeddings=True,
+    ),
+    "small-32k": dict(
+        arch="llama",
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1408,
+        tie_word_embeddings=True,
+        max_position_embeddings=LONG_POSITIONS,
     ),
     "qwen-0.5b": dict(
         arch="qwen2",
@@ -72,8 +84,8 @@ def model_dir(name: str) -> Path:
     return MODELS_DIR / name
 
 
-def copy_tokenizer(dst: Path) -> int:
-    """The default model's tokenizer files, limit raised to MAX_POSITIONS; returns its length."""
+def copy_tokenizer(dst: Path, positions: int = MAX_POSITIONS) -> int:
+    """The default model's tokenizer files, limit raised to the model's; returns its length."""
     from transformers import AutoTokenizer
 
     src = Path(DEFAULT_MODEL_PATH)
@@ -82,7 +94,7 @@ def copy_tokenizer(dst: Path) -> int:
             shutil.copy(src / name, dst / name)
     cfg_path = dst / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["model_max_length"] = MAX_POSITIONS
+    cfg["model_max_length"] = positions
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return len(AutoTokenizer.from_pretrained(dst))
 
@@ -90,12 +102,11 @@ def copy_tokenizer(dst: Path) -> int:
 def build_config(name: str, vocab: int, eos: int):
     import transformers
 
-    shape = dict(SHAPES[name])
+    shape = {"max_position_embeddings": MAX_POSITIONS, **SHAPES[name]}
     arch = shape.pop("arch")
     cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
     return cls(
         vocab_size=vocab,
-        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
         bos_token_id=None,
         eos_token_id=eos,
@@ -124,7 +135,7 @@ def make(name: str, force: bool = False) -> Path:
     if (out / "config.json").exists() and not force:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    vocab = copy_tokenizer(out)
+    vocab = copy_tokenizer(out, SHAPES[name].get("max_position_embeddings", MAX_POSITIONS))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     torch.manual_seed(0)
     config = build_config(name, vocab, tokenizer.eos_token_id)

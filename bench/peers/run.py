@@ -96,6 +96,8 @@ COUNTS = {
     "small": Counts(50, 50, (16, 64), 128, 16, 8),
     "qwen-0.5b": Counts(16, 8, (8, 16), 64, 8, 4),
 }
+COUNTS["small-32k"] = COUNTS["small"]
+CONTEXTS = (1000, 4000, 16000, 32000)  # the ctx-N curve (small-32k: 32,768 positions)
 
 
 def counts(model: str, quick: bool) -> Counts:
@@ -140,6 +142,12 @@ def workloads(model: str, quick: bool) -> list[Workload]:
                  flags("--workload multi-turn --num-prompts 16 --num-turns 6 "
                        "--system-prompt-len 1500 --input-len 64 --output-len 32 "
                        "--max-concurrency 16 --ignore-eos")),
+        # Issue 42's curves: one request of N prompt tokens, then 32 decoded: its TTFT is
+        # the prefill of N tokens, its ITL a decode step at context N.
+        *(Workload(f"ctx-{n}", f"one {n:,}-token prompt, 32 tokens out",
+                   flags("--workload distinct --num-prompts 1 --input-len {n} --output-len 32 "
+                         "--ignore-eos", n=n))
+          for n in CONTEXTS),
     ]  # fmt: skip
 
 
@@ -364,6 +372,11 @@ def measures(loads: list[Workload]) -> list[Measure]:
         Measure("agent", "cache hit rate", ("cache_hit_rate",), True),
         Measure("agent", "TTFT p50", ("ttft_ms", "p50"), False, "ms"),
     ]
+    for n in CONTEXTS:
+        ms += [
+            Measure(f"ctx-{n}", "prefill (TTFT)", ("ttft_ms", "p50"), False, "ms"),
+            Measure(f"ctx-{n}", "decode step (ITL p50)", ("itl_ms", "p50"), False, "ms"),
+        ]
     return ms
 
 
@@ -534,7 +547,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", default="small", choices=["small", "qwen-0.5b"])
+    ap.add_argument("--model", default="small", choices=sorted(COUNTS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--threads", type=int, default=2, help="torch/OMP threads of each server's engine"
@@ -550,7 +563,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--workloads",
         default=DEFAULT_WORKLOADS,
-        help="comma separated: shared, distinct, decode-N, stall (issue 18's); agent (issue 38's)",
+        help="comma separated: shared, distinct, decode-N, stall (issue 18's); agent (issue "
+        "38's); ctx-1000, ctx-4000, ctx-16000, ctx-32000 (issue 42's curves, model small-32k)",
     )
     ap.add_argument(
         "--port-base", type=int, default=31000, help="radixserve gRPC here, HTTP +80, vLLM +180"
