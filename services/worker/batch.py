@@ -1,9 +1,5 @@
-"""The plain data the model runner takes and returns: no protobuf past this line.
-
-``services/worker/wire.py`` turns a ForwardBatch off the socket into a ``Batch`` (checked
-against the runner's limits) and a ``ForwardOutput`` back into a ForwardResult; the
-runner, the sampler and the model only ever see these dataclasses and tensors. Keeping
-the wire at the edge means a test (or another transport) can drive the runner directly.
+"""The plain data the model runner takes and returns: no protobuf past wire.py, so a test
+can drive the runner directly.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from services.worker.sampling import SamplingSpec
 
 @dataclass(frozen=True)
 class Constraint:
-    """A grammar the request's tokens must follow; the key of the compiled-grammar cache."""
+    """A grammar the request's tokens must follow; the compiled-grammar cache key."""
 
     kind: str  # "json_schema" | "regex" | "ebnf" | "json_object" | "structural_tag"
     text: str  # the schema, regex, grammar or structural tag ("" for json_object)
@@ -25,8 +21,6 @@ class Constraint:
 
 @dataclass(frozen=True)
 class GrammarStatus:
-    """A grammar asked for by a waiting request has settled: ready (error "") or refused."""
-
     rid: str
     error: str = ""
     error_code: str = ""  # gRPC status name: INVALID_ARGUMENT, DEADLINE_EXCEEDED
@@ -34,8 +28,6 @@ class GrammarStatus:
 
 @dataclass(frozen=True)
 class SlotStart:
-    """A request taking its request slot (new, or back after a retraction)."""
-
     prefix_slots: np.ndarray  # [prefix_len] int32: KV slots of positions [0, prefix_len)
     sampling: SamplingSpec
     output_ids: np.ndarray  # int32: tokens generated so far (penalties, seeded draws)
@@ -45,8 +37,6 @@ class SlotStart:
 
 @dataclass(frozen=True)
 class PromptScore:
-    """Prompt logprobs asked of one request's chunk (services/worker/prompt_logprobs.py)."""
-
     row: int  # first new token of the request whose logits score targets[0]
     targets: np.ndarray  # [k] int32: the prompt token each scored row (row .. row+k-1) predicts
     top: int  # alternatives per entry (0: none)
@@ -58,9 +48,7 @@ Scored = tuple[int, float, list[tuple[int, float]]]
 
 @dataclass(frozen=True)
 class ReqInput:
-    """One request's part of a batch.
-
-    Positions of the new tokens: prefix_len .. prefix_len + len(out_slots) - 1."""
+    """One request's part of a batch; new tokens at positions prefix_len onwards."""
 
     req_slot: int  # row of the request-slot table
     input_ids: np.ndarray  # [n] int32; empty when use_last_sampled
@@ -69,21 +57,17 @@ class ReqInput:
     sample: bool  # false for a prefill chunk that is not the last
     use_last_sampled: bool  # the one input token is the slot's last sampled token
     start: SlotStart | None = None  # set the first time the request uses req_slot
-    rid: str = ""  # for error messages and logs
-    score: PromptScore | None = None  # prompt logprobs asked of this chunk
-    # Speculative decoding: [k] int32 tokens drafted to follow input_ids, computed after
-    # them (out_slots covers both); None: a plain step. The runner returns the accepted
-    # drafts and the target's token after them (ForwardOutput.extra_token_ids).
+    rid: str = ""
+    score: PromptScore | None = None
+    # [k] int32 speculative drafts after input_ids (out_slots covers both); None: plain step.
     drafts: np.ndarray | None = None
 
     @property
     def n_new(self) -> int:
-        """Tokens this request computes in the batch (its input and its drafts)."""
         return len(self.out_slots)
 
     @property
     def where(self) -> str:
-        """How an error message names this request."""
         return f"request {self.rid or '?'} (req_slot {self.req_slot})"
 
 
@@ -96,25 +80,21 @@ class Batch:
 
     @property
     def has_drafts(self) -> bool:
-        """A verify step: some request carries drafts (speculative decoding)."""
         return any(r.drafts is not None for r in self.reqs)
 
 
 @dataclass
 class ForwardOutput:
-    """What a forward step produced, one entry per request of the batch (same order)."""
+    """One entry per request of the batch, in order."""
 
     token_ids: list[int]  # -1 where the request was not sampled
     logprobs: list[float | None]  # raw logprob of the chosen token; None where not asked
     top_logprobs: list[list[tuple[int, float]] | None]  # (token, logprob), best first
-    # Constrained requests (grammar/): the grammar completed with this token, or refused it.
     grammar_terminated: list[bool] = field(default_factory=list)  # empty: none constrained
     grammar_errors: list[str] = field(default_factory=list)  # "" per row, or empty
     grammar_dead_ends: list[bool] = field(default_factory=list)  # the error is the grammar's
-    # Prompt logprobs per request (None where none asked); empty: none in the batch.
     prompt_logprobs: list[list[Scored] | None] = field(default_factory=list)
-    # Verify steps (ReqInput.drafts): per request, the tokens committed after token_ids[i]
-    # and, with logprobs, their (logprob, top alternatives); empty: no drafts in the batch.
+    # Verify steps: per request, tokens committed after token_ids[i]; empty: no drafts.
     extra_token_ids: list[list[int]] = field(default_factory=list)
     extra_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
     cuda_graph: bool = False  # decode replayed a captured CUDA graph
@@ -123,7 +103,7 @@ class ForwardOutput:
 
 @dataclass(frozen=True)
 class RunnerInfo:
-    """What the runner serves (field names as WorkerInfo's, which wire.py fills from it)."""
+    """Field names as WorkerInfo's, which wire.py fills from it."""
 
     model_id: str
     architecture: str

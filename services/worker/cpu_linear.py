@@ -1,16 +1,8 @@
 """Prepacked CPU linears: ``y = x @ W^T + b`` through oneDNN instead of MKL.
 
-Why: MKL's sgemm repacks the weight on every call; oneDNN runs over a weight reordered once,
-at load, and wins from two rows up. Small M (decode, cold weights) goes to the C kernel of
-kernels/cpu/gemm.py below ``default_kernel_rows()``. The path is chosen at pack time
-(oneDNN for float32/bfloat16 CPU weights where torch has it, ``F.linear`` otherwise), so
-callers never branch::
-
-    qkv = PackedLinear(layer.qkv_proj.weight, layer.qkv_proj.bias)
-    y = qkv(x)            # x: [..., in_features], any leading shape, any M (0 and 1 too)
-
-Exactness, 16-bit weights and the memory price of keeping both copies
-(``--cpu-linear``): docs/cpu-kernels.md.
+MKL's sgemm repacks the weight on every call; oneDNN runs over a weight reordered once, at
+load. Few rows go to the C kernel of kernels/cpu/gemm.py. The path is chosen at pack time,
+so callers never branch. Exactness, 16-bit weights, memory: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations
@@ -33,35 +25,27 @@ __all__ = [
     "onednn_bf16_available",
 ]
 
-# Fewer rows than this run kernels/cpu/gemm.py on the plain weight (float32, plain weight
-# kept); from it on oneDNN is faster. Where the two cross depends on the vector width both
-# use and on the core: with AVX-512 on AMD (two halves per op, a 32 KiB L1d) the kernel's
-# reuse of each weight chunk over the rows pays less. Measured: docs/benchmarks.md, "Worker".
+# float32: fewer rows than this run the C kernel on the plain weight, more run oneDNN. The
+# crossing depends on vector width and core (AVX-512 on AMD splits each op in two halves).
 KERNEL_ROWS = 28
 KERNEL_ROWS_AVX512 = 20
 KERNEL_ROWS_AVX512_AMD = 10
 
 
 def default_kernel_rows() -> int:
-    """The crossing for the width of the kernel this CPU builds and its vendor (PackedLinear
-    uses no kernel at all where none builds)."""
     if cpu_gemm.lanes() != 16:
         return KERNEL_ROWS
     return KERNEL_ROWS_AVX512_AMD if _cc.cpu_vendor() == "AuthenticAMD" else KERNEL_ROWS_AVX512
 
 
-# 16-bit weights: fewer rows than this run the 16-bit kernel (plain weight kept). oneDNN on
-# AMX (Sapphire Rapids and later) reads the weights at memory speed from a few rows up, so
-# its crossing is low; without AMX (avx512_bf16 on Zen 4 / Cooper Lake, or bf16 emulated on
-# plain AVX-512) oneDNN's bf16 rate is its float32 one's, and the float32 crossings serve
-# until measured there. Measure: bench/bench_bf16_cpu.py --crossing.
+# 16-bit weights: the kernel below this many rows. oneDNN on AMX reaches memory speed from
+# a few rows up; without AMX its bf16 rate is its float32 one's, so the float32 crossings serve.
 KERNEL_ROWS_16_AMX = 6
-# No oneDNN 16-bit path: the kernel up to here (x rows still fit L2), F.linear beyond.
+# No oneDNN 16-bit path: the kernel up to here (x still fits L2), F.linear beyond.
 KERNEL_ROWS_16_ALONE = 64
 
 
 def default_kernel_rows16(dtype: torch.dtype = torch.bfloat16) -> int:
-    """The crossing of the 16-bit kernel for weights of ``dtype`` on this CPU."""
     if not onednn_available(dtype):
         return KERNEL_ROWS_16_ALONE
     if dtype == torch.bfloat16 and "amx_bf16" in _cc.cpu_flags().split():
@@ -88,19 +72,16 @@ def _probe(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def onednn_fp32_available() -> bool:
-    """This torch build has oneDNN's packed float32 linear (and it runs here)."""
     return _probe(torch.float32)
 
 
 @functools.cache
 def onednn_bf16_available() -> bool:
-    """oneDNN can pack bfloat16 weights here (the CPU has avx512bw/vl/dq or avx_ne_convert)."""
     return _probe(torch.bfloat16)
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
-    """oneDNN's packed linear serves ``dtype`` here: float32 and bfloat16. float16 is left
-    to ``F.linear`` (torch picks oneDNN itself where the CPU has float16 arithmetic)."""
+    """float32 and bfloat16; float16 is left to ``F.linear`` (torch picks oneDNN itself)."""
     if dtype == torch.float32:
         return onednn_fp32_available()
     return dtype == torch.bfloat16 and onednn_bf16_available()
@@ -112,15 +93,9 @@ _ONEDNN_PATHS = {torch.float32: "onednn", torch.bfloat16: "onednn-bf16"}
 class PackedLinear:
     """``x @ weight^T + bias`` with the weight prepacked once for the fastest CPU path.
 
-    Not an ``nn.Module`` on purpose: the packed weight is an opaque mkldnn tensor that
-    ``.to()``, ``state_dict()`` and ``deepcopy`` cannot handle; the module that owns the
-    parameters keeps a PackedLinear as a plain attribute.
-
-    Attributes: ``path`` ("onednn", "onednn-bf16", "linear" or "linear-bf16"),
-    ``in_features``, ``out_features``, ``dtype`` (the dtype the product runs in),
-    ``min_rows`` (rows below it run ``F.linear`` on the plain weight; 0 when there is none),
-    ``kernel_rows`` (rows below it, and from ``min_rows`` up, run the C kernel
-    kernels/cpu/gemm.py on the plain weight; 0 when it is not used).
+    Not an ``nn.Module``: the opaque mkldnn weight defeats ``.to()``, ``state_dict()`` and
+    ``deepcopy``. Rows below ``min_rows`` run ``F.linear``, below ``kernel_rows`` the C
+    kernel, on the plain weight (0: unused); ``path`` names the large-M route.
     """
 
     path: str
@@ -150,7 +125,6 @@ class PackedLinear:
         dtype = torch.bfloat16 if bf16 else weight.dtype
         self.dtype = dtype
         with torch.no_grad():
-            # The original object itself when no cast is needed (to_dense() returns it).
             w = weight if weight.dtype == dtype else weight.detach().to(dtype)
             b = None if bias is None else bias.detach().to(dtype).contiguous()
             cpu = w.device.type == "cpu" and torch.backends.mkldnn.enabled
@@ -167,10 +141,8 @@ class PackedLinear:
             self._bias = b
         kernel, kernel_rows = self._small_kernel(w, b, kernel_rows)
         self._kernel = kernel
-        # The 16-bit kernel adds a float32 bias (exact: it is b widened).
         self._bias32 = None if b is None or kernel is None or dtype == torch.float32 else b.float()
         hybrid = self._packed is not None and self._plain is not None
-        # Single rows (float32): the C kernel where it runs (faster than F.linear), else F.linear.
         default_min = 0 if kernel is not None else 2
         use_min = hybrid and dtype == torch.float32
         self.min_rows = (default_min if min_rows is None else min_rows) if use_min else 0
@@ -180,8 +152,7 @@ class PackedLinear:
     def _small_kernel(
         self, w: Tensor, b: Tensor | None, rows: int | None
     ) -> tuple[cpu_gemm.Gemm | None, int]:
-        """The C kernel for few rows and its crossing, (None, 0) where it does not serve:
-        float32 beside oneDNN (both weights kept), 16-bit wherever the plain weight is kept."""
+        """The few-rows C kernel and its crossing, or (None, 0): needs the plain weight."""
         if self._plain is None or w.device.type != "cpu":
             return None, 0
         if self.dtype == torch.float32:
@@ -194,7 +165,7 @@ class PackedLinear:
         return (kernel, rows) if kernel is not None and rows > 0 else (None, 0)
 
     def _build(self) -> Callable[[Tensor], Tensor]:
-        """The call, bound once: the only per-call test is the row count (hybrid path)."""
+        """The call, bound once: the only per-call test is the row count."""
         if self.dtype in (torch.bfloat16, torch.float16):
             return self._build16()
         plain, packed, b = self._plain, self._packed, self._bias
@@ -219,8 +190,6 @@ class PackedLinear:
         return run
 
     def _build16(self) -> Callable[[Tensor], Tensor]:
-        """16-bit weights: the kernel below kernel_rows, oneDNN (or F.linear) from there,
-        the result in x's dtype."""
         plain, packed, b, dtype = self._plain, self._packed, self._bias, self.dtype
         if packed is not None:
             op = torch.ops.mkldnn._linear_pointwise.default
@@ -241,14 +210,11 @@ class PackedLinear:
         return run
 
     def __call__(self, x: Tensor) -> Tensor:
-        """x: [..., in_features] -> [..., out_features] in x's dtype. Any leading shape;
-        a non-contiguous x is copied to contiguous (as F.linear does)."""
+        """x: [..., in_features] -> [..., out_features] in x's dtype."""
         return self._run(x)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs) -> PackedLinear:
-        """Packs an ``nn.Linear`` (or FusedLinear):
-        ``PackedLinear(linear.weight, linear.bias, ...)``."""
         return cls(linear.weight, linear.bias, **kwargs)
 
     @property
@@ -256,8 +222,7 @@ class PackedLinear:
         return self._bias
 
     def to_dense(self) -> Tensor:
-        """The weight as a plain [out_features, in_features] tensor (a new copy when only
-        the packed one is kept)."""
+        """[out_features, in_features] plain weight (a new copy if only the packed one kept)."""
         if self._plain is not None:
             return self._plain
         assert self._packed is not None
@@ -272,5 +237,4 @@ class PackedLinear:
 
 
 def pack_linear(weight: Tensor, bias: Tensor | None = None, **kwargs) -> PackedLinear:
-    """``PackedLinear(weight, bias, **kwargs)``: a callable x -> x @ weight^T + bias."""
     return PackedLinear(weight, bias, **kwargs)

@@ -1,25 +1,9 @@
 """How a CPU worker's OpenMP threads wait, and how many run.
 
-Why: libgomp either spins at a barrier for a while or sleeps at once (``OMP_WAIT_POLICY=
-PASSIVE``). On a small KVM guest sleeping costs a wake-up through the host at each of the
-~400 parallel regions of a decode step, and the woken threads stream memory slower, so
-spinning is faster while the cores are free. But a spinning thread holds a core that
-another process wants: with a busy process beside it the barrier partner waits on the OS
-scheduler at every op, and a step takes several times longer than passive (or than one
-thread). Figures: docs/benchmarks.md ("Worker") and docs/benchmarks-history.md.
-
-So the default, ``adaptive``, spins (``SPIN_COUNT``) and counts: every ``period_s`` it
-reads how long the worker's threads sat runnable without a core (``run_delay`` in
-``/proc/<pid>/task/*/schedstat``). When that is more than ``high`` of the wall time per
-running thread for ``sustain`` windows in a row, others want the cores, and the worker runs
-one thread fewer; every ``probe_s`` at fewer threads it tries one more and keeps it unless
-the delay comes back. ``spin`` spins with a fixed thread count; ``passive`` sleeps at once
-with a fixed thread count (the default before). An explicit ``OMP_WAIT_POLICY`` or
-``GOMP_SPINCOUNT`` in the environment always wins over the libgomp half of the setting.
-
-Token exactness: the C kernels sum in an order that does not depend on the thread count;
-torch's and oneDNN's may change with it by float32 rounding, well inside the parity tests'
-tolerance.
+Spinning at libgomp's barriers beats sleeping while cores are free, but holds cores other
+processes want. The default, ``adaptive``, spins and watches the threads' run delay
+(schedstat): under sustained contention it drops a thread, later probing one more.
+``spin`` and ``passive`` fix the count; explicit ``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT`` win.
 """
 
 from __future__ import annotations
@@ -34,15 +18,13 @@ from pathlib import Path
 log = logging.getLogger("radixserve.worker")
 
 WAIT_MODES = ("adaptive", "spin", "passive")
-# Well under a millisecond of spinning: longer than the gaps between a decode step's
-# parallel regions, short enough to leave the cores to the frontend and scheduler between
-# steps (a spin 3x longer was slower served; one 3x shorter slower in process).
+# Longer than the gaps between a decode step's parallel regions, short enough to leave
+# the cores to the frontend and scheduler between steps.
 SPIN_COUNT = 30_000
 
 
 def default_threads(requested: int, tp_size: int = 1) -> int:
-    """--cpu-threads, or one torch thread per core this process may use, split evenly
-    between the ranks of a tensor-parallel worker (they share the host's cores)."""
+    """--cpu-threads, or the usable cores split evenly between the tensor-parallel ranks."""
     return requested or max(1, len(os.sched_getaffinity(0)) // tp_size)
 
 
@@ -59,8 +41,7 @@ def set_openmp_wait(mode: str) -> None:
 
 
 def read_run_delay_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
-    """Nanoseconds this process's threads have waited runnable for a CPU, summed; None where
-    the kernel does not say (no /proc, schedstats off)."""
+    """Summed ns this process's threads waited runnable for a CPU; None if unknown."""
     total = 0
     try:
         tasks = list(task_dir.iterdir())
@@ -69,7 +50,7 @@ def read_run_delay_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
     for task in tasks:
         try:
             fields = (task / "schedstat").read_text().split()
-        except OSError:  # the thread ended meanwhile
+        except OSError:
             continue
         if len(fields) < 2 or not fields[1].isdigit():
             return None
@@ -79,10 +60,9 @@ def read_run_delay_ns(task_dir: Path = Path("/proc/self/task")) -> int | None:
 
 @dataclass
 class GovernorConfig:
-    period_s: float = 0.5  # the window over which the delay is measured
-    # Run delay per running thread above this share of the window counts as contention: above
-    # what the worker's own frontend, scheduler and clients cause when served on the same
-    # cores, below what one busy process beside it does (docs/benchmarks-history.md, item 17).
+    period_s: float = 0.5
+    # Run-delay share per thread counted as contention: above what the worker's own frontend
+    # and scheduler cause, below what one busy process beside it does.
     high: float = 0.3
     sustain: int = 3  # windows in a row above `high` before a thread goes
     probe_s: float = 30.0  # at fewer threads, try one more after this long
@@ -90,8 +70,7 @@ class GovernorConfig:
 
 def decide(threads: int, max_threads: int, hot_windows: int, since_change_s: float,
            cfg: GovernorConfig) -> int:  # fmt: skip
-    """The thread count for the next window, from how many windows in a row (up to the last)
-    were above ``cfg.high``."""
+    """The thread count for the next window."""
     if hot_windows >= cfg.sustain and threads > 1:
         return threads - 1
     if hot_windows == 0 and threads < max_threads and since_change_s >= cfg.probe_s:
@@ -141,7 +120,6 @@ class ThreadGovernor:
             self.threads, self.max_threads, self.hot_windows, now - self.changed_at, self.cfg
         )
         if new != self.threads:
-            # The first drop says why at WARNING; the probes after it would repeat it.
             level = logging.WARNING if new < self.threads and not self.warned else logging.INFO
             self.warned |= level == logging.WARNING
             log.log(

@@ -1,31 +1,9 @@
 """CUDA graphs for decode: capture the whole forward once per batch size, then replay.
 
-A decode step of a small model is hundreds of tiny kernel launches; replaying a captured
-graph removes the per-launch CPU cost. A graph replays fixed kernels on fixed addresses,
-so every input lives in a static buffer that ``replay`` refills, and the attention kernels
-must read all per-step sizes (context lengths) from those buffers on the device. The
-``triton`` backend does; a backend that reads tensor values on the host (``.item()``,
-``.tolist()``) cannot be captured.
-
-Batch sizes captured: 1, 2, 4, 8, then every multiple of 8 up to ``max_bs`` (and max_bs).
-A batch of n requests replays the smallest captured size >= n; the extra rows are padding:
-
-    row:         0 .. n-1 (real)              n .. bs-1 (padding)
-    input_ids    the real tokens               0
-    positions    the real positions            0
-    out_slots    the real new-token slots      0 (the padding slot)
-    req_slots    the real table rows           the table's padding row (all slot 0)
-    seq_lens     the real lengths              1     (prefix 0, extend 1)
-
-Padding rows write their (finite) K/V into slot 0 and attend to it alone; nothing real
-reads slot 0, so their results are simply dropped. The request-to-slot table is one
-persistent tensor, so the graphs read it in place: a replay copies O(batch) integers.
-
-How the model runner uses it (CUDA, ``--disable-cuda-graph`` off, ``triton`` backend):
-
-    self.graphs = CudaGraphRunner(model, cfg.cuda_graph_max_bs, table, device)  # once
-    if meta.is_decode and self.graphs is not None and self.graphs.can_run(meta.batch_size):
-        logits = self.graphs.replay(input_ids, positions, meta)   # [B, vocab]
+A graph replays fixed kernels on fixed addresses, so every input lives in a static buffer
+that ``replay`` refills, and attention must read per-step sizes from device buffers (the
+``triton`` backend does). A batch of n replays the smallest captured size >= n; padding
+rows use KV slot 0 and the table's padding row, and their results are dropped.
 """
 
 from __future__ import annotations
@@ -42,7 +20,6 @@ log = logging.getLogger(__name__)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, ... up to max_bs, plus max_bs itself."""
     sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs]
     sizes += list(range(16, max_bs + 1, 8))
     if max_bs >= 1 and max_bs not in sizes:
@@ -70,14 +47,13 @@ class CudaGraphRunner:
     def _capture_all(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self._pool = torch.cuda.graph_pool_handle()  # one memory pool shared by all graphs
+        self._pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first: smaller ones reuse its memory
             self._capture(bs)
         torch.cuda.synchronize(device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def _alloc_buffers(self, device: torch.device) -> None:
-        """Static inputs, in their all-padding state (every row: slot 0, seq_len 1)."""
         n = self.max_bs
 
         def i32(t: torch.Tensor) -> torch.Tensor:
@@ -86,14 +62,13 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
-        self.qo_indptr = i32(torch.arange(n + 1))  # one new token per row, forever
+        self.qo_indptr = i32(torch.arange(n + 1))
         self.req_slots = i32(torch.full((n,), self.table.padding_row))
         self.prefix_lens = i32(torch.zeros(n))
-        self.extend_lens = i32(torch.ones(n))  # forever 1
+        self.extend_lens = i32(torch.ones(n))
         self.seq_lens = i32(torch.ones(n))
 
     def _static_meta(self, bs: int) -> AttentionMeta:
-        """Views of the static buffers: the graph of size bs reads exactly these addresses."""
         return AttentionMeta(
             is_decode=True,
             out_slots=self.out_slots[:bs],
@@ -113,8 +88,7 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int) -> None:
         meta = self._static_meta(bs)
-        # Warm up on a side stream (as torch's docs ask): Triton compiles, cuBLAS picks its
-        # kernels and workspaces here, not during capture.
+        # Warm up on a side stream so Triton and cuBLAS set up before, not during, capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -155,7 +129,6 @@ class CudaGraphRunner:
         return self._launch(bs)[:n].clone()
 
     def _launch(self, bs: int) -> torch.Tensor:
-        """Runs the graph of size bs on the filled buffers: its logits [bs, vocab].
-        (_capture_all and _launch are what a test double overrides to run eagerly on CPU.)"""
+        """Logits [bs, vocab] of the graph of size bs (test doubles override this)."""
         self.graphs[bs].replay()
         return self.logits[bs]

@@ -1,9 +1,6 @@
-"""What every layer of one forward step shares, in one object built once per batch.
-
-The model builds it from the batch's positions and attention metadata (so that a captured
-CUDA graph recomputes the rotary tables from its static buffers on every replay); each
-layer then takes ``(hidden, ctx)`` and reaches its own slice of the KV pool by layer id.
-It is passed explicitly, never kept in a global: two runners in one process stay apart.
+"""What every layer of one forward step shares, built once per batch (so a CUDA graph
+recomputes the rotary tables on every replay). Passed explicitly, never a global: two
+runners in one process stay apart.
 """
 
 from __future__ import annotations
@@ -28,8 +25,6 @@ class ForwardContext:
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Stores this layer's new K/V at attn.out_slots, then attends over each context.
-
-        q: [T, H, D], k and v: [T, KVH, D] -> [T, H, D]."""
+        """Stores this layer's new K/V, then attends: q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
         return self.backend.forward(q, k, v, k_pool, v_pool, self.attn)

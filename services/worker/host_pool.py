@@ -1,12 +1,7 @@
 """The host tier of the hierarchical cache: K and V of every layer in host memory, indexed
-by host slot, and the copies between it and the device pool that the scheduler decides.
-
-    k_buffer: [num_layers, num_slots + 1, kv_heads, head_dim]   (v alike; slot 0 unused)
-
-The scheduler owns which host slot holds what (services/scheduler/host_tier.py); this only
-copies what it is told, in order, before the batch's forward. On CPU both tiers are RAM
-and a copy is a gather. On CUDA the buffer is pinned and the copies run on a stream of their
-own (_CudaCopies), so the worker's thread never waits for the GPU to reach them.
+by host slot (slot 0 unused), and the copies the scheduler orders between it and the
+device pool, run in order before the batch's forward. On CUDA the buffer is pinned and
+copies run on their own stream, so the worker's thread never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -23,11 +18,9 @@ from services.worker.page_store import PageStore, split_keys
 
 log = logging.getLogger(__name__)
 
-# The host tier may take at most this share of the memory the process may use: the rest is
-# the weights, the activations and, on CPU, the device pool itself.
+# The rest is weights, activations and, on CPU, the device pool itself.
 MAX_HOST_SHARE = 0.8
-# engine.proto's KVCopy.Direction values. This module imports no protobuf stubs (the GPU
-# check runs the model runner on an image without them); a test checks they agree.
+# No protobuf import here (the GPU check's image lacks the stubs); a test checks they agree.
 D2H, H2D, D2S, S2H, CLEAR = 1, 2, 3, 4, 5  # engine.proto KVCopy.Direction
 
 
@@ -69,7 +62,7 @@ class HostPool:
         dims = (shape.num_layers, num_slots + 1, shape.num_kv_heads, shape.head_dim)
         self.k_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
         self.v_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin)
-        self.store = store  # the storage tier behind this one (page_store.py), if any
+        self.store = store
         self.cuda: _CudaCopies | None = None  # set at the first copy from a CUDA pool
         self.bytes_moved: dict[int, int] = dict.fromkeys((D2H, H2D, D2S, S2H, CLEAR), 0)
         self.seconds_moving: dict[int, float] = dict.fromkeys((D2H, H2D, D2S, S2H, CLEAR), 0.0)
@@ -79,8 +72,7 @@ class HostPool:
 
     def apply(self, copies: list[KVCopyMsg], pool: KVPool) -> list[tuple[int, int]]:
         """Runs the copies in order; returns (load_id, pages found) of each storage load.
-        Raises ValueError, having copied nothing, when any is malformed (unknown direction,
-        lengths that differ, a slot out of its pool, a storage copy without a storage tier)."""
+        Raises ValueError, having copied nothing, when any is malformed."""
         plan = [self._checked(c, pool.num_slots) for c in copies]
         if pool.k_buffer.is_cuda and self.cuda is None:
             self.cuda = _CudaCopies(pool.k_buffer.device)
@@ -128,7 +120,6 @@ class HostPool:
             dev[:, out] = host.index_select(1, index).to(dev.device, non_blocking=True)
 
     def _from_store(self, keys: list[bytes], dst: np.ndarray) -> int:
-        """The leading pages of keys the store has, into host slots dst; how many."""
         assert self.store is not None
         pages = self.store.read_leading(keys)
         p = self.page_tokens
@@ -179,12 +170,9 @@ class HostPool:
 
 
 class _CudaCopies:
-    """Host <-> device copies on a CUDA stream of their own, ordered between forwards by
-    events: the copy stream waits for the forwards before it (they wrote the KV it reads) and
-    the next forward waits for the copies (it may reuse a demoted slot or read a loaded one).
-    Loads gather host rows into pinned memory and DMA them; demotions gather device rows and
-    DMA them into pinned staging that reaches the host buffer at the next ``finish`` (the
-    start of the next batch's copies), so no copy blocks the worker's thread."""
+    """Host <-> device copies on their own CUDA stream, ordered against forwards by events.
+    Demotions land in pinned staging that reaches the host buffer at the next ``finish``,
+    so no copy blocks the worker's thread."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -1,22 +1,10 @@
-"""The paged KV pool: K and V of every layer, indexed by KV slot.
+"""The paged KV pool: k[layer], v[layer] [num_slots + 1, kv_heads, head_dim] by KV slot.
+Slot 0 is padding, always zeros (a masked-out score times V never makes NaN).
 
-    k[layer]: [num_slots + 1, kv_heads, head_dim]     (v alike)
-    slot 0    padding: always zeros, never handed out by the scheduler; padded gathers
-              read it (zeros, so a masked-out score times V can never make NaN)
-    slots 1.. what the scheduler's allocator hands out (max_total_num_tokens of them)
-
-Sizing: an explicit --max-total-tokens wins. Otherwise a share (--mem-fraction-static) of
-the device memory holds weights + KV, and the KV gets what the weights leave; on CPU the
-"device memory" is what this process may use: physical RAM or the cgroup limit, whichever
-is smaller. The pool is then capped at max_running_requests * context_length: more slots
-than every running row could fill only hold cached prefixes, and reserving gigabytes of
-RAM for a tiny model helps nobody.
-
-On CUDA, what is allocated after the pool is budgeted before it (``RuntimeReserve``): the
-sampler's per-slot tables, the captured graphs' static logits, the activations of the
-largest prefill batch and the workspaces the first kernels create. Without it a high
---mem-fraction-static sizes the pool fine and then fails at graph capture or at the first
-long prefill; with it start-up refuses at once, naming the numbers.
+Sizing: --max-total-tokens, else a --mem-fraction-static share of device memory (on CPU
+min(RAM, cgroup limit)) less the weights, capped at max_running_requests * context_length.
+On CUDA what is allocated after the pool (``RuntimeReserve``) is budgeted first, so a too
+high share is refused at start-up rather than at graph capture or a long prefill.
 """
 
 from __future__ import annotations
@@ -49,13 +37,9 @@ class KVPool:
         self.shape = shape
         self.num_slots = num_slots
         dims = (shape.num_layers, num_slots + 1, shape.num_kv_heads, shape.head_dim)
-        # Zeroed whole, which on CPU commits every page now: left to the first write of each
-        # slot, the kernel zeroed each (huge) page inside the KV store of a forward, one
-        # thread working while the other waited, until the pool had filled once. vLLM also
-        # commits its pool at start-up. Slot 0 must be zeros anyway (above).
+        # Zeroed whole so CPU pages are committed now, not inside a forward's KV store.
         self.k_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.v_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
-        # Per-layer views, what the attention layers index.
         self.k = list(self.k_buffer.unbind(0))
         self.v = list(self.v_buffer.unbind(0))
 
@@ -63,9 +47,7 @@ class KVPool:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
 
 
-# Activations are budgeted for a prefill batch of this many tokens: what the scheduler's
-# default --max-prefill-tokens (0) gives a GPU worker (DEFAULT_MAX_PREFILL_TOKENS in
-# services/scheduler/prefill.py; a larger setting on a nearly full GPU needs a lower share).
+# Activations are budgeted for a prefill of this many tokens (the scheduler's GPU default).
 RESERVE_PREFILL_TOKENS = 8192
 WORKSPACE_BYTES = 256 << 20  # cuBLAS / Triton workspaces, allocator slack
 
@@ -115,7 +97,6 @@ def kv_budget_bytes(device: torch.device, mem_fraction: float, weight_bytes: int
     frac = mem_fraction or DEFAULT_MEM_FRACTION.get(device.type, 0.3)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        # Everything already allocated (weights, context) counts against the share.
         return int(free - total * (1.0 - frac))
     return int(cpu_memory_bytes() * frac) - weight_bytes
 
@@ -150,7 +131,6 @@ def pool_size_tokens(
 
 
 def _check_fits(device: torch.device, pool_bytes: int, reserved: int) -> None:
-    """An explicit --max-total-tokens must leave the runtime reserve free on the device."""
     free, _ = torch.cuda.mem_get_info(device)
     if pool_bytes + reserved > free:
         raise ValueError(

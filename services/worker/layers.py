@@ -1,25 +1,10 @@
 """Building blocks of the decoder models: RMSNorm, rotary embedding, gated MLP, attention.
 
-The attention layer never keeps a KV cache of its own: it hands q/k/v to the forward
-context (services/worker/forward_context.py), whose backend stores the new K/V in this
-layer's slice of the paged pool by slot and attends over the slots of each context.
-
-Projections that read the same input are fused (q/k/v into ``qkv_proj``, gate/up into
-``gate_up_proj``): one matrix product instead of three (two) is what makes small-batch
-decode fast on CPU. ``FusedLinear.shard_sizes`` tells the loader where each checkpoint
-tensor goes.
-
-On CPU every projection is packed once after loading (``Linear.pack``): its weight goes
-into oneDNN's blocked layout (services/worker/cpu_linear.py), faster than MKL's
-``F.linear`` from two rows up, and the dense weight is dropped (left as a meta tensor
-of its shape) so memory does not double. In bfloat16 (float16) the same, with the 16-bit
-C kernel for few rows; the rotary, RMSNorm and silu * up run the C passes of
-kernels/cpu/elementwise.py in every one of the three dtypes.
-
-AWQ int4 checkpoints (services/worker/quant/awq.py) load into ``AwqLinear``: the packed
-weights as they are stored, fused shards side by side along the output columns
-(``shard_view``). CUDA runs them through the Triton dequant-GEMM; on CPU the loader turns
-them into float Linears once (``to_dense``), which are then packed like any other.
+Attention keeps no KV cache of its own: the forward context's backend stores K/V in the
+paged pool. Projections reading the same input are fused (``qkv_proj``, ``gate_up_proj``):
+one matrix product instead of three is what makes small-batch CPU decode fast. On CPU each
+projection is packed once after loading (docs/cpu-kernels.md); AWQ int4 weights load into
+``AwqLinear`` (docs/awq.md).
 """
 
 from __future__ import annotations
@@ -47,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = _fused(x) if x.is_contiguous() else None
-        if fused is not None:  # one C pass (torch's CPU rms_norm is a chain of ops)
+        if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps)[1]
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -55,8 +40,7 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + h, the norm of it): the residual add and the norm in one pass where the C
-        kernel serves (the same float sum, so the residual stream is bit-identical)."""
+        """(x + h, its norm) in one pass where the C kernel serves; bit-identical sum."""
         fused = _fused(x) if x.is_contiguous() and h.is_contiguous() else None
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps, h)
@@ -75,11 +59,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, keep_plain: bool = False) -> bool:
-        """Runs the linear through a PackedLinear where that beats F.linear (cpu_linear
-        decides: oneDNN for float32 and bfloat16 CPU weights, the 16-bit C kernel for few
-        rows of bfloat16 / float16 ones). keep_plain: the dense weight stays for the small-M
-        paths (2x the memory); otherwise it becomes a meta tensor (shape kept, no memory)
-        unless the PackedLinear runs on it. Whether it was packed."""
+        """Packs where cpu_linear says that beats F.linear; returns whether it did. Unless
+        keep_plain, a oneDNN-packed weight becomes a meta tensor so memory does not double."""
         packed = PackedLinear(self.weight, self.bias, keep_plain=keep_plain)
         if not packed.path.startswith("onednn") and packed.kernel_rows <= 0:
             return False
@@ -97,21 +78,15 @@ class FusedLinear(Linear):
         self.shard_sizes = list(shard_sizes)
 
     def shard_view(self, leaf: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
-        """The rows of ``tensor`` (this module's ``leaf``: weight or bias) that checkpoint
-        shard ``shard`` fills."""
+        """The rows of ``tensor`` (weight or bias) that checkpoint shard ``shard`` fills."""
         start = sum(self.shard_sizes[:shard])
         return tensor[start : start + self.shard_sizes[shard]]
 
 
 class AwqLinear(nn.Module):
-    """A linear (or fused linears) holding AWQ's packed int4 weights (quant/awq.py).
-
-    Buffers in the checkpoint's own layout and dtypes: ``qweight`` [in, out/8] int32,
-    ``qzeros`` [in/group, out/8] int32, ``scales`` [in/group, out] float16; ``bias`` a
-    parameter in the compute dtype. Fused shards sit side by side along the output columns,
-    each with its own scales and zeros. On CUDA ``forward`` runs the Triton dequant-GEMM
-    (kernels/triton/awq_gemm.py); elsewhere it dequantizes per call (the loader normally turns
-    these into float Linears on CPU once, ``to_dense``)."""
+    """A linear (or fused linears) holding AWQ's packed int4 weights in checkpoint layout:
+    ``qweight`` [in, out/8] int32, ``qzeros`` [in/group, out/8] int32, ``scales``
+    [in/group, out] float16; fused shards side by side along the output columns."""
 
     def __init__(
         self,
@@ -136,7 +111,6 @@ class AwqLinear(nn.Module):
 
     @classmethod
     def like(cls, linear: Linear, group_size: int) -> AwqLinear:
-        """The AWQ counterpart of a (Fused)Linear, on the same device, in its dtype."""
         shards = getattr(linear, "shard_sizes", [linear.out_features])
         with torch.device(linear.weight.device):
             return cls(
@@ -148,8 +122,7 @@ class AwqLinear(nn.Module):
             )
 
     def shard_view(self, leaf: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
-        """The columns of ``tensor`` (``leaf``: qweight, qzeros, scales or bias) that
-        checkpoint shard ``shard`` fills; packed tensors hold 8 columns per int32."""
+        """The columns of ``tensor`` that shard ``shard`` fills (8 per int32 when packed)."""
         start, size = sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
         if leaf == "bias":
             return tensor[start : start + size]
@@ -170,7 +143,6 @@ class AwqLinear(nn.Module):
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
     def to_dense(self) -> Linear:
-        """A float Linear (FusedLinear when fused) with the dequantized weight, same device."""
         weight = self.dense_weight(self.dtype)
         with torch.device("meta"):
             bias = self.bias is not None
@@ -186,18 +158,14 @@ class AwqLinear(nn.Module):
 
 @functools.cache
 def _awq_gemm() -> Callable[..., torch.Tensor]:
-    """The Triton kernel, imported on first use: CPU-only workers never import Triton."""
+    """Imported on first use: CPU-only workers never import Triton."""
     from kernels.triton.awq_gemm import awq_gemm
 
     return awq_gemm
 
 
-# ---- rotary embedding ---------------------------------------------------------------
-
-
 def rope_parameters(config) -> dict:
-    """The rope settings whichever way transformers keeps them (rope_parameters in 5.x,
-    rope_scaling + rope_theta before)."""
+    """Rope settings from rope_parameters (transformers 5.x) or rope_scaling + rope_theta."""
     params = dict(
         getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     )
@@ -239,8 +207,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int):
         super().__init__()
-        # A plain attribute, not a buffer: the model is built on the meta device and this
-        # must hold real values.
+        # Not a buffer: the model is built on the meta device and this must hold real values.
         self.inv_freq = rope_inv_freq(config, head_dim)
 
     def cos_sin(
@@ -253,15 +220,12 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-# CPU tensors (float32, bfloat16, float16) take one fused C pass for the rotary embedding,
-# RMSNorm and silu(gate) * up (kernels/cpu/elementwise.py: 2-6x faster than the chains of
-# torch ops they replace, in 16 bits rounded where torch's ops round); False keeps torch's
-# expressions (bench/bench_decode_step.py --ab elementwise flips it).
+# CPU rotary, RMSNorm and silu(gate) * up run fused C passes (kernels/cpu/elementwise.py);
+# False keeps torch's expressions.
 FUSED_ELEMENTWISE = True
 
 
 def _fused(x: torch.Tensor) -> cpu_elementwise.Elementwise | None:
-    """The fused kernels where they apply to x (a float CPU tensor, built here), else None."""
     if not FUSED_ELEMENTWISE or not cpu_elementwise.supports(x):
         return None
     return cpu_elementwise.load()
@@ -276,9 +240,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-# ---- MLP and attention -------------------------------------------------------------
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -329,7 +290,6 @@ class Attention(nn.Module):
             hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
         )
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
-        # Qwen3 normalises each head of q and k before rope.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 

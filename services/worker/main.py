@@ -1,8 +1,4 @@
-"""The worker process: loads the model, then serves forward batches to its scheduler over ZeroMQ.
-
-Wire <-> runner happens here, through services/worker/wire.py: the ModelRunner takes and
-returns plain dataclasses, so a malformed message fails in wire.py with the culprit named.
-"""
+"""The worker process: loads the model, then serves forward batches to its scheduler over ZeroMQ."""
 
 from __future__ import annotations
 
@@ -52,18 +48,14 @@ _tracer = tracing.tracer("radixserve.worker")
 
 
 def set_cpu_threads(requested: int, tp_size: int = 1) -> int:
-    """Default: one torch thread per core this process may use (split between TP ranks):
-    with the whole server on 2 busy cores, 2 threads beat 1 in decode and cold prefill, and
-    the scheduler and the frontend did not starve (docs/benchmarks-history.md, "Threads").
-    Returns the count."""
+    """Sets torch's thread count (default: one per usable core, split between TP ranks)."""
     threads = default_threads(requested, tp_size)
     torch.set_num_threads(threads)
     return threads
 
 
 def start_ranks(cfg: WorkerConfig) -> Ranks:
-    """Under --tp-size N: ranks 1..N-1 as this process's children, on its own flags plus
-    their rank (parallel/follower.py), then the group. Refusals come first, named."""
+    """Under --tp-size N: ranks 1..N-1 as child processes on this one's flags."""
     device = resolve_device(cfg.device)
     try:
         check_tensor_parallel(cfg, load_config(cfg.model_path), device)
@@ -79,7 +71,6 @@ def start_ranks(cfg: WorkerConfig) -> Ranks:
 
 
 def thread_governor(cfg: WorkerConfig, runner: ModelRunner, threads: int) -> ThreadGovernor | None:
-    """With --cpu-wait adaptive on a CPU worker: fewer threads while others want the cores."""
     if cfg.cpu_wait != "adaptive" or runner.device.type != "cpu":
         return None
     governor = ThreadGovernor(threads, torch.set_num_threads)
@@ -89,8 +80,7 @@ def thread_governor(cfg: WorkerConfig, runner: ModelRunner, threads: int) -> Thr
 def start_health_server(
     host: str, port: int, tls: grpc.ServerCredentials | None = None
 ) -> tuple[grpc.Server, int]:
-    """grpc.health.v1 + reflection: what Kubernetes probes and `radixserve serve` wait on
-    (``tls``: the port's TLS, --control-ssl-*; None: plaintext)."""
+    """grpc.health.v1 + reflection (``tls`` None: plaintext)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_OPTIONS)
     add_health_and_reflection(server, [])
     bound = bind(server, host, port, "worker gRPC (--worker-grpc-port)", tls)
@@ -163,15 +153,12 @@ def main(cfg: WorkerConfig) -> None:
 
 
 def run(cfg: WorkerConfig, keys: InternalKeys | None, ranks: Ranks | None) -> None:
-    """Rank 0 (the worker itself without TP): the model, then the scheduler's batches."""
     threads = set_cpu_threads(cfg.cpu_threads, cfg.tp_size)
-    # SIGTERM while loading ends the process at once (nothing to drain; the ranks follow)
     runner = ModelRunner(cfg, ranks.group if ranks else None)
     governor = thread_governor(cfg, runner, threads)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ctx = zmq.Context()
-    # CURVE (with keys): only the scheduler's key gets a frame through.
     admit_scheduler, _ = serve_securely(ctx, keys, "worker", ["scheduler"])
     sock = transport.router(ctx, cfg.worker_addr, setup=admit_scheduler)
     tls = server_credentials(cfg.control_ssl_certfile, cfg.control_ssl_keyfile)
@@ -197,16 +184,15 @@ def run(cfg: WorkerConfig, keys: InternalKeys | None, ranks: Ranks | None) -> No
 
 
 class Session:
-    """Whose batches the worker runs: the scheduler that said hello last. A scheduler that
-    died and came back is a new peer; frames still queued from the old one are dropped, so
-    nothing it sent can write KV slots the new one hands out."""
+    """Whose batches the worker runs: the scheduler that said hello last. Frames still
+    queued from an older one are dropped, so they cannot write KV slots the new one owns."""
 
     def __init__(self, runner: ModelRunner, drops: transport.DropLog):
         self.runner, self.drops = runner, drops
         self.scheduler: bytes | None = None
 
     def admits(self, identity: bytes, msg: engine_pb2.SchedulerToWorker) -> bool:
-        if msg.HasField("info"):  # the hello of a scheduler (new, or starting over)
+        if msg.HasField("info"):
             if identity != self.scheduler:
                 if self.scheduler is not None:
                     log.info("worker: a new scheduler said hello; request state reset")
@@ -227,8 +213,7 @@ def serve(
     grace_s: float = 30.0,
     governor: ThreadGovernor | None = None,
 ) -> None:
-    """Answers the scheduler's messages until SIGTERM, then while its scheduler drains: until
-    no batch came for DRAIN_IDLE_S, or ``grace_s`` after the signal."""
+    """Answers the scheduler until SIGTERM, then while it drains (DRAIN_IDLE_S, ``grace_s``)."""
     # The scheduler notices a restarted worker (an empty KV pool) by its instance id.
     instance = uuid.uuid4().hex
     drops = transport.DropLog("worker socket")
@@ -245,7 +230,7 @@ def serve(
             continue
         try:
             identity, msg = transport.recv_routed(sock, engine_pb2.SchedulerToWorker)
-        except transport.BadFrame as e:  # garbage never ends the loop
+        except transport.BadFrame as e:
             drops.note(e)
             continue
         if not (msg.HasField("info") or msg.HasField("forward")):
@@ -268,7 +253,6 @@ def serve(
 
 
 def _drained(stop: threading.Event, last_msg: float, stop_at: float) -> bool:
-    """After SIGTERM: the grace period is over, or the scheduler has gone quiet."""
     if not stop_at:
         return False
     now = time.monotonic()

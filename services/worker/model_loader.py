@@ -1,15 +1,8 @@
 """Loads an HF-format model folder into radixserve's own model classes.
 
-config.json goes through transformers' AutoConfig; weights are read memory-mapped with
-safetensors (one file, or shards listed in model.safetensors.index.json) and copied once
-into parameters of the target dtype and device. The model is built on the meta device
-first, so no time or memory goes into random initialisation.
-
-AWQ int4 checkpoints (config.json's ``quantization_config``, services/worker/quant/awq.py)
-load their packed tensors into AwqLinear modules. On CUDA they stay packed (the Triton
-dequant-GEMM reads them); elsewhere every one is dequantized once, right after loading,
-to a float Linear of the compute dtype (exact in float32), and the log states what that
-costs in memory. A quantization_config radixserve cannot serve is refused here, by name.
+The model is built on the meta device first, so no time or memory goes into random
+initialisation; safetensors weights are read memory-mapped and copied once. AWQ int4
+checkpoints stay packed on CUDA and are dequantized once at load elsewhere.
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ def load_config(model_path: str) -> PretrainedConfig:
 
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
-    """The dtype config.json declares (``dtype``, or ``torch_dtype`` before transformers 5),
-    None when it names none of the three."""
+    """config.json's ``dtype`` (or ``torch_dtype``); None unless one of the three."""
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = _DTYPES.get(declared.removeprefix("torch."))
@@ -51,12 +43,8 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """ "auto": the checkpoint's dtype (config.json's), as vLLM and SGLang pick it. On CUDA
-    a float32 or undeclared checkpoint runs in bfloat16. On CPU a float32 one stays float32
-    (exact, and the C kernels are fast there; vLLM's CPU engine would downcast it) and a
-    16-bit one runs in its own dtype: bfloat16 streams half the bytes per decode step,
-    float16 runs its linears and element-wise passes in C and its attention on torch's
-    path (bench/bench_bf16_cpu.py --dtypes compares them)."""
+    """ "auto": the checkpoint's dtype. On CUDA a float32 or undeclared one runs in bfloat16;
+    on CPU float32 stays float32 (exact, and the C kernels are fast there)."""
     if name != "auto":
         return _DTYPES[name]
     declared = checkpoint_dtype(config)
@@ -89,9 +77,7 @@ FINGERPRINT_BLOCK = 4096
 
 
 def weights_fingerprint(files: list[Path]) -> str:
-    """A short hash of the checkpoint: each file's size, its safetensors header and a few
-    blocks spread over its data, so two checkpoints of one layout (a fine-tune, other random
-    weights) differ while copies of one checkpoint agree, without reading gigabytes."""
+    """A short hash of each file's size, header and a few sampled blocks (no gigabytes read)."""
     h = hashlib.blake2b(digest_size=8)
     for f in files:
         size = f.stat().st_size
@@ -107,7 +93,6 @@ def weights_fingerprint(files: list[Path]) -> str:
 
 
 def iter_tensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor, memory-mapped, with a progress bar over tensors."""
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -124,14 +109,13 @@ def num_parameters(model: torch.nn.Module) -> int:
 
 
 def weight_nbytes(model: torch.nn.Module) -> int:
-    """Bytes the weights take: parameters and buffers (AWQ's packed int4 weights)."""
+    """Bytes of parameters and buffers (AWQ's packed weights are buffers)."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.nbytes for t in tensors if not t.is_meta)
 
 
 def awq_config(config: PretrainedConfig) -> AwqConfig | None:
-    """The AWQ format of the checkpoint; None for float weights. ValueError names any
-    quantization_config that radixserve cannot serve."""
+    """None for float weights; ValueError names a quantization_config we cannot serve."""
     return parse_quantization_config(getattr(config, "quantization_config", None))
 
 
@@ -143,11 +127,8 @@ def load_model(
     progress: bool = True,
     dequantize: bool | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """Builds the model class named in config.json and fills it from the safetensors.
-
-    dequantize (AWQ checkpoints): turn the packed linears into float ones at load; None
-    means everywhere but CUDA. Raises ValueError naming an unknown architecture, a missing
-    tensor, a shape mismatch or an unsupported quantization_config."""
+    """Builds and fills the model; dequantize (AWQ) None means everywhere but CUDA. Raises
+    ValueError naming an unknown architecture, a bad tensor or quantization_config."""
     config = config if config is not None else load_config(model_path)
     cls = get_model_class(architecture_of(config))
     quant = awq_config(config)
@@ -173,7 +154,6 @@ def load_model(
 
 
 def _dequantize(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
-    """AWQ on CPU: float linears once, at load; the log says what the memory grew by."""
     packed = weight_nbytes(model)
     count = model.dequantize_awq()
     dense = weight_nbytes(model)
@@ -202,15 +182,11 @@ def eos_token_ids(model_path: str, config: PretrainedConfig) -> list[int]:
 
 
 def pack_for_cpu(model: LlamaForCausalLM, mode: str, device: torch.device) -> int:
-    """CPU: the linears through oneDNN with prepacked weights (layers.Linear.pack), per
-    --cpu-linear; how many were packed. After the KV pool is sized: it counts the dense
-    weights (the packed ones take as much; "hybrid" keeps both)."""
+    """Packs the CPU linears per --cpu-linear; returns how many. Call after sizing the pool."""
     if device.type != "cpu" or mode == "plain":
         return 0
     if mode == "auto":
-        # Decode batches (few rows) run ~1.2x faster on the dense weights (the small-M
-        # kernel, kernels/cpu/gemm.py) but keeping them doubles the linears' memory:
-        # worth it for small models, not for a 7B one (28 GiB more in float32).
+        # Keeping the dense weights speeds decode but doubles the linears' memory.
         dense = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Linear))
         mode = "hybrid" if dense <= AUTO_HYBRID_MAX_BYTES else "packed"
     packed = model.pack_linears(keep_plain=mode == "hybrid")

@@ -256,8 +256,7 @@ class ModelRunner:
         )
 
     def _capture_graphs(self, cfg: WorkerConfig) -> CudaGraphRunner | None:
-        """Decode CUDA graphs, only with a backend that reads per-step sizes from device
-        buffers (triton)."""
+        """Decode CUDA graphs; needs a backend reading per-step sizes on device (triton)."""
         if self.device.type != "cuda" or cfg.disable_cuda_graph or self.backend_name != "triton":
             return None
         if self.tp.world > 1:
@@ -274,8 +273,7 @@ class ModelRunner:
         return self._info
 
     def forget_requests(self) -> None:
-        """A new scheduler took over: clears what a request's first batch would not rewrite
-        (sampled tokens, compiles being waited on)."""
+        """A new scheduler took over: clears what a request's first batch would not rewrite."""
         self.last_sampled.fill(-1)
         self.grammars.waits.clear()
 
@@ -346,8 +344,7 @@ class ModelRunner:
         return out
 
     def logits(self, batch: Batch) -> torch.Tensor:
-        """Like forward, eager, but returns [T, vocab] float32 logits of every new token and
-        samples nothing (tests, debugging)."""
+        """Like forward, eager, but returns [T, vocab] float32 logits and samples nothing."""
         rows = np.arange(sum(r.n_new for r in batch.reqs)) if self.lead is not None else None
         input_ids, positions, meta = self._begin(batch, rows)
         return self.model.compute_logits(self.model.forward(input_ids, positions, meta))
@@ -355,8 +352,7 @@ class ModelRunner:
     def _begin(
         self, batch: Batch, rows: np.ndarray | None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMeta]:
-        """Checks the batch, updates sampling state and table (under TP after sending the
-        step); returns the model inputs."""
+        """Checks the batch, updates sampling state and table; returns the model inputs."""
         ids = self._input_ids(batch)
         self._start_slots(batch)
         if self.lead is not None:
@@ -365,8 +361,7 @@ class ModelRunner:
         return self._prepare(batch, ids)
 
     def _logit_rows(self, batch: Batch, sampled: list[int]) -> np.ndarray | None:
-        """Under TP, the hidden-state rows to take logits of, known on the host before the
-        forward (every rank takes part in their gather)."""
+        """Under TP, the logit rows, known on the host before the forward (all ranks gather)."""
         if self.lead is None:
             return None
         if batch.has_drafts:
@@ -517,8 +512,7 @@ class ModelRunner:
         return prompt_logprobs.score(logits_of, starts, asks, block)
 
     def _rows_logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """Logits [len(rows), vocab] float32 of hidden-state rows; no rows skips the lm_head
-        (and under TP its gather, on every rank alike)."""
+        """Logits [len(rows), vocab] float32; no rows skips the lm_head (and TP gather)."""
         if len(rows) == 0:
             return torch.empty(0, self.vocab_size, device=hidden.device)
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(hidden.device)
@@ -566,8 +560,7 @@ class ModelRunner:
     def _mask_verify_rows(
         self, logits: torch.Tensor, slots: list[int], drafts: list[np.ndarray]
     ) -> tuple[torch.Tensor, list[np.ndarray]]:
-        """Masks constrained verify rows by grammar and cuts drafts where it refuses one; the
-        cut drafts' rows are dropped, so the sampler sees 1 + k' rows."""
+        """Grammar-masks verify rows, dropping the rows of drafts the grammar refuses."""
         starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
         keep, kept = [], []
         for start, slot, d in zip(starts.tolist(), slots, drafts, strict=True):

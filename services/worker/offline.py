@@ -1,14 +1,8 @@
 """In-process generation through a ModelRunner, with trivial slot bookkeeping (no scheduler).
 
-The reference the end-to-end tests compare served tokens with, and the in-process
-baseline of the streaming benchmark. Prompts run in waves of max_running_requests: one
-prefill batch, then decode batches until every request has max_new_tokens (or hit EOS).
-Request i of a wave owns the contiguous KV slots
-
-    base_i + 1 .. base_i + len(prompt_i) + max_new_tokens    (base_i = sum of earlier spans)
-
-Batches are built as protobuf and go through wire.forward, exactly as the worker process
-serves them, so a reference that agrees with the server proves the wire path too.
+The end-to-end tests' reference: prompts run in waves of max_running_requests, each
+request owning a contiguous span of KV slots. Batches go through wire.forward as protobuf,
+so a reference that agrees with the server proves the wire path too.
 """
 
 from __future__ import annotations
@@ -28,9 +22,8 @@ def generate(
     sampling: engine_pb2.SamplingParams | None = None,
     stop_at_eos: bool = True,
 ) -> list[list[int]]:
-    """The generated tokens of each prompt (an EOS token, when hit, is the last one).
-
-    ``sampling`` None means greedy (the server's default for an unset temperature is 1.0)."""
+    """The generated tokens of each prompt (a hit EOS is the last). ``sampling`` None:
+    greedy (unlike the server's default temperature 1.0)."""
     if sampling is None:
         sampling = engine_pb2.SamplingParams(temperature=0.0)
     info = runner.info()
@@ -67,7 +60,6 @@ def _generate_wave(
 
 
 def _slot_bases(info: RunnerInfo, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
-    """The first KV slot of each request's contiguous span (see the module docstring)."""
     spans = [len(p) + max_new_tokens for p in prompts]
     if sum(spans) > info.max_total_num_tokens:
         raise ValueError(f"{sum(spans)} KV slots needed, the pool has {info.max_total_num_tokens}")
@@ -81,7 +73,6 @@ def _slot_bases(info: RunnerInfo, prompts: list[list[int]], max_new_tokens: int)
 def _prefill_batch(
     prompts: list[list[int]], bases: list[int], sampling: engine_pb2.SamplingParams
 ) -> engine_pb2.ForwardBatch:
-    """Request i takes req_slot i and computes its whole prompt."""
     batch = engine_pb2.ForwardBatch(batch_id=0, is_decode=False)
     for i, prompt in enumerate(prompts):
         req = batch.reqs.add(

@@ -1,18 +1,9 @@
 """The storage tier of the hierarchical cache: KV pages kept by a backend, one value a page.
 
-A page is the KV of ``page_tokens`` consecutive tokens, named by a 16-byte key the
-scheduler hashes from the namespace and every token up to the page's end, so a page is
-found again by whoever computes the same tokens: this worker after a restart, or another
-engine on the same volume or server. Each page holds a header (magic, key, the KV layout)
-and a checksum, so a reader takes a whole page of its own layout or none.
-
-``PageStore`` encodes, checks and counts; a ``PageBackend`` keeps the bytes:
-``DirectoryBackend`` (here) as files in one folder, ``RedisBackend``
-(services/worker/redis_store.py) in a Redis-protocol server. Anything wrong with either
-(a full disk, an unwritable folder, a server down, slow or out of memory, a truncated or
-corrupted page, a page of another layout) is logged once per kind, counted, and read as
-a miss: serving goes on. Writes run on a thread of their own; reads are synchronous (the
-batch that asks waits).
+A page's 16-byte key is hashed by the scheduler from the namespace and every token up to
+the page's end, so anyone computing the same tokens finds it again. A header and checksum
+make a reader take a whole page of its own layout or none. Any backend failure is logged
+once per kind, counted, and read as a miss: serving goes on. Writes run on their own thread.
 """
 
 from __future__ import annotations
@@ -46,8 +37,7 @@ WRITE_BATCH = 32  # queued pages the writer hands the backend at once (one round
 
 
 class BackendError(OSError):
-    """A backend's failure that is no OS error (a server's reply, a lost connection);
-    ``kind`` names it in the once-per-kind log."""
+    """A backend failure that is no OS error; ``kind`` names it in the once-per-kind log."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -68,19 +58,17 @@ class PageBackend(Protocol):
         """Opens the backend once (a folder made, a server asked); failing is logged."""
 
     def get_many(self, keys: list[bytes]) -> Iterable[bytes | None]:
-        """The values of keys in order (None: not there); may be produced lazily, and the
-        store stops at the first it cannot use."""
+        """The values of keys in order (None: absent); may be lazy."""
         ...
 
     def put_absent(self, pages: list[tuple[bytes, bytes]]) -> list[bool | OSError]:
-        """Stores each (key, value) unless the key is there; per page True (stored), False
-        (there already: the same tokens' page) or the error that kept it out."""
+        """Stores each page unless present; per page True, False (present) or the error."""
         ...
 
     def delete(self, key: bytes) -> None: ...
 
     def clear(self) -> int:
-        """Deletes every page (of this kind of store, nothing else); how many."""
+        """Deletes every page of this store; how many."""
         ...
 
 
@@ -92,8 +80,7 @@ class DirectoryBackend:
         self.root = Path(root)
         self.where = str(self.root)
         if threading.current_thread() is threading.main_thread():
-            # A file-size limit (RLIMIT_FSIZE) then fails the write (EFBIG) instead of
-            # killing the worker.
+            # Past RLIMIT_FSIZE a write then fails (EFBIG) instead of killing the worker.
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     def path(self, key: bytes) -> Path:
@@ -117,7 +104,7 @@ class DirectoryBackend:
         path = self.path(key)
         with contextlib.suppress(OSError):
             if path.exists():
-                return False  # the same tokens' page, written before (here or by another engine)
+                return False
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(exist_ok=True)
@@ -180,7 +167,6 @@ class PageStore:
         self._writer = threading.Thread(target=self._write_loop, name="page-store", daemon=True)
         self._writer.start()
 
-    # -- bytes ---------------------------------------------------------------------------
     def _encode(self, key: bytes, k: torch.Tensor, v: torch.Tensor) -> bytes:
         payload = k.contiguous().view(torch.uint8).numpy().tobytes()
         payload += v.contiguous().view(torch.uint8).numpy().tobytes()
@@ -192,8 +178,7 @@ class PageStore:
         return header + payload
 
     def _decode(self, key: bytes, data: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The page's (k, v), each [layers, page_tokens, heads, dim]; None when it is not
-        exactly what this key and layout should hold."""
+        """(k, v), each [layers, page_tokens, heads, dim]; None unless exactly this page."""
         s = self.shape
         if len(data) < _HEADER.size:
             return None
@@ -211,10 +196,9 @@ class PageStore:
         k, v = flat.view(2, s.num_layers, self.page_tokens, s.num_kv_heads, s.head_dim)
         return k, v
 
-    # -- writes (a thread of their own) -------------------------------------------------
     def write(self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Queues pages for writing: k, v are [layers, len(keys) * page_tokens, heads, dim]
-        on the CPU, already copied out of the pool (the slots may be reused at once)."""
+        """Queues pages: k, v [layers, len(keys) * page_tokens, heads, dim] on the CPU,
+        already copied out of the pool."""
         p = self.page_tokens
         for i, key in enumerate(keys):
             blob = self._encode(key, k[:, i * p : (i + 1) * p], v[:, i * p : (i + 1) * p])
@@ -225,7 +209,7 @@ class PageStore:
 
     def _write_loop(self) -> None:
         while True:
-            batch = [self._queue.get()]  # then whatever else waits, up to WRITE_BATCH
+            batch = [self._queue.get()]
             while len(batch) < WRITE_BATCH and batch[-1] is not None:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -265,9 +249,8 @@ class PageStore:
         """Waits until every queued page is written (tests, shutdown)."""
         self._queue.join()
 
-    # -- reads ---------------------------------------------------------------------------
     def read_leading(self, keys: list[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The pages of keys from the first, up to the first that is missing or unreadable."""
+        """The pages of keys up to the first missing or unreadable one."""
         start = time.perf_counter()
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
@@ -301,7 +284,6 @@ class PageStore:
         return page
 
     def clear(self) -> int:
-        """Deletes every page of the store (an explicit flush); returns how many."""
         self.drain()
         try:
             return self.backend.clear()

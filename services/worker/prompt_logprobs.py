@@ -1,14 +1,6 @@
 """Prompt logprobs: raw log_softmax of the logits at the prompt positions a request asks
-to score, with the top-n alternatives, computed only for those rows.
-
-The scheduler names, per request of a prefill chunk, the first row to score and the
-prompt token each scored row predicts (``ReqInput.score``, a ``PromptScore``). Only those
-rows of the hidden states go through the lm_head, so a request that asks nothing costs
-nothing here and the decode path never enters this module.
-
-    hidden [T, hidden]     the batch's new tokens, request after request (qo_indptr)
-    rows of request i      qo_indptr[i] + row .. qo_indptr[i] + row + len(targets) - 1
-    logits [R, vocab]      float32, R = every scored row of the batch
+to score, with the top-n alternatives. Only the scored rows of the hidden states go
+through the lm_head, so a request that asks nothing costs nothing here.
 """
 
 from __future__ import annotations
@@ -20,8 +12,7 @@ import torch
 
 from services.worker.batch import PromptScore, Scored
 
-# Rows through the lm_head at once by default: a long prompt's [rows, vocab] float32 logits
-# (and their log_softmax) stay bounded instead of growing with the prompt.
+# Bounds a long prompt's [rows, vocab] logits instead of growing with the prompt.
 ROWS_PER_BLOCK = 64
 
 
@@ -31,9 +22,8 @@ def score(
     asks: list[PromptScore | None],
     rows_per_block: int = ROWS_PER_BLOCK,
 ) -> list[list[Scored] | None]:
-    """Per request (same order as ``asks``): its scored prompt tokens, or None where none
-    were asked. ``logits_of(rows)``: float32 logits of those rows of the batch's hidden
-    states (the model's lm_head; under TP every rank takes part)."""
+    """Per request: its scored prompt tokens, or None where none were asked.
+    ``logits_of(rows)``: float32 logits of those hidden-state rows."""
     wanted = [(i, a) for i, a in enumerate(asks) if a is not None and len(a.targets)]
     out: list[list[Scored] | None] = [None] * len(asks)
     if not wanted:
@@ -66,8 +56,7 @@ def _score_rows(
     targets: np.ndarray,
     n_top: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprob of each row's target ([r]) and the n_top best of each row ([r, n_top] values
-    and token ids; n_top may be 0). ``targets`` starts at the first row (extra ignored)."""
+    """(target logprobs [r], top values [r, n_top], top ids [r, n_top]); n_top may be 0."""
     logprobs = torch.log_softmax(logits_of(rows), dim=-1)  # [r, vocab] float32
     want = torch.from_numpy(targets[: len(rows)]).to(logprobs.device)[:, None]
     best = logprobs.topk(n_top, dim=-1)  # n_top 0: empty [r, 0]

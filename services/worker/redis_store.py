@@ -1,18 +1,10 @@
-"""The storage tier's pages in a Redis-protocol server (Redis, Valkey): one string a page.
+"""The storage tier's pages in a Redis-protocol server, shared by every engine using it.
 
-Every engine given the same server shares its pages: a prefix computed on one engine is
-loaded, not recomputed, on another. The scheduler is unchanged (it knows page keys only);
-``PageStore`` (page_store.py) encodes and checks the pages, this keeps their bytes:
+    key    radixserve:kv:<32 hex digits>   write  SET key page NX [EX ttl] (pipelined)
+    read   MGET of every key asked         clear  SCAN MATCH radixserve:kv:* + UNLINK
 
-    key    radixserve:kv:<32 hex digits>   (the 16-byte page key)
-    write  SET key page NX [EX ttl]        one pipeline per batch of queued pages
-    read   MGET of every key asked         one round trip for the leading-pages probe
-    clear  SCAN MATCH radixserve:kv:* + UNLINK   (nothing else on the server)
-
-A server down, slow or refusing (no password, out of memory) costs at most the socket
-timeout and is a counted miss or write failure, never an error out of the worker. After a
-connection fails, calls fail at once for ``retry_after`` seconds (no batch waits on a dead
-server meanwhile); then the client connects again, so a server that comes back is used.
+A failing server costs at most the socket timeout and counts as a miss; after a failed
+connection calls fail at once for ``retry_after`` seconds, then it reconnects.
 """
 
 from __future__ import annotations
@@ -50,8 +42,6 @@ def redacted(url: str) -> str:
 
 
 class RedisBackend:
-    """A ``PageBackend`` (page_store.py) over one Redis-protocol server."""
-
     def __init__(
         self,
         url: str,
@@ -80,7 +70,6 @@ class RedisBackend:
             **tls,
         )
 
-    # -- the protocol ----------------------------------------------------------------------
     def start(self) -> None:
         self._call("ping", self.client.ping)
 
@@ -112,10 +101,9 @@ class RedisBackend:
                 names = []
         return n + (self.client.unlink(*names) if names else 0)
 
-    # -- failures --------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """fn's answer; a redis error as a BackendError (an OSError) the store counts. A
-        connection that fails marks the server down for retry_after seconds."""
+        """fn's answer; a redis error becomes a BackendError, and a failed connection marks
+        the server down for retry_after seconds."""
         if self._down and time.monotonic() < self._down_until:
             wait = f"tried again {self.retry_after:g} s after a failure"
             raise BackendError("down", f"{self.where} is unreachable ({wait})")

@@ -1,49 +1,12 @@
 """Next-token sampling with per-request state kept by request slot.
 
-Order applied to each row's float32 logits:
-
-    allowed-token mask -> min_tokens mask -> penalties -> logit_bias -> (greedy: argmax)
-                          -> temperature -> top-k -> top-p -> min-p -> draw
-
-Choices (documented because clients see them):
-- Penalties (repetition, frequency, presence) count the request's *generated* tokens only.
-  The worker never sees the cached part of a prompt (it gets KV slots, not token ids), so
-  counting the prompt would make the output depend on what the radix cache held.
-  Repetition divides positive logits / multiplies negative ones by the penalty (as HF);
-  frequency subtracts penalty * count; presence subtracts penalty once a token appeared.
-- logit_bias (OpenAI's) is added after the penalties, so a repetition penalty never scales
-  it, and after the masks, so -inf stays -inf: a bias cannot revive a token a grammar or
-  min_tokens forbids. Slots with a bias are kept in a dict of their (ids, biases); a batch
-  without one pays a dict test, a batch with some one scatter-add of their pairs.
-- Logprobs are "raw": log_softmax of the model's logits before any processing, for the
-  chosen token and the top-n alternatives (best first).
-- Draws are batched: every sampled row gets a 63-bit key, and its Exp(1) noise over the
-  vocabulary is a counter-based hash of (key, token id) computed for all rows in one pass
-  (no per-row generator or loop). A seeded request's key comes from (seed, tokens generated
-  so far), so a request retracted and recomputed draws the very same tokens; unseeded rows
-  take their keys from the worker's generator (seeded by --random-seed). The noise is the
-  same on CPU and CUDA; a seeded draw can still differ between them where the two compute
-  the probabilities differently in the last bits.
-- A temperature below 1e-5 (GREEDY_BELOW) is greedy, as 0 is: dividing logits by less
-  overflows float32.
-- Speculative decoding (``sample`` with ``drafts``): a request with k drafts has k + 1
-  rows of logits, row i the target's logits after its last token and drafts[:i]. Each row
-  is processed as the decode step at that position would be (its own draw key from
-  (seed, tokens generated before it), min_tokens by that count, penalties counting
-  drafts[:i] too), so row i's choice is exactly the token decoding one token per step would
-  draw there, given drafts[:i] were the output. Draft i is accepted while it equals row i's
-  choice; the first row that disagrees (or row k) gives one more token. For a
-  deterministic draft this is speculative rejection sampling (Leviathan et al., Chen et
-  al.) by coupling: P(accept d) = P(choice == d) = p(d), and a rejected row's choice is
-  distributed as p with d removed, renormalised (norm(max(0, p - onehot(d)))), since a draw
-  that is not d is each other token v with probability p(v) / (1 - p(d)). So the output
-  distribution is the target's, greedy output is token-exact, and a seeded request draws
-  the very tokens it draws with speculation off (up to the kernels' rounding of the logits).
-- Stopping (EOS, stop ids, ignore_eos, max_tokens) is the scheduler's job. min_tokens is
-  ours: a slot's ``min_tokens_ban`` (its EOS ids unless ignore_eos, and its stop ids) is
-  -inf while it has generated fewer than min_tokens tokens, unless that leaves its row
-  nothing (a finished grammar allows only EOS: the grammar's end wins). Slots still under
-  their floor are kept in a set, so a batch without one pays a single set test.
+Per row: allowed mask -> min_tokens mask -> penalties -> logit_bias -> (greedy: argmax)
+-> temperature -> top-k -> top-p -> min-p -> draw. Penalties count generated tokens only:
+the worker never sees the cached part of a prompt, so counting it would make the output
+depend on the radix cache. logit_bias comes after the masks, so it cannot revive a token a
+grammar or min_tokens forbids. Logprobs are raw (log_softmax before any processing). Draws
+are keyed by (seed, tokens generated so far), so a recomputed or speculative row draws the
+same token (verify-step rules: docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -54,8 +17,7 @@ import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
-# Temperatures below this are greedy: logits / 1e-38 overflow float32 to inf, and softmax of
-# infs is NaN (a request asking for 1e-38 got EOS at once). 1e-5 is vLLM's threshold too.
+# Below this, logits / temperature overflow float32 and softmax gives NaN; vLLM uses 1e-5 too.
 GREEDY_BELOW = 1e-5
 
 
@@ -114,8 +76,8 @@ def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, vocab] float64 Exp(1) draws: splitmix64 of (row key, token id), wrapping int64
-    arithmetic (the same bits on every device), 53-bit uniforms in (0, 1]."""
+    """[n, vocab] float64 Exp(1) draws from splitmix64 of (row key, token id): same bits on
+    every device."""
     token = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
     z = keys[:, None] + token[None, :] * _GOLDEN
     z = (z ^ _shr(z, 30)) * _MIX1
@@ -130,8 +92,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # None where not asked for
     top_logprobs: list[list[tuple[int, float]] | None]  # best first
-    # With drafts: per slot, the tokens committed after token_ids[j] (accepted drafts, then
-    # the target's own choice) and, where logprobs are asked, their (logprob, top) pairs.
+    # With drafts: per slot, the tokens committed after token_ids[j] and their logprobs.
     extra_token_ids: list[list[int]] = field(default_factory=list)  # empty: no drafts
     extra_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=list)
 
@@ -143,8 +104,7 @@ class _Rows:
     slots: list[int]  # [R] the slot of each row
     specs: list[SamplingSpec]  # [R]
     generated: list[int]  # [R] tokens the slot has generated before this row's token
-    # (row, token) pairs penalties count beyond the slot's own counts: row i of a slot
-    # with drafts counts drafts[:i], the output it assumes.
+    # (row, token) pairs penalties count beyond the slot's counts (row i: drafts[:i]).
     draft_pairs: list[tuple[int, int]]
 
 
@@ -153,8 +113,8 @@ TEMP, TOP_K, TOP_P, MIN_P, REP, FREQ, PRES, GREEDY, PENALTY = range(9)
 
 
 def _param_row(spec: SamplingSpec, vocab_size: int) -> list[float]:
-    """A slot's row of Sampler.params: neutral values where a feature is off, so that one
-    batched expression serves every row exactly (x / 1.0 and x - 0.0 are x)."""
+    """A slot's row of Sampler.params: neutral values where a feature is off, so one
+    batched expression serves every row exactly."""
     return [
         1.0 if spec.greedy else spec.temperature,  # greedy rows are argmax'd, never divided
         float(spec.top_k if spec.top_k > 0 else vocab_size),
@@ -169,11 +129,8 @@ def _param_row(spec: SamplingSpec, vocab_size: int) -> list[float]:
 
 
 class Sampler:
-    """Per-request-slot sampling state and the batched sampling step.
-
-    Every per-slot parameter lives on the device (``params``, written when a request takes
-    its slot), so a step sends one small host-to-device copy (slot ids and draw keys) and
-    works on whole batches: no per-row loop, generator or list indexing."""
+    """Per-request-slot sampling state and the batched sampling step. Per-slot parameters
+    live on the device, so a step sends one small host-to-device copy (slot ids, keys)."""
 
     def __init__(
         self, max_running_requests: int, vocab_size: int, device: torch.device, random_seed: int
@@ -183,17 +140,13 @@ class Sampler:
         self.specs: list[SamplingSpec | None] = [None] * max_running_requests
         self.num_generated = [0] * max_running_requests
         self.params = torch.zeros((max_running_requests, 9), dtype=torch.float32, device=device)
-        # Token counts of generated tokens, only read for slots with penalties.
         self.counts = torch.zeros(
             (max_running_requests, vocab_size), dtype=torch.int32, device=device
         )
-        # Keys of unseeded draws; host-side, so a step's keys travel with its slot ids.
         self.rng = np.random.default_rng(random_seed)
-        # Slots below their min_tokens (one may linger after its request ends early, until
-        # the slot is reused: it costs a set test per batch, never a wrong mask).
+        # Slots below min_tokens / with a logit_bias; a stale entry lingers until the slot
+        # is reused, which costs a membership test, never a wrong mask.
         self.below_min: set[int] = set()
-        # Slots with a logit_bias: their token ids and biases (host arrays, sent per step;
-        # one lingers after its request ends, until the slot is reused).
         self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def reset_slot(self, slot: int, spec: SamplingSpec, output_ids: np.ndarray) -> None:
@@ -224,8 +177,6 @@ class Sampler:
         assert spec is not None, f"req_slot {slot} has no sampling state"
         return spec
 
-    # ---- the step --------------------------------------------------------------------
-
     def sample(
         self,
         logits: torch.Tensor,
@@ -233,15 +184,9 @@ class Sampler:
         allowed: torch.Tensor | None = None,
         drafts: list[np.ndarray] | None = None,
     ) -> SampleOutput:
-        """logits [R, V] float32; allowed [R, V] bool or None (all).
-
-        Without ``drafts`` one row per slot. With them (speculative decoding, one int array
-        per slot, maybe empty), slot j has 1 + len(drafts[j]) consecutive rows: the logits
-        after its last token, then after each draft; it returns the accepted drafts and the
-        target's next token (token_ids[j], then extra_token_ids[j]; module docstring).
-
-        ``allowed`` is the hook for constrained decoding: the worker's own grammar state
-        (not a wire field) says which tokens each row may take."""
+        """logits [R, V] float32; allowed [R, V] bool or None (all). Without ``drafts`` one
+        row per slot; with them slot j has 1 + len(drafts[j]) consecutive rows, and its
+        accepted drafts plus next token come back as token_ids[j], then extra_token_ids[j]."""
         rows = self._rows(slots, drafts)
         token_ids, raw, idx, params = self._choose(logits, rows, allowed)
         if drafts is None or len(rows.slots) == len(slots):
@@ -276,9 +221,7 @@ class Sampler:
     def _choose(
         self, logits: torch.Tensor, rows: _Rows, allowed: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """Each row's token [R] (the processing pipeline of the module docstring), the raw
-        logprobs [R, V] when any row asks for logprobs, the rows' slot ids [R] and their
-        params [R, 9] on the device."""
+        """(token [R], raw logprobs [R, V] or None, slot ids [R], params [R, 9])."""
         specs = rows.specs
         idx, keys = self._step_indices(rows)
         params = self.params[idx]  # [R, 9]
@@ -301,8 +244,7 @@ class Sampler:
         return token_ids, raw_logprobs, idx, params
 
     def _row_counts(self, idx: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        """[R, V] float32: each row's slot's generated-token counts, plus the drafts the row
-        assumes were accepted."""
+        """[R, V] float32 generated-token counts per row, drafts the row assumes included."""
         counts = self.counts[idx].float()
         if rows.draft_pairs:
             rc = torch.tensor(rows.draft_pairs, dtype=torch.int64).T.to(self.device)
@@ -310,9 +252,7 @@ class Sampler:
         return counts
 
     def _step_indices(self, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot ids [R], draw keys [R]) on the device, in one copy. A seeded row's key is
-        (seed, tokens generated before it) mixed: the same draw after a retraction, and
-        with speculation on or off."""
+        """(slot ids [R], draw keys [R]) on the device, in one copy."""
         slots = rows.slots
         host = np.empty((2, len(slots)), dtype=np.int64)
         host[0] = slots
@@ -331,8 +271,7 @@ class Sampler:
         token_ids: torch.Tensor,
         raw: torch.Tensor | None,
     ) -> SampleOutput:
-        """Per slot: the drafts its rows' choices confirm, then the first choice that
-        differs (or the one after the last draft); those tokens are recorded as generated."""
+        """Per slot: the confirmed drafts plus the first differing choice, recorded."""
         chosen = token_ids.tolist()
         committed: list[list[int]] = []
         first_rows: list[int] = []
@@ -365,8 +304,7 @@ class Sampler:
         first_rows: list[int],
         committed: list[list[int]],
     ) -> list[list[tuple[float, list[tuple[int, float]]]]]:
-        """Per slot asking for logprobs: (raw logprob, top alternatives) of each committed
-        token at its own row; [] for the others."""
+        """Per slot: (raw logprob, top) of each committed token; [] if logprobs not asked."""
         out: list[list[tuple[float, list[tuple[int, float]]]]] = [[] for _ in committed]
         if raw is None:
             return out
@@ -391,10 +329,8 @@ class Sampler:
         return out
 
     def _min_tokens_masked(self, logits: torch.Tensor, plan: _Rows) -> torch.Tensor:
-        """A copy of ``logits`` (the runner's are inference tensors) with each under-floor
-        row's banned ids at -inf: one small host-to-device copy of (row, token) pairs, the
-        copy, one max over the rows. A row left with nothing (a finished grammar allows only
-        EOS) gets its banned values back, by a second scatter (no host sync)."""
+        """A copy of ``logits`` with under-floor rows' banned ids at -inf, unless that leaves
+        a row nothing (a finished grammar allows only EOS): then the grammar's end wins."""
         pairs = [
             (j, t)
             for j, (gen, sp) in enumerate(zip(plan.generated, plan.specs, strict=True))
@@ -411,8 +347,7 @@ class Sampler:
         return masked.index_put_((rows, cols), torch.where(dead[rows], saved, float("-inf")))
 
     def _biased(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """A copy of ``logits`` with each biased row's biases added: the (row, token) pairs
-        and their values in two small host-to-device copies, one scatter-add."""
+        """A copy of ``logits`` with each biased row's biases added (one scatter-add)."""
         rows, cols, values = [], [], []
         for j, s in enumerate(slots):
             if s in self.biases:
@@ -433,8 +368,7 @@ class Sampler:
     def _penalized(
         self, logits: torch.Tensor, counts: torch.Tensor, params: torch.Tensor
     ) -> torch.Tensor:
-        """Every row at once (counts [N, V]: its generated tokens); rows without penalties
-        have neutral values (unchanged)."""
+        """HF-style repetition, then frequency and presence, over counts [N, V]."""
         rep, freq, pres = params[:, REP, None], params[:, FREQ, None], params[:, PRES, None]
         seen = counts > 0
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
@@ -454,7 +388,6 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         top_p = params[:, TOP_P, None]
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays);
         # top_p 1: float rounding must not cut the tail.
         mass_before = torch.cumsum(probs, dim=-1) - probs
         remove |= (mass_before >= top_p) & (top_p < 1.0)
@@ -472,7 +405,6 @@ class Sampler:
         params: torch.Tensor,
         token_ids: torch.Tensor,
     ) -> None:
-        """One token generated per slot (a plain step)."""
         for s in slots:
             self.num_generated[s] += 1
         if self.below_min:
@@ -485,7 +417,6 @@ class Sampler:
             )
 
     def _record_tokens(self, slot: int, tokens: list[int]) -> None:
-        """Several tokens generated by one slot (a verify step)."""
         self.num_generated[slot] += len(tokens)
         spec = self.spec(slot)
         if slot in self.below_min and self.num_generated[slot] >= spec.min_tokens:

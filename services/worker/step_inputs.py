@@ -1,11 +1,7 @@
 """A batch's integer inputs, computed on the host and moved to the device in one copy.
 
-Every per-step index (token ids, positions, new-token slots, each token's table row, the
-per-request lengths and offsets) is O(new tokens + requests): nothing here grows with
-context length (the kernels read the request-to-slot table for that). On CUDA the arrays are
-written straight into one pinned staging buffer and sent with a single non-blocking copy;
-the per-request int32 fields are converted on the device. On CPU they are views of the
-host arrays.
+Everything here is O(new tokens + requests), never O(context): kernels read the
+request-to-slot table for that. On CUDA the arrays go through one pinned staging buffer.
 
     staging layout (int64):  ids[T] positions[T] out_slots[T] token_rows[T]
                              req_slots[B] prefix_lens[B] extend_lens[B] seq_lens[B] qo_indptr[B+1]
@@ -72,7 +68,6 @@ class StepInputs:
 def host_arrays(
     ids: Sequence[np.ndarray], out_slots: Sequence[np.ndarray], rows: np.ndarray, prefix: np.ndarray
 ) -> tuple[list[np.ndarray], int, int]:
-    """The staging arrays in layout order, T and B."""
     extend = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))  # [B]
     qo = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(extend, out=qo[1:])
@@ -94,8 +89,6 @@ def host_arrays(
 
 
 class StepStager:
-    """Builds StepInputs; on CUDA through one reused pinned buffer (grown on demand)."""
-
     def __init__(self, device: torch.device):
         self.device = device
         self._pinned: torch.Tensor | None = None
@@ -128,7 +121,7 @@ class StepStager:
         return out
 
     def _buffer(self, n: int) -> torch.Tensor:
-        """The pinned buffer, once the previous copy out of it is done (it is reused)."""
+        """The pinned buffer, once the previous copy out of it is done."""
         if self._copied is not None:
             self._copied.synchronize()
         if self._pinned is None or self._pinned.numel() < n:

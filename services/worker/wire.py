@@ -4,11 +4,8 @@
     ForwardOutput --encode_result--> ForwardResult
     RunnerInfo    --encode_info-->   WorkerInfo
 
-Every check that needs only the message and the runner's fixed limits happens here, with
-an error naming the request and the limit it broke, before anything is written. The
-checks that need the runner's state (was the slot started, was a token sampled) stay in
-the runner. The worker process (main.py) and the in-process reference (offline.py) both
-go through ``forward`` below, so the tests exercise the path the server takes.
+Checks needing only the message and fixed limits happen here, before anything is written;
+those needing runner state stay in the runner. main.py and offline.py both use ``forward``.
 """
 
 from __future__ import annotations
@@ -45,8 +42,6 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class Limits:
-    """The runner's fixed sizes a batch is checked against."""
-
     max_running_requests: int
     max_context: int
     vocab_size: int
@@ -63,26 +58,22 @@ class Limits:
 
 
 class GrammarHost(Protocol):
-    """The runner's grammar side (services/worker/grammar): compiles for waiting requests."""
-
     def prepare(self, rid: str, c: Constraint) -> None: ...
 
     def settled(self, wait_s: float = 0.0) -> list[GrammarStatus]: ...
 
 
-# A batch with no requests (the scheduler only waits on grammars) is answered when a
-# grammar settles or after this long, so the scheduler neither spins nor sleeps long.
+# A batch with no requests (only waiting on grammars) is answered when a grammar settles
+# or after this long, so the scheduler neither spins nor sleeps long.
 GRAMMAR_POLL_WAIT_S = 0.02
 
 
 def forward(runner: Runner, msg: engine_pb2.ForwardBatch) -> engine_pb2.ForwardResult:
     """One batch through ``runner``. Raises ValueError (nothing written) when malformed.
-
-    Grammars the batch asks for start compiling first; those settled by the end ride on
-    the result (a runner without grammar support refuses them)."""
+    Grammars settled by the end ride on the result."""
     grammars: GrammarHost | None = getattr(runner, "grammars", None)
     loads: list[tuple[int, int]] = []
-    if msg.copies:  # the hierarchical cache's copies come before the forward that reads them
+    if msg.copies:  # before the forward that reads them
         copy_kv = getattr(runner, "copy_kv", None)
         if copy_kv is None:
             raise ValueError("this worker has no host tier")
@@ -103,7 +94,6 @@ def forward(runner: Runner, msg: engine_pb2.ForwardBatch) -> engine_pb2.ForwardR
 def _prepare_grammars(
     grammars: GrammarHost | None, reqs: Sequence[engine_pb2.GrammarCompile]
 ) -> list[GrammarStatus]:
-    """Starts the compiles; the statuses of those refused outright."""
     refused = []
     for g in reqs:
         c = constraint_of(g.constraint)
@@ -127,18 +117,13 @@ def encode_grammar_status(st: GrammarStatus) -> engine_pb2.GrammarStatus:
     return engine_pb2.GrammarStatus(rid=st.rid, error=st.error, error_code=st.error_code)
 
 
-# ---- ForwardBatch -> Batch ------------------------------------------------------------
-
-
 def decode_batch(msg: engine_pb2.ForwardBatch, limits: Limits) -> Batch:
-    """The batch as the runner takes it; ValueError naming the culprit when malformed."""
     batch = Batch(msg.is_decode, [decode_request(r, msg.is_decode, limits) for r in msg.reqs])
     check_batch(batch, limits)
     return batch
 
 
 def decode_request(msg: engine_pb2.ForwardRequest, is_decode: bool, limits: Limits) -> ReqInput:
-    """One ForwardRequest, its sizes checked (the slot numbers are checked batch-wide)."""
     req = ReqInput(
         req_slot=msg.req_slot,
         input_ids=unpack_i32(msg.input_ids),
@@ -148,7 +133,6 @@ def decode_request(msg: engine_pb2.ForwardRequest, is_decode: bool, limits: Limi
         use_last_sampled=msg.use_last_sampled,
         start=_slot_start(msg) if msg.is_new else None,
         rid=msg.rid,
-        # A decode step never scores the prompt (nothing read from the message for it).
         score=None if is_decode or not msg.prompt_logprob_targets else _prompt_score(msg),
         drafts=unpack_i32(msg.draft_tokens) if msg.draft_tokens else None,
     )
@@ -164,7 +148,6 @@ def _prompt_score(msg: engine_pb2.ForwardRequest) -> PromptScore:
 
 
 def _check_score(req: ReqInput, s: PromptScore, limits: Limits) -> None:
-    """The scored rows lie inside the request's new tokens; targets in the vocabulary."""
     n_new = len(req.out_slots)
     if s.row < 0 or s.row + len(s.targets) > n_new:
         raise ValueError(
@@ -199,7 +182,7 @@ def _check_request(req: ReqInput, is_decode: bool, limits: Limits) -> None:
             raise ValueError(
                 f"{where}: use_last_sampled needs empty input_ids and a token sampled before"
             )
-        n_new = 1  # the runner supplies the token
+        n_new = 1
     if n_new == 0:
         raise ValueError(f"{where}: no input_ids")
     if req.drafts is not None:
@@ -236,7 +219,6 @@ def _check_request(req: ReqInput, is_decode: bool, limits: Limits) -> None:
 
 
 def _check_drafts(req: ReqInput, is_decode: bool) -> None:
-    """Drafts are verified only where the step samples, after tokens the wire carries."""
     where = req.where
     if is_decode:
         raise ValueError(
@@ -249,7 +231,6 @@ def _check_drafts(req: ReqInput, is_decode: bool) -> None:
 
 
 def check_batch(batch: Batch, limits: Limits) -> None:
-    """Batch-wide: each request slot once, token ids in the vocabulary, KV slots in the pool."""
     slots = [r.req_slot for r in batch.reqs]
     if len(set(slots)) != len(slots):
         raise ValueError("a req_slot appears twice in one batch")
@@ -269,7 +250,6 @@ def check_batch(batch: Batch, limits: Limits) -> None:
 def sampling_spec(
     p: engine_pb2.SamplingParams | None, eos_token_ids: Sequence[int] = ()
 ) -> SamplingSpec:
-    """SamplingParams with SamplingSpec's defaults in place of every unset optional."""
     if p is None:
         return SamplingSpec()
     given = {name: getattr(p, name) for name in _SPEC_OPTIONALS if p.HasField(name)}
@@ -292,14 +272,10 @@ _SPEC_OPTIONALS = tuple(
 
 
 def min_tokens_ban(p: engine_pb2.SamplingParams, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
-    """What would end the output before min_tokens: the stop ids, and EOS unless ignored."""
     if not p.min_tokens:
         return ()
     ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
     return tuple(sorted(ids))
-
-
-# ---- ForwardOutput -> ForwardResult, RunnerInfo -> WorkerInfo ---------------------------
 
 
 def encode_result(batch_id: int, out: ForwardOutput) -> engine_pb2.ForwardResult:

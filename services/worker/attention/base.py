@@ -1,21 +1,10 @@
 """The attention-backend interface and the per-batch metadata every backend reads.
 
-A batch holds B requests. Request b computes ``extend_lens[b]`` new tokens whose positions
-are ``prefix_lens[b] .. seq_lens[b] - 1``; its first ``prefix_lens[b]`` tokens are already
-in the KV pool. The new tokens of all requests are concatenated into T rows:
-
-    rows of request b:      qo_indptr[b] .. qo_indptr[b+1]             (T = qo_indptr[B])
-    its whole context:      req_to_token[req_slots[b], 0 .. seq_lens[b]]
-                            (one KV slot per position, in position order)
-    slots of its new rows:  out_slots[qo_indptr[b] .. qo_indptr[b+1]]
-                            == the last extend_lens[b] entries of its context row
-
-Backends read the request-to-slot table (services/worker/req_table.py) directly, as
-SGLang's kernels do: per-step host work stays O(batch), never O(total context).
-
-A backend first stores the new K/V at ``out_slots`` and then attends: query row i of
-request b (position prefix_lens[b] + i) sees context positions 0 .. prefix_lens[b] + i.
-Decode is the case extend_lens == 1 for every request.
+Request b's new tokens are rows qo_indptr[b] .. qo_indptr[b+1] at positions
+prefix_lens[b] .. seq_lens[b] - 1; its whole context is req_to_token[req_slots[b], :seq_lens[b]].
+Backends read that table directly, so per-step host work is O(batch), never O(context).
+A backend stores the new K/V at ``out_slots``, then attends causally; decode is
+extend_lens == 1 for every request.
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ class AttentionBackend:
         self.sm_scale = sm_scale
 
     def prepare(self, meta: AttentionMeta) -> None:
-        """Once per batch, before the layers run (precompute what all layers share)."""
+        """Once per batch, before the layers run."""
 
     def forward(
         self,

@@ -1,25 +1,10 @@
 """The plain-PyTorch attention backend: the CPU default and the reference for the kernels.
 
-Store: the new K/V go to their slots with one index_copy_ per layer.
-Decode (one new token per request), float32 or bfloat16 on CPU: a small C kernel
-(kernels/cpu/decode_attention.py) reads each context's K/V rows in place through the
-request-to-slot table; nothing is gathered (the gather cost more than the attention).
-Elsewhere (float16, no C compiler): the batch's rows of the table become
-a padded [B, Lmax] slot matrix once per batch (padding reads slot 0, which is zeros) plus
-a length mask; each layer then does one gather and one batched attention over the batch.
-Extend (prefill, possibly on top of a cached prefix), float32 or bfloat16 on CPU: one call
-of a C kernel (kernels/cpu/extend_attention.py) for the whole batch, reading every context in
-place through the table: no gather of a cached prefix, no mask (faster than torch's SDPA
-at the peers' shapes: docs/benchmarks.md). Elsewhere:
-per request, scaled_dot_product_attention of its new rows over its whole context
-(gathered from the pool when it has a prefix), the causal mask shifted by prefix_len:
-
-    query row i (position prefix + i) sees keys 0 .. prefix + i
-
-In a mixed batch (prefill chunks plus the decoding requests' next tokens) the one-row
-requests are decodes: where the C decode kernel runs they go to it together, one call per
-layer (the chunks to the extend kernel), instead of a gather and an SDPA each (16 of them
-made a mixed step ~2x a decode step).
+float32 / bfloat16 on CPU: C kernels (kernels/cpu/decode_attention.py, extend_attention.py)
+read each context's K/V in place through the request-to-slot table, since gathering cost
+more than the attention. Elsewhere: decode gathers a padded [B, Lmax] slot matrix plus a
+length mask; extend runs SDPA per request with the causal mask shifted by prefix_len. A
+mixed batch's trailing one-row requests go to the decode kernel together.
 """
 
 from __future__ import annotations
@@ -47,8 +32,7 @@ class _ExtendItem:
 @register_backend
 class TorchBackend(AttentionBackend):
     name = "torch"
-    # The C decode and extend kernels where they build and fit (tests switch them off for
-    # the torch path).
+    # Tests switch the C kernels off for the torch path.
     use_cpu_kernel = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float):
@@ -61,15 +45,11 @@ class TorchBackend(AttentionBackend):
         self._decode_slots: torch.Tensor | None = None  # [B, Lmax] int64 (torch path)
         self._decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive float
         self._qo: list[int] = []  # the extend batch's qo_indptr
-        # Per-request contexts of the SDPA path; None until that path needs them.
-        self._extend: list[_ExtendItem] | None = None
-        # The extend kernel's int32 vectors (req_slots, qo_indptr, prefix_lens) of the batch.
+        self._extend: list[_ExtendItem] | None = None  # SDPA path, built on demand
+        # (req_slots, qo_indptr, prefix_lens) int32 for the extend kernel.
         self._extend_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # The extend batch's one-row requests, for the kernel: (first row, rows, req_slots,
-        # seq_lens); their rows are contiguous (the scheduler puts decodes last).
+        # (first row, rows, req_slots, seq_lens) of the trailing (decode) one-row requests.
         self._singles: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
-
-    # ---- once per batch -------------------------------------------------------------
 
     def prepare(self, meta: AttentionMeta) -> None:
         if meta.is_decode:
@@ -78,7 +58,7 @@ class TorchBackend(AttentionBackend):
             self._prepare_extend(meta)
 
     def _prepare_decode(self, meta: AttentionMeta) -> None:
-        # The kernel reads int32 [B] vectors by pointer: contiguous int32 (no copy when so).
+        # The kernel reads contiguous int32 [B] vectors by pointer.
         self._req_slots = meta.req_slots.to(torch.int32).contiguous()
         self._seq_lens = meta.seq_lens.to(torch.int32).contiguous()
         self._decode_meta = meta
@@ -88,10 +68,8 @@ class TorchBackend(AttentionBackend):
         seq_lens = meta.seq_lens.long()
         cols = torch.arange(meta.max_seq_len, device=seq_lens.device)[None, :]  # [1, Lmax]
         valid = cols < seq_lens[:, None]  # [B, Lmax]
-        # Whole row prefixes (memcpy each); positions past a request's length are masked.
         rows = meta.req_to_token[:, : meta.max_seq_len].index_select(0, meta.req_slots.long())
         self._decode_slots = rows.long().masked_fill_(~valid, 0)
-        # Additive mask (0 / -inf) broadcast over heads; forward casts it to q's dtype once.
         mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         self._decode_mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
@@ -101,8 +79,7 @@ class TorchBackend(AttentionBackend):
         kernel_from = len(qo) - 1 - (self._singles[1] if self._singles else 0)
         self._extend_args = None
         if self._extend_kernel is not None:
-            # The kernel reads every context through the table: no slots or masks to build
-            # (forward builds them if the kernel cannot read the tensors after all).
+            # forward builds slots and masks if the kernel cannot read the tensors after all.
             i32 = torch.int32
             self._extend_args = (
                 meta.req_slots.to(i32).contiguous(),
@@ -115,8 +92,7 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _items(meta: AttentionMeta, qo: list[int], batch: range) -> list[_ExtendItem]:
-        """Each request's rows, and its context slots and shifted causal mask if it has a
-        prefix (query row i at position prefix + i sees keys 0 .. prefix + i)."""
+        """Per request: its rows, and with a prefix its context slots and shifted causal mask."""
         prefix, req_rows = meta.prefix_lens.tolist(), meta.req_slots.tolist()
         dev = meta.req_to_token.device
         items = []
@@ -145,8 +121,6 @@ class TorchBackend(AttentionBackend):
         req_slots = meta.req_slots[first:].to(torch.int32).contiguous()
         seq_lens = meta.seq_lens[first:].to(torch.int32).contiguous()
         return qo[first], b - first, req_slots, seq_lens
-
-    # ---- per layer ------------------------------------------------------------------
 
     def forward(
         self,
@@ -194,8 +168,6 @@ class TorchBackend(AttentionBackend):
     def _extend_attention(
         self, q: torch.Tensor, new: _KV, pools: _KV, meta: AttentionMeta
     ) -> torch.Tensor:
-        """The trailing one-row requests through the decode kernel, the others through the
-        extend kernel, or per request: new rows over the whole context, the mask shifted."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D] contiguous
         n = self._extend_decodes(q, pools, meta, out)  # requests 0 .. n are left
         if n == 0:
@@ -229,14 +201,13 @@ class TorchBackend(AttentionBackend):
     def _extend_decodes(
         self, q: torch.Tensor, pools: _KV, meta: AttentionMeta, out: torch.Tensor
     ) -> int:
-        """Writes the trailing one-row requests' rows with the decode kernel, all in one
-        call; returns the number of requests before them (all where it cannot run)."""
+        """Runs the trailing one-row requests on the decode kernel; returns how many remain."""
         b = len(self._qo) - 1
         single = self._singles
         if single is None or self._kernel is None:
             return b
         if not cpu_decode_attention.supports(q, pools[0], meta.req_to_token):
-            return b  # the kernel cannot read these tensors: the other paths after all
+            return b
         start, n, req_slots, seq_lens = single
         out[start : start + n] = self._kernel(
             q[start : start + n], *pools, meta.req_to_token, req_slots, seq_lens, self.sm_scale
@@ -245,8 +216,7 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _context_kv(item: _ExtendItem, new: _KV, pools: _KV) -> _KV:
-        """K and V of the item's context: its new rows when it has no prefix, else gathered
-        from the pool by slot (the new rows are already stored there)."""
+        """K and V of the item's context: its new rows, or gathered from the pool."""
         if item.kv_slots is None:
             k, v = new[0][item.q_start : item.q_end], new[1][item.q_start : item.q_end]
         else:

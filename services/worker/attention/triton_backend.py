@@ -15,13 +15,8 @@ from services.worker.attention.base import AttentionBackend, AttentionMeta, regi
 
 
 def choose_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per context in decode (flash-decoding).
-
-    Stage 1 runs batch * kv_heads * splits programs: enough of them to cover every SM a few
-    times keeps small batches from idling most of the GPU, while more splits than that only
-    shorten each program and add merge work. It depends on shapes alone, never on context
-    lengths, so a CUDA graph captured for a batch size keeps a valid launch.
-    On CPU (the interpreter) every program is a slow Python step: use few."""
+    """Splits per context in decode (flash-decoding): enough programs to cover every SM a
+    few times. Shapes alone, never context lengths, so a captured CUDA graph stays valid."""
     if device.type != "cuda":
         return 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count

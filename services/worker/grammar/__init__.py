@@ -24,7 +24,6 @@ __all__ = ["Constraint", "GrammarCompiler", "GrammarError", "Grammars", "Grammar
 
 
 def __getattr__(name: str) -> Any:
-    """The xgrammar-backed names, imported when first asked for."""
     if name in ("GrammarCompiler", "GrammarError"):
         from services.worker.grammar import compiler
 
@@ -33,8 +32,8 @@ def __getattr__(name: str) -> Any:
 
 
 class _NoSlots:
-    """Stands in for SlotGrammars until a request brings a constraint: no matcher exists,
-    so no row is constrained and mask/advance (called only for constrained rows) never run."""
+    """Stands in for SlotGrammars until a request brings a constraint; mask/advance never
+    run (no row is constrained)."""
 
     dead_end: list[bool] = []
 
@@ -87,7 +86,7 @@ class Grammars:
         self.waits, self.slots = _NoWaits(), _NoSlots(self)
 
     def build(self) -> Grammars:
-        """The xgrammar-backed parts, made once (the first constraint calls this)."""
+        """The xgrammar-backed parts, made once on the first constraint."""
         if self._built:
             return self
         from services.worker.grammar.compiler import GrammarCompiler, TokenizerInfoSource

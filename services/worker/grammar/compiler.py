@@ -1,12 +1,8 @@
 """Constraints compiled with xgrammar, off the forward step's path, once per distinct one.
 
-The cache maps (kind, text) to the compile's Future, so a second request for a grammar
-still compiling shares that compile, and a refused one is answered at once with the same
-message. It is a bounded LRU: the least recently asked-for entry goes when it is full
-(a request already decoding keeps its matcher, which holds its compiled grammar). Compiles
-run on a small thread pool: xgrammar releases the GIL while it compiles, so the worker's
-forward steps go on meanwhile (bench/bench_constrained.py measures the inter-token latency
-of running streams while a large schema compiles).
+A bounded LRU maps (kind, text) to the compile's Future, so requests share a running
+compile and a refused one is answered at once. Compiles run on a small thread pool:
+xgrammar releases the GIL, so forward steps go on meanwhile.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "regex", "ebnf", "json_object", "structural_tag")
 MAX_MESSAGE_CHARS = 600
-# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: " and sometimes an
-# internal "Check failed: (...) is false: ": neither helps the person who wrote the schema.
+# xgrammar's "[hh:mm:ss] file.cc:123: " and "Check failed: (...) is false: " prefixes.
 _NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 
@@ -45,8 +40,7 @@ def compiler_message(e: BaseException) -> str:
 
 
 class TokenizerInfoSource:
-    """xgrammar's view of the vocabulary, built once on first use: it needs the model's
-    tokenizer, which a test model built without one does not have until it is asked for."""
+    """xgrammar's view of the vocabulary, built on first use (test models lack tokenizers)."""
 
     def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int]):
         self.model_path, self.vocab_size, self.stop_token_ids = (
@@ -104,8 +98,7 @@ class GrammarCompiler:
     def _compiler(self) -> xgr.GrammarCompiler:
         with self._xgr_lock:
             if self._xgr is None:
-                # One thread per compile (our pool runs several); our cache, not xgrammar's,
-                # bounds what is kept.
+                # Our pool parallelises and our cache bounds what is kept.
                 self._xgr = xgr.GrammarCompiler(
                     self.tokenizer.get(), max_threads=1, cache_enabled=False
                 )
@@ -114,7 +107,7 @@ class GrammarCompiler:
     def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
         try:
             compiler = self._compiler()
-        except Exception as e:  # no tokenizer: constrained decoding is not available here
+        except Exception as e:  # no tokenizer
             log.error("grammar compiler unavailable: %s", e)
             raise RuntimeError(f"constrained decoding is unavailable on this worker: {e}") from e
         try:
@@ -128,8 +121,7 @@ class GrammarCompiler:
 
 
 def check_satisfiable(compiled: xgr.CompiledGrammar) -> None:
-    """Refuses a constraint no output can complete: rules that never end, or no token of
-    the vocabulary that can start it (the matcher would then reject whatever is sampled)."""
+    """Refuses a constraint no output can complete (rules never end, or no token starts it)."""
     if never := unproductive_rules(str(compiled.grammar)):
         rules = ", ".join(repr(n) for n in never[:5])
         verb = "rule {} never ends" if len(never) == 1 else "rules {} never end"
@@ -146,18 +138,15 @@ def check_satisfiable(compiled: xgr.CompiledGrammar) -> None:
         )
 
 
-# Niceness of the compile threads: on a CPU worker they share the cores with the forward's
-# threads, and at equal priority a long compile slows every decode step (OpenMP waits at
-# each barrier for the thread that lost its core). At +10 the scheduler gives the forward
-# ~90% of a contended core; on a GPU worker it changes nothing.
+# On a CPU worker compile threads share cores with the forward's OpenMP threads, whose
+# barriers wait for any thread that lost its core; +10 keeps decode steps fast.
 COMPILE_NICENESS = 10
 
 
 def _yield_to_forward() -> None:
-    """Lowers the calling (compile) thread's CPU priority; Linux schedules threads alone."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
-    except (AttributeError, OSError):  # not Linux, or not allowed: compile at full priority
+    except (AttributeError, OSError):  # not Linux, or not allowed
         pass
 
 
@@ -174,8 +163,7 @@ def _compile_with(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledG
     if c.kind == "ebnf":
         return compiler.compile_grammar(c.text)
     if c.kind == "structural_tag":
-        # compile_structural_tag, not Grammar.from_structural_tag: a "token" format names
-        # a token by its text, which only the compiler's tokenizer info resolves.
+        # Not Grammar.from_structural_tag: only the compiler's tokenizer resolves "token".
         compiled = compiler.compile_structural_tag(structural_tag_text(c.text))
         grammar = compiled.grammar  # a new wrapper each time it is read
         fixed = json_safe(grammar)
@@ -183,9 +171,8 @@ def _compile_with(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledG
     raise GrammarError(f"unknown constraint kind {c.kind!r}; one of {', '.join(KINDS)}")
 
 
-# xgrammar 0.2.9 writes the characters of a string with minLength / maxLength as
-# [^"\\\r\n], which lets raw control characters (U+0000..U+001F) into the string: not JSON
-# (json.loads refuses it). The same class without them is what its other strings use.
+# xgrammar 0.2.9's strings with minLength / maxLength admit raw control characters, which
+# is not JSON; its other strings use the class without them.
 _LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 
@@ -207,9 +194,7 @@ def _check_schema(text: str) -> None:
 
 
 def structural_tag_text(text: str) -> str:
-    """The structural tag as xgrammar's current format takes it: the older
-    {"structures", "triggers"} form (vLLM and SGLang still accept it) converted, and every
-    JSON Schema inside checked as a json_schema constraint is."""
+    """The tag in xgrammar's current format (legacy form converted), its schemas checked."""
     try:
         tag = json.loads(text)
     except json.JSONDecodeError as e:
@@ -224,8 +209,7 @@ def structural_tag_text(text: str) -> str:
 
 
 def _from_legacy(tag: dict[str, Any]) -> dict[str, Any]:
-    """{"structures": [{"begin", "schema", "end"}], "triggers": [...]} as triggered tags:
-    free text until a trigger, then the structure whose begin it starts."""
+    """{"structures": [...], "triggers": [...]} as triggered tags."""
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise GrammarError("structures must be a non-empty list of {begin, schema, end}")

@@ -1,14 +1,9 @@
 """Does a compiled grammar accept any finite string? Found before a request decodes with it.
 
-A grammar such as ``root ::= root`` or ``root ::= "a" root`` compiles, but no output can ever
-complete it: the first leaves the matcher no token at all, the second runs until max_tokens.
-Both are the client's mistake, so the compile refuses them with the rules at fault.
-
-The check reads xgrammar's normalized text of the grammar (one ``name ::= body`` a line)
-and computes which rules are *productive*, i.e. can derive a finite string: a rule is
-productive when one of its alternatives has only productive elements, starting from the
-terminals. What the parser does not recognise counts as productive, so a construct added in
-a later xgrammar can only make the check refuse less, never refuse a good grammar.
+``root ::= root`` or ``root ::= "a" root`` compile, but no output can complete them, so
+the compile refuses them. Productive rules (deriving a finite string) are computed as a
+fixpoint over xgrammar's normalized text; unrecognised constructs count as productive, so
+a newer xgrammar can only make the check refuse less, never refuse a good grammar.
 """
 
 from __future__ import annotations
@@ -132,8 +127,8 @@ def _productive(expr: _Expr, known: set[str]) -> bool:
 
 
 def unproductive_rules(grammar_text: str, root: str = "root") -> list[str] | None:
-    """The rules that can never finish, root first, when ``root`` is one of them; None when
-    the grammar accepts some finite string (or could not be read)."""
+    """The rules that can never finish, root first, when ``root`` is one; None when the
+    grammar accepts some finite string (or could not be read)."""
     try:
         rules = _parse(grammar_text)
     except _Unknown:

@@ -1,11 +1,8 @@
 """JSON Schema keywords the grammar engine cannot honour, refused instead of ignored.
 
-xgrammar turns a schema into a grammar and silently drops the keywords it has no grammar
-for (``not``, ``if``/``then``/``else``, ``uniqueItems``, ``contains``, ...): the output
-would then parse but could break the schema. Refusing them keeps the promise that every
-finished output validates. The list was measured against xgrammar 0.2.9 (a keyword is on it
-when adding it leaves the generated grammar unchanged); annotations (``title``,
-``description``, ...) change nothing either, and need not.
+xgrammar silently drops keywords it has no grammar for (``not``, ``uniqueItems``, ...), so
+the output could break the schema; refusing them keeps every finished output valid. The
+list was measured against xgrammar 0.2.9.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The grammar state of each request slot: a matcher per constrained request.
 
-Per step, for the sampled rows whose request is constrained: fill xgrammar's token bitmask
-from each matcher, apply it to the logits in place (disallowed tokens -> -inf) before the
-sampler runs, then advance each matcher with the token drawn. The matcher lives here, in
-the worker, because this is where tokens are sampled: mask, sample and advance happen in
-the same step, so the overlap schedule (the next step queued before this one's tokens
-reach the scheduler) works for constrained requests unchanged.
-
-A request that takes its slot again after a retraction replays its output tokens into a
-fresh matcher, so its grammar state is the one it left with.
-
-A verify step (speculative decoding) masks each of a request's 1 + k rows with the state
-after the drafts before it: the matcher takes the drafts one by one, then rolls back. The
-drafts the grammar refuses, and any after one that would end it, are dropped before the
-sampler sees them (``mask_drafts``), so an accepted draft is always grammatical and only
-the last committed token can end the grammar, as in a one-token step.
+Matchers live in the worker, where tokens are sampled: mask, sample and advance happen in
+one step, so overlap scheduling works for constrained requests unchanged. A retracted
+request replays its output into a fresh matcher. A verify step masks row i with the state
+after drafts[:i]; drafts the grammar refuses (or that would end it early) are dropped, so
+only the last committed token can end the grammar, as in a one-token step.
 """
 
 from __future__ import annotations
@@ -35,9 +25,9 @@ class SlotGrammars:
         self.compiler = compiler
         self.vocab_size = vocab_size
         self.matchers: list[xgr.GrammarMatcher | None] = [None] * max_slots
-        self.done = [False] * max_slots  # terminated: nothing more to mask or accept
+        self.done = [False] * max_slots
         self.errors = [""] * max_slots  # the grammar broke: the request must end
-        # The grammar allows no token at all here: the constraint's fault, not the engine's.
+        # No token allowed at all: the constraint's fault, not the engine's.
         self.dead_end = [False] * max_slots
         self._bitmask = xgr.allocate_token_bitmask(max_slots, vocab_size)  # host int32
         self._draft_bitmask = xgr.allocate_token_bitmask(MAX_VERIFY_ROWS, vocab_size)
@@ -49,8 +39,7 @@ class SlotGrammars:
         if c is None:
             return
         try:
-            # Ready by now (the scheduler admits it only then); blocks only if the LRU
-            # dropped it meanwhile.
+            # Blocks only if the LRU dropped it since the scheduler saw it ready.
             compiled = self.compiler.submit(c).result()
         except Exception as e:
             self.errors[slot] = f"the grammar is unavailable: {e}"
@@ -73,9 +62,8 @@ class SlotGrammars:
         return None if m is None or self.done[slot] or self.errors[slot] else m
 
     def mask(self, logits: torch.Tensor, slots: Sequence[int]) -> None:
-        """logits [n, V] (row j belongs to slots[j]): tokens the grammar forbids -> -inf.
-        A row whose grammar allows no token ends its request instead: masked, it would be
-        all -inf, which sampling cannot draw from."""
+        """logits [n, V] (row j is slots[j]): forbidden tokens -> -inf. A row allowing no
+        token ends its request instead (all -inf cannot be sampled)."""
         rows = []
         for j, s in enumerate(slots):
             if (m := self._live(s)) is not None:
@@ -94,20 +82,19 @@ class SlotGrammars:
         self.dead_end[slot] = True
 
     def mask_drafts(self, rows: torch.Tensor, slot: int, drafts: Sequence[int]) -> int:
-        """One request's verify rows [1 + len(drafts), V], masked in place: row i with the
-        grammar's state after drafts[:i]. Returns how many leading drafts stay (the grammar
-        takes each without ending); the rows past them are for the caller to drop."""
+        """Masks verify rows [1 + len(drafts), V] in place, row i after drafts[:i]. Returns
+        how many leading drafts stay; the caller drops the rows past them."""
         m = self._live(slot)
         if m is None:
             return len(drafts)
         bitmask, n = self._draft_bitmask, 0
         while True:
             m.fill_next_token_bitmask(bitmask, n)
-            if not bool(bitmask[n].any()):  # nothing allowed here (see ``mask``)
+            if not bool(bitmask[n].any()):
                 if n == 0:
                     self._dead_end(slot)
                     return 0
-                m.rollback(1)  # drop the draft that led here
+                m.rollback(1)
                 n -= 1
                 break
             if n == len(drafts) or not m.accept_token(int(drafts[n])):
@@ -125,8 +112,7 @@ class SlotGrammars:
     def advance(
         self, slots: Sequence[int], tokens: Sequence[Sequence[int]]
     ) -> tuple[list[bool], list[str]]:
-        """Feeds each constrained row its committed tokens (one, or a verify step's accepted
-        drafts and the next token): (terminated, error) per row."""
+        """Feeds each constrained row its committed tokens: (terminated, error) per row."""
         terminated, errors = [False] * len(slots), [""] * len(slots)
         for j, s in enumerate(slots):
             m = self.matchers[s]

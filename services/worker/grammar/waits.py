@@ -1,10 +1,8 @@
 """Requests waiting for their grammar, by request id, and what to tell the scheduler.
 
-The scheduler keeps a constrained request out of every batch (it holds no KV) until the
-worker reports its grammar settled: ready, refused by the compiler (INVALID_ARGUMENT with
-its message) or still compiling after --grammar-compile-timeout (DEADLINE_EXCEEDED). A
-timed-out compile is not cancelled: it finishes in the background and its grammar is
-cached like any other, so a timeout never marks a grammar as invalid.
+A wait settles ready, refused (INVALID_ARGUMENT) or timed out (DEADLINE_EXCEEDED). A
+timed-out compile is not cancelled: it finishes and is cached, so a timeout never marks a
+grammar invalid.
 """
 
 from __future__ import annotations
@@ -25,20 +23,17 @@ class CompileWaits:
         self._waits: dict[str, tuple[Future[xgr.CompiledGrammar], float]] = {}
 
     def add(self, rid: str, c: Constraint) -> None:
-        """Starts (or joins) the compile of ``c`` for request ``rid``."""
         self._waits[rid] = (self.compiler.submit(c), time.monotonic() + self.timeout_s)
 
     def __len__(self) -> int:
         return len(self._waits)
 
     def clear(self) -> None:
-        """Forgets every wait (a new scheduler: their requests are gone); compiles go on
-        and stay cached."""
+        """Forgets every wait; compiles go on and stay cached."""
         self._waits.clear()
 
     def settled(self, wait_s: float = 0.0) -> list[GrammarStatus]:
-        """Statuses of the waits that settled (each reported once). With ``wait_s``, waits
-        that long at most for a first one when none has settled yet."""
+        """Statuses of newly settled waits; blocks up to ``wait_s`` for a first one."""
         if wait_s > 0 and self._waits and not self._any_settled():
             deadline = min(d for _, d in self._waits.values())
             timeout = max(0.0, min(wait_s, deadline - time.monotonic()))

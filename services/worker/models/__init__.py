@@ -1,7 +1,4 @@
-"""Architecture registry: the ``architectures[0]`` of a config.json -> our model class.
-
-Every class is a LlamaForCausalLM flavour (models/llama.py), so that is the type the
-runner relies on."""
+"""Architecture registry: config.json's ``architectures[0]`` -> a LlamaForCausalLM flavour."""
 
 from __future__ import annotations
 

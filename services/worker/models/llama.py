@@ -1,16 +1,9 @@
 """Llama-family decoders: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
 
-They differ only in a few switches read from the HF config, so one implementation serves
-all four. The interface the runner (and the CUDA-graph code) relies on:
+One implementation, a few switches read from the HF config. The runner's interface:
 
     model.forward(input_ids [T], positions [T], meta) -> hidden [T, hidden_size]
     model.compute_logits(hidden [N, hidden_size])     -> logits [N, vocab] float32
-
-The model holds its attention backend and the KV pool (``attach``). Once per batch it
-builds a ForwardContext (positions, rotary tables, attention metadata, backend, pool) and
-every layer takes ``(hidden, ctx)``, reaching its own slice of the pool by layer id.
-On CPU a prefill batch of more than ``CPU_EXTEND_ROWS`` new tokens runs as groups of whole
-requests (``split_extend``), each with its own context: the same math, in cache.
 """
 
 from __future__ import annotations
@@ -51,29 +44,21 @@ _STACKED = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-# Checkpoint tensors that carry nothing we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# A tied lm_head gets its own packed copy of the embedding table up to this size (small
-# vocabularies); a larger one (Qwen2's 151,936 x 896 is 544 MB) runs on the dense table
-# itself, for no extra memory: oneDNN over the dense table (nearly as fast as a packed
-# copy), and the C kernel (kernels/cpu/gemm.py) for fewer rows than TIED_HEAD_KERNEL_ROWS
-# (or the linears' crossing, if higher), where it beats both (docs/benchmarks.md, "Worker").
+# A tied lm_head gets a packed copy of the embedding table up to this size; a larger one
+# runs on the dense table itself (no extra memory), via the C kernel for few rows.
 TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 TIED_HEAD_KERNEL_ROWS = 24
 
 
-# Rows of one forward of a CPU prefill (extend) batch; a larger batch runs as consecutive
-# groups of whole requests of about this many rows. The activations of 8,000 rows (the
-# small peers model's gate_up output alone is 90 MB) spill the caches that 2,000 rows fit
-# (docs/benchmarks-history.md). The scheduler hands a CPU worker batches of 2,048 new tokens by
-# default (--max-prefill-tokens 0, services/scheduler/prefill.py), so groups matter for
-# an explicit larger setting.
+# Rows of one forward of a CPU prefill batch; a larger one runs as groups of whole requests,
+# so the activations stay in cache.
 CPU_EXTEND_ROWS = 2048
 
 
 def split_extend(meta: AttentionMeta, rows: int) -> Iterator[tuple[int, int, AttentionMeta]]:
-    """(first row, end row, metadata) of consecutive groups of whole requests of at most
-    ``rows`` new tokens each (a larger request alone)."""
+    """(first row, end row, metadata) of groups of whole requests of at most ``rows`` new
+    tokens each (a larger request alone)."""
     qo = meta.qo_indptr.tolist()
     first = 0
     while first < len(qo) - 1:
@@ -125,7 +110,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), ctx)  # x, h: [T, hidden]
-        x, normed = self.post_attention_layernorm.add_forward(x, h)  # x + h, its norm
+        x, normed = self.post_attention_layernorm.add_forward(x, h)
         return x + self.mlp(normed)
 
 
@@ -142,7 +127,6 @@ class DecoderBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Per-architecture switches (subclasses flip them).
     qkv_bias_default = False
     qk_norm = False
 
@@ -154,14 +138,12 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias_default or bool(getattr(config, "attention_bias", False))
         self.model = DecoderBody(config, qkv_bias, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # Tied: compute_logits reads the embedding; no second Parameter object, so moving
-        # the model between devices can never untie them.
+        # Tied: no second Parameter object, so moving the model can never untie them.
         self.lm_head = (
             None
             if self.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        # oneDNN over the embedding table (pack_linears)
         self.tied_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rotary = RotaryEmbedding(config, head_dim_of(config))
         self.backend = backend
@@ -170,8 +152,6 @@ class LlamaForCausalLM(nn.Module):
     def attach(self, backend: AttentionBackend, kv_pool: KVPool) -> None:
         self.backend, self.kv_pool = backend, kv_pool
 
-    # ---- the runner's interface -------------------------------------------------------
-
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta
@@ -179,7 +159,6 @@ class LlamaForCausalLM(nn.Module):
         rows = input_ids.shape[0]
         if meta.is_decode or input_ids.device.type != "cpu" or rows <= CPU_EXTEND_ROWS:
             return self._forward(input_ids, positions, meta)
-        # A large CPU prefill runs as groups of whole requests, one after another.
         return torch.cat(
             [
                 self._forward(input_ids[s:e], positions[s:e], sub)
@@ -199,7 +178,6 @@ class LlamaForCausalLM(nn.Module):
     def context(
         self, positions: torch.Tensor, meta: AttentionMeta, dtype: torch.dtype
     ) -> ForwardContext:
-        """The batch's forward context; the backend's per-batch preparation runs here."""
         assert self.backend is not None and self.kv_pool is not None, (
             "attach() a backend and a KV pool first"
         )
@@ -215,15 +193,9 @@ class LlamaForCausalLM(nn.Module):
             return self.tied_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
 
-    # ---- CPU linears --------------------------------------------------------------------
-
     def pack_linears(self, keep_plain: bool = False) -> int:
-        """After load_weights: every projection (and the lm_head) through oneDNN with its
-        weight prepacked and/or the small-M C kernel, where cpu_linear supports it (float32
-        and bfloat16 on CPU, float16 the kernel only; a no-op on CUDA).
-        The dense weights are dropped unless keep_plain (see Linear.pack); a tied embedding
-        table stays dense for the lookup (TIED_HEAD_COPY_MAX_BYTES). Returns how many
-        linears were packed."""
+        """After load_weights: packs every projection where cpu_linear supports it (no-op on
+        CUDA); a tied embedding table stays dense for the lookup. Returns how many."""
         packed = sum(m.pack(keep_plain) for m in self.modules() if isinstance(m, Linear))
         if self.lm_head is None and packed:
             table = self.model.embed_tokens.weight
@@ -237,11 +209,9 @@ class LlamaForCausalLM(nn.Module):
     def packed_linears(self) -> int:
         return sum(isinstance(m, Linear) and m.packed is not None for m in self.modules())
 
-    # ---- weights ----------------------------------------------------------------------
-
     def checkpoint_tensors(self) -> dict[str, tuple[torch.Size, torch.dtype | None]]:
-        """Every tensor the checkpoint must hold: its shape, and its dtype where only one
-        will do (AWQ's packed buffers; None: any float dtype, converted on load)."""
+        """Every tensor the checkpoint must hold: shape, and dtype where only one will do
+        (None: any float dtype, converted on load)."""
         names: dict[str, tuple[torch.Size, torch.dtype | None]] = {}
         modules = dict(self.named_modules())
         for name, tensor, is_buffer in self._tensors():
@@ -257,21 +227,17 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     def checkpoint_names(self) -> dict[str, torch.Size]:
-        """Every tensor the checkpoint must hold, with its shape."""
         return {name: shape for name, (shape, _) in self.checkpoint_tensors().items()}
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
-        """(name, tensor, is_buffer) of every parameter and buffer (AWQ's packed weights)."""
         for name, p in self.named_parameters():
             yield name, p, False
         for name, b in self.named_buffers():
             yield name, b, True
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors into the parameters and buffers (float ones converted to
-        the model's dtype, all moved to its device).
-
-        Raises ValueError naming a missing tensor or one whose shape (or packed dtype) differs."""
+        """Copies checkpoint tensors in, converted to the model's dtype and device. Raises
+        ValueError naming a missing tensor or one whose shape (or packed dtype) differs."""
         expected = self.checkpoint_tensors()
         own = {name: t for name, t, _ in self._tensors()}
         seen: set[str] = set()
@@ -281,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue
             if name not in expected:
-                continue  # extra tensors (e.g. another head) are harmless
+                continue
             shape, dtype = expected[name]
             if tuple(tensor.shape) != tuple(shape):
                 raise ValueError(
@@ -298,7 +264,6 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}")
 
     def _target(self, name: str, own: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The tensor (or the part of a fused one) a checkpoint tensor is copied into."""
         for fused, ckpt, shard in _STACKED:
             marker = "." + ckpt + "."
             if marker in name:
@@ -309,13 +274,9 @@ class LlamaForCausalLM(nn.Module):
                 return module.shard_view(leaf, own[fused_name].data, shard)
         return own[name].data
 
-    # ---- AWQ int4 ----------------------------------------------------------------------
-
     def use_awq(self, cfg: AwqConfig) -> int:
-        """Before the weights load: every decoder projection the checkpoint holds quantized
-        becomes an AwqLinear (the lm_head and embeddings stay float, as AWQ leaves them).
-        A fused projection must be all quantized or all float (modules_to_not_convert).
-        Returns how many were replaced."""
+        """Before loading: quantized decoder projections become AwqLinears (lm_head stays
+        float); a fused one must be all quantized or all float. Returns how many."""
         replaced = 0
         for name, module in list(self.named_modules()):
             if not isinstance(module, Linear) or name == "lm_head":
@@ -340,8 +301,7 @@ class LlamaForCausalLM(nn.Module):
         return replaced
 
     def dequantize_awq(self) -> int:
-        """Every AwqLinear becomes a float Linear of the model's dtype (exact in float32),
-        ready for pack_linears. Returns how many."""
+        """Every AwqLinear becomes a float Linear, ready for pack_linears. Returns how many."""
         awq = [(n, m) for n, m in self.named_modules() if isinstance(m, AwqLinear)]
         for name, module in awq:
             parent, _, leaf = name.rpartition(".")
@@ -350,8 +310,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _shards_of(module_name: str) -> list[tuple[str, int]]:
-    """(checkpoint module name, shard) of each tensor stacked in a fused module; [] when the
-    module is not a fused one."""
+    """(checkpoint module name, shard) stacked in a fused module; [] if not fused."""
     out = []
     for fused, ckpt, shard in _STACKED:
         if module_name.endswith("." + fused):
@@ -360,9 +319,7 @@ def _shards_of(module_name: str) -> list[tuple[str, int]]:
 
 
 def _dense_head(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x @ table^T on the plain (unpacked) table, no copy: the C kernel for few rows
-    (TIED_HEAD_COPY_MAX_BYTES' comment; float32, or the 16-bit kernel for a bfloat16 /
-    float16 table), oneDNN for more (float32 and bfloat16; float16: F.linear)."""
+    """x @ table^T on the unpacked table, no copy: C kernel for few rows, oneDNN for more."""
     op = torch.ops.mkldnn._linear_pointwise.default
     if table.dtype == torch.float32:
         kernel = cpu_gemm.load() if cpu_gemm.supports(table) else None

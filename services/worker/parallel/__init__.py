@@ -1,11 +1,6 @@
 """Tensor parallelism: one worker as N ranks on one node (docs/tensor-parallel.md).
 
-Rank 0 is the worker the scheduler talks to over ZeroMQ; ranks 1..N-1 are its children
-(``launch``), started on the same flags. Every rank holds 1/N of the weights and of the
-KV heads and runs the same step: rank 0 broadcasts each step's integer inputs as tensors
-(``step_channel``), the layers reduce where Megatron's split needs it (``linear``,
-``vocab``), and only rank 0 samples, on logits gathered whole, so the tokens do not
-depend on N.
+Only rank 0 samples, on logits gathered whole, so the tokens do not depend on N.
 
     group.py         the process group (gloo on CPU, NCCL on CUDA), its timeout, collectives
     partition.py     which heads, rows and vocabulary entries each rank owns; refusals

@@ -1,10 +1,7 @@
 """Each rank reads only its slices of the safetensors: no rank loads the whole model.
 
-``safe_open(...).get_slice(name)[rows]`` reads the bytes of those rows alone (the file is
-memory-mapped), so a rank's reads and resident memory are its 1/N of each split tensor
-plus the small replicated ones (norms). Which slice a module needs it says itself
-(``slices``, linear.py / vocab.py); this module maps those to checkpoint names, reads
-them and refuses a checkpoint whose shapes do not fit, naming the tensor.
+``get_slice(name)[rows]`` on the memory-mapped file reads those rows alone. Modules name
+their slices (``slices``); this maps them to checkpoint names and refuses misfitting shapes.
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ from torch import nn
 from services.worker.parallel.linear import SliceTarget
 from services.worker.parallel.partition import Span
 
-# (fused module name, checkpoint module name, shard): how a fused module's checkpoint
-# tensors are named (the model's own table, e.g. models/llama.py's _STACKED).
+# (fused module name, checkpoint module name, shard), as models/llama.py's _STACKED.
 Stacked = Sequence[tuple[str, str, int]]
 
 
@@ -33,7 +29,7 @@ class ShardedCheckpoint:
             handle = safe_open(str(f), framework="pt", device="cpu")
             for name in handle.keys():
                 self._file_of[name] = handle
-        self.bytes_read = 0  # what this rank read, for the log and the tests
+        self.bytes_read = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -63,7 +59,6 @@ class ShardedCheckpoint:
 
 
 def checkpoint_module(module_name: str, shard: int, stacked: Stacked) -> str:
-    """The checkpoint's name for shard ``shard`` of module ``module_name``."""
     for fused, ckpt, index in stacked:
         if index == shard and module_name.endswith("." + fused):
             return module_name[: -len(fused)] + ckpt
@@ -93,10 +88,9 @@ def load_sharded(
     stacked: Stacked = (),
     skip: Callable[[str], bool] = lambda name: False,
 ) -> int:
-    """Fills ``model`` (on its device, dtype converted on copy): every module with
-    ``slices`` (linear.py, vocab.py) by its slices, every other parameter and buffer whole
-    by its own name. ``skip(name)``: model tensors the checkpoint need not hold (tied
-    heads). Returns the bytes read; ValueError names a missing or misfitting tensor."""
+    """Fills ``model``: modules with ``slices`` by slice, everything else whole. ``skip``:
+    tensors the checkpoint need not hold. Returns the bytes read; ValueError names a
+    missing or misfitting tensor."""
     covered: set[str] = set()
     for module_name, module in model.named_modules():
         if not hasattr(module, "slices"):

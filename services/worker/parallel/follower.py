@@ -1,9 +1,5 @@
-"""The process of ranks 1..N-1: `radixserve worker --tp-rank K --tp-store F` plus rank 0's
-own flags, started by rank 0 (launch.py), never by hand.
-
-It joins the group, loads its shard while rank 0 loads its own, takes the pool's sizes
-from rank 0 and runs rank 0's steps until STOP (rank_runner.RankModel.follow). It has no
-socket: the scheduler only ever talks to rank 0.
+"""The process of ranks 1..N-1 (`radixserve worker --tp-rank K`), started by rank 0, never
+by hand. It has no socket: the scheduler only ever talks to rank 0.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ log = logging.getLogger("radixserve.worker")
 
 
 def rank_device(cfg: WorkerConfig) -> torch.device:
-    """Rank K's device: GPU K on CUDA (of those CUDA_VISIBLE_DEVICES shows), else the CPU."""
+    """GPU K on CUDA, else the CPU."""
     device = resolve_device(cfg.device)
     return torch.device("cuda", cfg.tp_rank) if device.type == "cuda" else device
 

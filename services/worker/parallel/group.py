@@ -1,18 +1,10 @@
 """The ranks' process group: torch.distributed on NCCL (CUDA) or gloo (CPU), with a timeout.
 
-One worker process is one rank and holds one ``TpGroup``, handed to every layer that
-communicates (never looked up from a global): with world size 1 each collective is a
-no-op and torch.distributed is never initialised, so TP=1 runs exactly the code it ran
-before tensor parallelism existed.
-
-The ranks meet through a FileStore in a private folder rank 0 creates (no port to pick or
-to expose). gloo's links are kept on loopback unless GLOO_SOCKET_IFNAME says otherwise:
-the ranks share one node. Step inputs travel on a gloo group even beside NCCL (they are
-host integers; NCCL would need them on the GPU first).
-
-The timeout bounds every collective: a rank that hung makes the others' next collective
-fail after ``timeout_s`` (gloo raises; NCCL's watchdog tears the process down, its
-default TORCH_NCCL_ASYNC_ERROR_HANDLING), so a hung rank never hangs the engine forever.
+A ``TpGroup`` is handed to every layer that communicates (never a global); at world size 1
+each collective is a no-op and torch.distributed is never initialised, so TP=1 runs the
+code it ran before. Ranks meet through a FileStore in a private folder (no port); step
+inputs travel on gloo even beside NCCL. The timeout makes a hung rank fail the others'
+next collective instead of hanging the engine forever.
 """
 
 from __future__ import annotations
@@ -27,9 +19,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TpGroup:
-    """One rank's view of the group: its rank, the world size and the process groups
-    (device: the model's collectives; cpu: gloo, for the step inputs). One group spans
-    every process of the worker, so group ranks are global ranks."""
+    """One rank's view of the group (device: the model's collectives; cpu: gloo, for step
+    inputs). Group ranks are global ranks."""
 
     rank: int = 0
     world: int = 1
@@ -41,13 +32,13 @@ class TpGroup:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks, in place (x is returned)."""
+        """The sum over ranks, in place."""
         if self.world > 1:
             dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x side by side along the last dimension: [..., d] -> [..., N d]."""
+        """[..., d] -> [..., N d]: every rank's x side by side."""
         if self.world == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -80,8 +71,7 @@ def backend_for(device: torch.device) -> str:
 def init_group(
     rank: int, world: int, store_path: str, device: torch.device, timeout_s: float
 ) -> TpGroup:
-    """Joins the group (blocks until all ``world`` ranks have). World 1: no distributed
-    state at all. On CUDA rank r takes GPU r (of those CUDA_VISIBLE_DEVICES shows)."""
+    """Joins the group, blocking until all ``world`` ranks have. On CUDA rank r takes GPU r."""
     if world == 1:
         return TpGroup()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -101,6 +91,5 @@ def init_group(
 
 
 def destroy_group(group: TpGroup) -> None:
-    """Leaves the group (a no-op for world 1 or when it was never joined)."""
     if group.world > 1 and dist.is_initialized():
         dist.destroy_process_group()

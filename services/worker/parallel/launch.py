@@ -1,18 +1,10 @@
-"""Starting ranks 1..N-1 beside rank 0, and going down together.
+"""Starting ranks 1..N-1 beside rank 0, and going down together (docs/tensor-parallel.md).
 
-Rank 0 (the worker process the scheduler talks to) starts the others as child processes
-on the same flags (``start_followers``), each told its rank and the rendezvous store. The
-group lives or dies as one, because a model split N ways cannot serve with a rank gone:
-
-- a follower dies with rank 0: the kernel kills it (PR_SET_PDEATHSIG, SIGKILL: a follower
-  holds nothing to drain, and may be blocked in a collective that would never return);
-  ``ParentWatch`` is the fallback where prctl is missing;
-- rank 0 dies with any follower: ``RankWatch`` sees it exit and ends rank 0 at once, so
-  its supervisor (``radixserve serve``, the pod's kubelet) restarts the whole engine and
-  the scheduler fails the requests in flight with UNAVAILABLE meanwhile;
-- a follower that hangs is caught by the collectives' timeout (group.py).
-
-Popen must run on the main thread: PDEATHSIG fires when the thread that forked exits.
+A model split N ways cannot serve with a rank gone: followers die with rank 0
+(PR_SET_PDEATHSIG, else ``ParentWatch``), rank 0 exits when any follower does
+(``RankWatch``) so its supervisor restarts the engine, and a hung rank trips the
+collectives' timeout. Popen must run on the main thread: PDEATHSIG fires when the
+forking thread exits.
 """
 
 from __future__ import annotations
@@ -41,7 +33,7 @@ EXIT_RANK_LOST = 70  # rank 0's exit status when another rank died (EX_SOFTWARE)
 
 
 def rendezvous_dir() -> str:
-    """A fresh private folder (0700) for the ranks' FileStore; rank 0 removes it at exit."""
+    """A fresh private folder (0700) for the ranks' FileStore."""
     return tempfile.mkdtemp(prefix="radixserve-tp-")
 
 
@@ -54,7 +46,6 @@ def remove_rendezvous(folder: str) -> None:
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """In the child, before exec: the kernel sends ``sig`` when its parent goes away."""
     PR_SET_PDEATHSIG = 1
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
@@ -65,12 +56,10 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 def start_followers(
     commands: Sequence[Sequence[str]], env: dict[str, str] | None = None
 ) -> list[subprocess.Popen]:
-    """Ranks 1..N-1, command i being rank i + 1's; each dies with this process."""
     return [subprocess.Popen(list(cmd), preexec_fn=die_with_parent, env=env) for cmd in commands]
 
 
 def stop_followers(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL whatever is left after ``grace_s``."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -99,9 +88,8 @@ def _exit_now(rank: int, returncode: int) -> None:
 
 
 class RankWatch(threading.Thread):
-    """Rank 0's watch over its followers (rank i + 1 is ``procs[i]``): the first to exit
-    calls ``on_lost(rank, returncode)``, by default ending this process at once (os._exit:
-    its main thread may be blocked in a collective). ``stop()`` before stopping them."""
+    """The first follower to exit calls ``on_lost(rank, returncode)``, by default os._exit
+    (the main thread may be blocked in a collective). ``stop()`` before stopping them."""
 
     def __init__(
         self,
@@ -126,8 +114,6 @@ class RankWatch(threading.Thread):
 
 
 class ParentWatch(threading.Thread):
-    """A follower's fallback to PDEATHSIG: once its parent is gone, it exits."""
-
     def __init__(self, poll_s: float = POLL_S):
         super().__init__(name="tp-parent-watch", daemon=True)
         self.parent, self.poll_s = os.getppid(), poll_s
@@ -141,8 +127,6 @@ class ParentWatch(threading.Thread):
 
 @dataclass
 class Ranks:
-    """Rank 0's hold on the others: their processes, the watch over them, the group."""
-
     folder: str
     procs: list[subprocess.Popen]
     watch: RankWatch
@@ -156,8 +140,7 @@ class Ranks:
         device: torch.device,
         timeout_s: float,
     ) -> Ranks:
-        """Starts ranks 1..N-1 (``commands(store)``: their command lines, told the store)
-        and joins their group as rank 0."""
+        """Starts ranks 1..N-1 and joins their group as rank 0."""
         from services.worker.parallel.group import init_group
 
         folder = rendezvous_dir()
@@ -168,7 +151,6 @@ class Ranks:
         return cls(folder, procs, watch, group)
 
     def stop(self) -> None:
-        """After the runner's STOP (or a failure): the others are waited for, then killed."""
         from services.worker.parallel.group import destroy_group
 
         self.watch.stop()

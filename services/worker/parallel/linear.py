@@ -1,16 +1,8 @@
 """Megatron's two linears: column-parallel (split output rows, no communication) and
 row-parallel (split input columns, one all-reduce of the partial sums).
 
-In a decoder layer q/k/v and gate/up are column-parallel, o and down row-parallel, so the
-activations between them stay split and each layer communicates twice: one all-reduce
-after attention, one after the MLP.
-
-    x [T, hidden] --qkv (column)--> [T, (H + 2 KVH) D / N] --attention--> [T, H D / N]
-                  --o (row)--> partial [T, hidden] --all-reduce--> [T, hidden]
-
-Both are layers.Linear underneath, so a CPU rank packs them for oneDNN like any other.
-A module says which slice of which checkpoint tensor fills each of its tensors
-(``slices``); the loader (checkpoint.py) reads just those bytes.
+Both are layers.Linear underneath, so a CPU rank packs them like any other. ``slices``
+names the part of each checkpoint tensor a module needs; checkpoint.py reads just those.
 """
 
 from __future__ import annotations
@@ -27,8 +19,8 @@ from services.worker.parallel.partition import Span, even_span, head_shard
 
 @dataclass(frozen=True)
 class SliceTarget:
-    """Checkpoint tensor ``shard`` (of a fused module; else 0), leaf ``leaf`` (weight,
-    bias): rows ``span`` along ``dim`` (dim None: the whole tensor) go into ``target``."""
+    """Rows ``span`` along ``dim`` (None: whole) of checkpoint tensor ``shard``'s ``leaf``
+    go into ``target``."""
 
     shard: int
     leaf: str
@@ -38,8 +30,7 @@ class SliceTarget:
 
 
 class ColumnParallelLinear(FusedLinear):
-    """Output rows split: of each checkpoint tensor stacked in it (q, k, v or gate, up)
-    this rank keeps the rows in ``spans``. Its output is this rank's slice; no collective."""
+    """Output rows split: of each stacked checkpoint tensor this rank keeps ``spans``."""
 
     def __init__(self, in_features: int, spans: list[Span], bias: bool, tp: TpGroup):
         super().__init__(in_features, [s.size for s in spans], bias=bias)
@@ -58,17 +49,15 @@ class ColumnParallelLinear(FusedLinear):
 
 
 class RowParallelLinear(Linear):
-    """Input columns split (``span`` of them, the rank's slice of the activations): the
-    partial products are summed over the ranks, then the bias, which is whole on every
-    rank, is added once."""
+    """Input columns split: partial products summed over ranks, then the bias added once."""
 
     def __init__(self, span: Span, out_features: int, bias: bool, tp: TpGroup):
-        super().__init__(span.size, out_features, bias=False)  # the bias after the reduce
+        super().__init__(span.size, out_features, bias=False)
         self.span, self.tp = span, tp
         self.reduced_bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(super().forward(x))  # [T, out], summed over ranks
+        y = self.tp.all_reduce(super().forward(x))
         return y if self.reduced_bias is None else y + self.reduced_bias
 
     def slices(self) -> list[SliceTarget]:
@@ -81,8 +70,7 @@ class RowParallelLinear(Linear):
 def qkv_parallel(
     hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, tp: TpGroup
 ) -> ColumnParallelLinear:
-    """q, k and v fused, this rank's heads of each (partition.head_shard: kv heads split,
-    or copied when fewer than the ranks)."""
+    """q, k and v fused, this rank's heads of each (kv heads copied if fewer than ranks)."""
     heads = head_shard(num_heads, num_kv_heads, tp.rank, tp.world)
     q = Span(heads.q.start * head_dim, heads.q.size * head_dim)
     kv = Span(heads.kv.start * head_dim, heads.kv.size * head_dim)
@@ -99,7 +87,6 @@ def gate_up_parallel(
 def o_parallel(
     num_heads: int, head_dim: int, hidden: int, bias: bool, tp: TpGroup
 ) -> RowParallelLinear:
-    """o_proj: its input is this rank's q heads' attention output."""
     heads = even_span(num_heads, tp.rank, tp.world, "num_attention_heads")
     return RowParallelLinear(Span(heads.start * head_dim, heads.size * head_dim), hidden, bias, tp)
 

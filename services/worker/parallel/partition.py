@@ -1,16 +1,8 @@
 """Which part of each weight a rank owns: plain arithmetic, refused with the numbers.
 
-Megatron's split, as vLLM and SGLang make it:
-
-    q heads       H / N per rank, contiguous           (H % N == 0)
-    kv heads      KVH >= N: KVH / N per rank            (KVH % N == 0)
-                  KVH <  N: one per rank, each kept by N / KVH ranks (N % KVH == 0)
-    intermediate  I / N per rank                        (I % N == 0)
-    vocabulary    ceil(V / N) rows per rank, the last rank's tail padded with zeros
-
-With kv heads replicated, rank r's q heads [r H/N, (r+1) H/N) all read kv head
-r KVH / N (integer division), which is the one their GQA group maps to: the grouping of
-the unsharded model is kept exactly.
+Megatron's split as vLLM and SGLang make it (rules: docs/tensor-parallel.md). With kv heads
+replicated, rank r's q heads all read kv head r KVH / N, the one their GQA group maps to,
+so the unsharded model's grouping is kept exactly.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ class Span:
 
 @dataclass(frozen=True)
 class HeadShard:
-    """One rank's attention heads: q heads and kv heads (global indices), and how many
-    ranks hold a copy of each of its kv heads (1 when kv heads are split, not copied)."""
+    """One rank's q and kv heads (global indices) and how many ranks hold each kv head."""
 
     q: Span
     kv: Span
@@ -51,7 +42,6 @@ def even_span(size: int, rank: int, world: int, what: str) -> Span:
 
 
 def head_shard(num_heads: int, num_kv_heads: int, rank: int, world: int) -> HeadShard:
-    """Rank's heads (module docstring). ValueError names the numbers it cannot split."""
     check_heads(num_heads, num_kv_heads, world)
     q = even_span(num_heads, rank, world, "num_attention_heads")
     if num_kv_heads >= world:
@@ -61,7 +51,6 @@ def head_shard(num_heads: int, num_kv_heads: int, rank: int, world: int) -> Head
 
 
 def check_heads(num_heads: int, num_kv_heads: int, world: int) -> None:
-    """Refuses a head layout tensor parallelism cannot split, naming the numbers."""
     if num_heads % world:
         raise ValueError(
             f"tensor parallelism: num_attention_heads ({num_heads}) is not divisible by "
@@ -85,8 +74,8 @@ def check_heads(num_heads: int, num_kv_heads: int, world: int) -> None:
 
 
 def vocab_span(vocab_size: int, rank: int, world: int) -> tuple[Span, int]:
-    """Rank's rows of the vocabulary (the last rank's may be short, even empty) and the
-    padded per-rank row count every rank allocates, so gathered logits have one shape."""
+    """Rank's vocabulary rows (maybe short or empty) and the padded per-rank row count, so
+    gathered logits have one shape."""
     per_rank = -(-vocab_size // world)
     start = min(rank * per_rank, vocab_size)
     return Span(start, min(per_rank, vocab_size - start)), per_rank

@@ -1,13 +1,8 @@
 """One rank's model, KV pool and request table, and the step loop of ranks 1..N-1.
 
-Rank 0 (the ModelRunner's TP path) stages each batch as it always does, sends it as a
-ForwardStep (step_channel.py) and runs it; every other rank runs ``follow``: receive,
-write the same table rows, run the same forward on its shard, take part in the logits
-gather, until rank 0 says STOP (or dies: launch.py). Sampling, grammars and the sampler's
-state live on rank 0 alone, so a follower holds just what a forward needs.
-
-    rank 0:  wire batch -> stage -> ForwardStep.send -> forward_step -> logits -> sample
-    rank k:                         recv -> ForwardStep -> forward_step -> (gather) -> loop
+Rank 0 stages each batch, sends it as a ForwardStep and runs it; every other rank receives,
+writes the same table rows, runs the same forward on its shard and joins the logits
+gather, until STOP. Sampling and grammars live on rank 0 alone.
 """
 
 from __future__ import annotations
@@ -35,15 +30,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankShape:
-    """The sizes every rank must agree on (rank 0's flags and pool sizing)."""
-
     num_slots: int
     max_running_requests: int
     max_context: int
 
     def send(self, channel: StepChannel) -> None:
-        """Rank 0: the sizes it chose (its pool sizing, from its device's memory), so that
-        every rank's pool and table have the same slots and rows."""
         ints = [self.num_slots, self.max_running_requests, self.max_context]
         channel.send(Op.SETUP, ints, [])
 
@@ -57,9 +48,8 @@ class RankShape:
 
 
 class RankModel:
-    """A rank's shard of the model with its pool, table and attention backend (``backend``:
-    the class the worker picked, services/worker/attention). ``shape`` None: the sizes come
-    from rank 0 once this rank's weights are loaded (so every rank loads at once)."""
+    """A rank's model shard with its pool, table and attention backend. ``shape`` None: the
+    sizes come from rank 0 after this rank's weights load (so all ranks load at once)."""
 
     def __init__(
         self,
@@ -74,7 +64,6 @@ class RankModel:
         self.tp, self.device = tp, device
         self.channel = StepChannel(tp)
         self.config = c = load_config(model_path)
-        # bytes_read: by this rank, of the checkpoint (its slices; 0 without TP)
         self.model, self.bytes_read = load_for_rank(model_path, c, dtype, device, tp)
         pack_for_cpu(self.model, cpu_linear, device)
         shape = shape if shape is not None else RankShape.recv(self.channel)
@@ -87,38 +76,34 @@ class RankModel:
         self.hidden = torch.empty(0, c.hidden_size, device=device)
 
     def forward_step(self, step: ForwardStep) -> torch.Tensor:
-        """Runs one step on this rank: logits [n, vocab] of ``step.logit_rows`` on rank 0,
-        an empty tensor elsewhere."""
+        """Logits [n, vocab] of ``step.logit_rows`` on rank 0, empty elsewhere."""
         for row, slots in step.prefixes():
             self.table.write_prefix(row, torch.from_numpy(slots))
         s = step.inputs(self.device)
         self.table.write_tokens(s.token_rows, s.positions, s.out_slots)
         meta = s.attention_meta(step.is_decode, self.table.table)
-        # [T, hidden], whole on every rank; kept for the step's LOGITS messages (logprobs)
+        # Kept for the step's LOGITS messages (prompt logprobs).
         self.hidden = self.model.forward(s.input_ids, s.positions, meta)
         return self.rows_logits(step.logit_rows)
 
     def rows_logits(self, rows: np.ndarray) -> torch.Tensor:
-        """Logits of rows of the last forward's hidden states (on rank 0; empty elsewhere).
-        No rows: no gather either (every rank knows the step's rows)."""
+        """Logits of rows of the last forward (rank 0; empty elsewhere); no rows, no gather."""
         if len(rows) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.hidden.device)
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.hidden.device)
         return self.model.compute_logits(self.hidden[index])
 
     def lead(self, step: ForwardStep) -> torch.Tensor:
-        """Rank 0: sends the step to the others, then runs it."""
         step.send(self.channel)
         return self.forward_step(step)
 
     def lead_logits(self, rows: np.ndarray) -> torch.Tensor:
-        """Rank 0: more rows of the last forward through the lm_head (prompt logprobs score
-        a prompt block by block), every rank taking part in the gather."""
+        """Rank 0: more rows of the last forward through the lm_head, all ranks gathering."""
         self.channel.send(Op.LOGITS, [], [np.ascontiguousarray(rows, dtype=np.int64)])
         return self.rows_logits(rows)
 
     def follow(self) -> int:
-        """Ranks 1..N-1: runs rank 0's steps until STOP. Returns the steps run."""
+        """Ranks 1..N-1: runs rank 0's steps until STOP; returns how many."""
         steps = 0
         while True:
             message = self.channel.recv()
@@ -147,7 +132,6 @@ def make_step(
     logit_rows: np.ndarray,
     prefixes: Sequence[tuple[int, np.ndarray]] = (),
 ) -> ForwardStep:
-    """A ForwardStep from a batch's host arrays (the same ones StepStager.stage takes)."""
     rows = np.asarray(req_slots, dtype=np.int64)
     arrays, t, b = host_arrays(ids, out_slots, rows, np.asarray(prefix_lens, dtype=np.int64))
     none = np.zeros(0, dtype=np.int64)

@@ -1,18 +1,7 @@
-"""Turns a Llama-family model (models/llama.py), built on the meta device, into one rank's
-shard, and fills it from the checkpoint's slices: tensor parallelism stays out of the
-model file (as gpt-fast keeps it), which runs unchanged on a rank's heads.
-
-    embed_tokens          -> VocabParallelEmbedding   (all-reduce)
-    self_attn.qkv_proj    -> column-parallel, this rank's q and kv heads
-    self_attn.o_proj      -> row-parallel              (all-reduce: after attention)
-    mlp.gate_up_proj      -> column-parallel, I / N
-    mlp.down_proj         -> row-parallel              (all-reduce: after the MLP)
-    lm_head (tied or not) -> ParallelLMHead            (logits gathered on rank 0)
-
-Norms, rotary tables and q/k norms (Qwen3) stay whole on every rank. Each Attention and
-GatedMLP is told its local head and row counts, and the runner sizes the backend and the
-KV pool with ``local_heads``: a rank's pool holds its kv heads only, the slot numbers are
-the same on every rank. AWQ checkpoints are refused here, with the reason.
+"""Turns a Llama-family model built on the meta device into one rank's shard and fills it
+from the checkpoint's slices, so tensor parallelism stays out of the model file. The split
+is in docs/tensor-parallel.md; norms and rotary stay whole, and a rank's KV pool holds its
+own kv heads under shared slot numbers. AWQ checkpoints are refused with the reason.
 """
 
 from __future__ import annotations
@@ -46,7 +35,7 @@ def local_heads(config, tp: TpGroup) -> tuple[int, int]:
 
 
 def check_shardable(config, tp: TpGroup) -> None:
-    """Refuses, naming the numbers, what --tp-size cannot split (before any weight loads)."""
+    """Refuses, naming the numbers, what --tp-size cannot split."""
     if getattr(config, "quantization_config", None):
         raise ValueError(
             "tensor parallelism: AWQ checkpoints are not split yet (their int4 groups would "
@@ -57,13 +46,11 @@ def check_shardable(config, tp: TpGroup) -> None:
 
 
 def shard_model(model: LlamaForCausalLM, tp: TpGroup) -> LlamaForCausalLM:
-    """Replaces the model's projections by this rank's parallel ones (on the meta device,
-    before ``to_empty``). Returns the model."""
+    """Swaps in this rank's parallel projections, on the meta device before ``to_empty``."""
     config = model.config
     check_shardable(config, tp)
     with torch.device("meta"):
         embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        # The parallel modules take the places of nn.Embedding and Linear: same calls.
         model.model.embed_tokens = embed  # type: ignore[assignment]
         for layer in model.model.layers:
             assert isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, GatedMLP)
@@ -103,8 +90,7 @@ def load_shard(
 def load_rank_model(
     model_path: str, config, dtype: torch.dtype, device: torch.device, tp: TpGroup
 ) -> tuple[LlamaForCausalLM, int]:
-    """This rank's shard, built on the meta device and filled from its slices of the
-    checkpoint (no rank reads the whole of it); the bytes it read."""
+    """This rank's shard, filled from its slices only; the bytes it read."""
     with torch.device("meta"):
         model = get_model_class(architecture_of(config))(config)
     shard_model(model, tp).to(dtype).to_empty(device=device)
@@ -115,8 +101,8 @@ def load_rank_model(
 def load_for_rank(
     model_path: str, config, dtype: torch.dtype, device: torch.device, tp: TpGroup
 ) -> tuple[LlamaForCausalLM, int]:
-    """The whole model with one rank (the worker's own loader, exactly TP=1's), else this
-    rank's shard; the bytes read under TP (0 otherwise)."""
+    """The whole model with one rank (exactly TP=1's loader), else this rank's shard; the
+    bytes read under TP (0 otherwise)."""
     if tp.world == 1:
         return load_model(model_path, dtype, device, config=config, progress=False)[0], 0
     return load_rank_model(model_path, config, dtype, device, tp)

@@ -1,14 +1,8 @@
-"""Rank 0's step, sent to the other ranks as int64 tensors (never pickles).
-
-Rank 0 decodes the scheduler's ForwardBatch (wire.py) and stages its integer inputs
-(step_inputs.py); what the other ranks need to run the same forward is those integers,
-plus the table rows of requests starting on a cached prefix and which rows to take logits
-of. One message is two broadcasts on the gloo group:
+"""Rank 0's step, sent to the other ranks as int64 tensors (never pickles). One message is
+two broadcasts on the gloo group:
 
     header  [HEADER_WORDS] int64:  op, n_ints, n_arrays, ints[n_ints], lens[n_arrays]
     payload [sum(lens)]    int64:  the arrays end to end (not sent when empty)
-
-``ForwardStep`` is the message of a forward; ``Op`` numbers what a message asks for.
 """
 
 from __future__ import annotations
@@ -72,8 +66,7 @@ class StepChannel:
 
 
 class LeadChannel(StepChannel):
-    """Rank 0's end: remembers when it last sent, so an idle engine pings the others before
-    their wait for the next message reaches the group's timeout."""
+    """Rank 0's end: an idle engine pings the others before their wait times out."""
 
     def __init__(self, tp: TpGroup):
         super().__init__(tp)
@@ -90,8 +83,7 @@ class LeadChannel(StepChannel):
 
 @dataclass(frozen=True)
 class ForwardStep:
-    """What a forward needs beyond the weights: the staged inputs (step_inputs.py's layout),
-    the cached prefixes to write into the table first, and the rows to compute logits of."""
+    """A forward's staged inputs, cached prefixes to write first, and logit rows."""
 
     flat: np.ndarray  # int64: step_inputs' staging layout, 4 T + 5 B + 1 words
     t: int
@@ -116,7 +108,6 @@ class ForwardStep:
         return cls(flat, t, b, max_seq, max_ext, bool(is_decode), rows, lens, slots, logit_rows)
 
     def prefixes(self) -> list[tuple[int, np.ndarray]]:
-        """(req slot, its prefix's KV slots) of each request starting on a cached prefix."""
         ends = np.cumsum(self.prefix_lens)
         starts = ends - self.prefix_lens
         return [
@@ -125,6 +116,5 @@ class ForwardStep:
         ]
 
     def inputs(self, device: torch.device) -> StepInputs:
-        """The StepInputs rank 0 staged (StepStager.stage's slicing of the same layout)."""
         flat = torch.from_numpy(self.flat).to(device)
         return StepInputs.of_flat(flat, self.t, self.b, self.max_seq_len, self.max_extend_len)

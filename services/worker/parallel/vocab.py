@@ -1,15 +1,8 @@
 """The vocabulary split across the ranks: the embedding table and the lm_head.
 
-Rank r holds rows [r P, r P + P) of the table, P = ceil(V / N) (partition.vocab_span);
-the last rank's rows past V are padding, which no lookup reads and whose logits are cut
-off after the gather, so a vocabulary not divisible by N needs nothing else.
-
-    embedding: ids [T] -> this rank's rows (zero for ids it does not hold) -> all-reduce
-    lm_head:   x [T, hidden] -> logits [T, P] per rank -> gathered [T, N P] -> [:, :V]
-
-The logits are gathered whole (on rank 0 alone by default, the one that samples), so the
-sampler sees the same logits for every N and the tokens do not depend on N. A tied head
-reads the embedding's own slice: the same rows in the same order.
+Rank r holds rows [r P, r P + P), P = ceil(V / N); rows past V are padding, never looked up
+and cut off after the gather. Logits are gathered whole (to rank 0, which samples), so the
+tokens do not depend on N. A tied head reads the embedding's own slice.
 """
 
 from __future__ import annotations
@@ -44,14 +37,13 @@ class VocabParallelEmbedding(nn.Module):
         return [SliceTarget(0, "weight", 0, self.span, self.weight.data[: self.span.size])]
 
     def zero_padding(self) -> None:
-        """The rows past the vocabulary (never read; zero so nothing uninitialised lies
-        in the model)."""
+        """Zeroes the rows past the vocabulary, so nothing uninitialised lies in the model."""
         self.weight.data[self.span.size :].zero_()
 
 
 class ParallelLMHead(nn.Module):
-    """hidden -> logits [T, V] float32 on rank ``gather_to`` (every rank when None); the
-    other ranks get an empty [T, 0] tensor. ``tied``: the embedding's table is the head."""
+    """hidden -> logits [T, V] float32 on rank ``gather_to`` (None: every rank), [T, 0]
+    elsewhere. ``tied``: the embedding's table is the head."""
 
     def __init__(
         self,
@@ -65,7 +57,7 @@ class ParallelLMHead(nn.Module):
         self.span, per_rank = vocab_span(vocab_size, tp.rank, tp.world)
         self.vocab_size, self.tp, self.gather_to = vocab_size, tp, gather_to
         self.proj = Linear(hidden, per_rank, bias=False) if tied is None else None
-        # A plain attribute, not a submodule: the table stays the embedding's one parameter.
+        # Not a submodule: the table stays the embedding's one parameter.
         self._tied: list[VocabParallelEmbedding] = [tied] if tied is not None else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,6 @@
 """AWQ int4 checkpoints (AutoAWQ's "GEMM" layout): the config, the packing, dequantization.
 
-A quantized linear ``y = x @ W^T + b`` (W: [out, in]) is stored as three tensors that hold
-W transposed, ``in`` rows by ``out`` columns, quantized per group of ``group_size`` input rows:
-
-    qweight  [in, out / 8]            int32   8 four-bit values q per int32
-    qzeros   [in / group, out / 8]    int32   8 four-bit zero points z per int32
-    scales   [in / group, out]        float16 one scale s per (group, column)
-
-    W^T[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]
-
-The packing and the exact dequantization live in kernels/awq_pack.py (the kernels use them
-too).
+Layout and dequantization formula: docs/awq.md; the packing itself is kernels/awq_pack.py.
 """
 
 from __future__ import annotations
@@ -25,8 +15,7 @@ log = logging.getLogger(__name__)
 
 
 SUPPORTED = "quant_method awq, bits 4, version gemm, zero_point true"
-# Keys transformers writes into an AwqConfig that say how *it* runs the model (fused
-# modules, kernel backend), not how the weights are stored: read and ignored.
+# Keys about how transformers runs the model, not how the weights are stored: ignored.
 _RUNTIME_KEYS = frozenset(
     {"backend", "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config"}
 )
@@ -37,8 +26,6 @@ _FORMAT_KEYS = frozenset(
 
 @dataclass(frozen=True)
 class AwqConfig:
-    """The part of config.json's quantization_config that fixes the weight format."""
-
     group_size: int  # input rows per scale/zero; -1: one group over all input rows
     modules_to_not_convert: tuple[str, ...] = ()
 
@@ -46,8 +33,8 @@ class AwqConfig:
         return in_features if self.group_size == -1 else self.group_size
 
     def converts(self, module_name: str) -> bool:
-        """Whether the checkpoint holds this linear quantized: transformers' rule, a module
-        stays float when any entry of modules_to_not_convert is a substring of its name."""
+        """transformers' rule: a module stays float when any entry of
+        modules_to_not_convert is a substring of its name."""
         return not any(key in module_name for key in self.modules_to_not_convert)
 
 
@@ -58,14 +45,11 @@ def _refuse(what: str, why: str) -> ValueError:
 
 
 def _as_dict(raw: Any) -> dict[str, Any]:
-    """config.json's quantization_config, a dict or a transformers QuantizationConfig."""
     return dict(raw) if isinstance(raw, dict) else dict(raw.to_dict())
 
 
 def parse_quantization_config(raw: Any) -> AwqConfig | None:
-    """None for a float checkpoint; the AwqConfig of a supported AWQ one.
-
-    Raises ValueError naming the first key whose value radixserve cannot serve."""
+    """None for a float checkpoint; raises ValueError naming the first unservable key."""
     if raw is None:
         return None
     qc = _as_dict(raw)
@@ -95,8 +79,7 @@ def parse_quantization_config(raw: Any) -> AwqConfig | None:
 
 
 def check_linear(name: str, in_features: int, out_features: int, cfg: AwqConfig) -> int:
-    """The group size of one quantized linear; ValueError naming it when its shape cannot be
-    stored in AWQ's layout."""
+    """The group size of one linear; ValueError naming it if AWQ's layout cannot hold it."""
     group = cfg.group_of(in_features)
     if in_features % group:
         raise ValueError(
@@ -112,7 +95,6 @@ def check_linear(name: str, in_features: int, out_features: int, cfg: AwqConfig)
 
 
 def packed_shapes(in_features: int, out_features: int, group: int) -> dict[str, tuple[int, ...]]:
-    """The checkpoint shape of each tensor of one quantized linear."""
     return {
         "qweight": (in_features, out_features // PACK),
         "qzeros": (in_features // group, out_features // PACK),
