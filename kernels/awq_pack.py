@@ -1,14 +1,8 @@
 """AWQ's packed int4 layout (AutoAWQ "GEMM"): the constants, unpacking, exact dequantization.
 
-Packing: the 8 columns 8c .. 8c+7 share int32 number c; nibble i (bits 4i .. 4i+3) holds
-column 8c + AWQ_ORDER[i]. So the column order inside an int32 is interleaved:
-
-    nibble (low to high)  0  1  2  3  4  5  6  7
-    column 8c +           0  2  4  6  1  3  5  7
-
-Dequantized in float32 the product is exact (q - z is a small integer, s has 11 significant
-bits), so the float32 weights are the checkpoint's own values; another compute dtype rounds
-them once.
+Columns 8c .. 8c+7 share int32 c, interleaved: nibble i (bits 4i .. 4i+3) holds column
+8c + AWQ_ORDER[i]. In float32 the dequantized product is exact (q - z is a small integer, s
+has 11 significant bits), so the weights are the checkpoint's own values.
 """
 
 from __future__ import annotations

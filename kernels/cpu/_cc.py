@@ -1,19 +1,8 @@
-"""Build and load the small C kernels of kernels/cpu_*.py (shared by every one of them).
+"""Build and load the C kernels of kernels/cpu/, the same way for all of them.
 
-Why one module: each CPU kernel is a C file in kernels/cpu/ (``read_source``), compiled on
-first use with the system compiler and called through ctypes; the cache directory, the
-cache key (the source with its headers pasted in, the flags and the CPU's flags:
-``-march=native`` code runs only on a CPU with the same features), the atomic write
-(concurrent workers never load a half-written file) and the opt-outs
-(``RADIXSERVE_CPU_KERNELS=0``, no compiler, a failed build: the caller gets None and keeps
-its torch path) must be the same for all of them.
-
-``~/.cache/radixserve/kernels`` holds the libraries; ``RADIXSERVE_KERNEL_CACHE`` moves it;
-``CC`` picks the compiler (else ``cc``, else ``gcc``). ``RADIXSERVE_CPU_ISA`` builds every
-kernel of the process narrower than the CPU allows (``ISA_FLAGS``: ``avx512`` without
-AVX512_BF16/FP16, ``avx2`` without AVX-512, ``c`` without AVX2), so that the fallbacks of a
-whole forward can be served and tested on the widest CPU; the tests also build single
-variants with ``load(extra_flags)``.
+Compiled on first use, cached by source, flags and CPU flags, written atomically, loaded
+through ctypes; ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: None (the caller
+keeps torch). ``RADIXSERVE_CPU_ISA`` builds narrower than the CPU (kernels/README.md).
 """
 
 from __future__ import annotations
@@ -63,9 +52,8 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
 
 
 def read_source(name: str, **defines: int) -> str:
-    """kernels/cpu/<name> with its local headers pasted in and ``defines`` prepended as
-    ``#define``s: one self-contained text, so that the build (and its cache key) sees every
-    line it compiles. Read as package data, so an installed wheel has it too."""
+    """kernels/cpu/<name> with local headers pasted in and ``defines`` prepended: one text, so
+    the cache key sees every line compiled. Package data, so an installed wheel has it too."""
     folder = resources.files("kernels.cpu")
 
     def paste(match: re.Match[str]) -> str:
@@ -94,8 +82,7 @@ def cpu_flags() -> str:
 
 @functools.cache
 def cpu_vendor() -> str:
-    """``GenuineIntel``, ``AuthenticAMD``, ... ("" where /proc/cpuinfo does not say): where
-    oneDNN overtakes a kernel differs between vendors of the same vector width."""
+    """``GenuineIntel``, ``AuthenticAMD``, ... or "": where oneDNN overtakes a kernel varies."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("vendor_id"):
@@ -136,8 +123,7 @@ def build(name: str, source: str, flags: list[str], cc: str) -> Path:
 def load_library(
     name: str, source: str, what: str, logger: logging.Logger = log, flags: list[str] = FLAGS
 ) -> ctypes.CDLL | None:
-    """The built library, or None (logged to `logger`) when disabled, without a compiler
-    or when the build fails. `what` names the kernel in the log lines."""
+    """The built library, or None (logged, naming `what`): disabled, no compiler, failed build."""
     if disabled():
         return None
     cc = compiler()

@@ -1,13 +1,8 @@
 """Decode attention on CPU straight from the paged KV pool: a small C kernel.
 
-Why: the torch path gathered every request's K/V rows into a padded copy per layer before
-SDPA, a copy that cost about as much as the attention; this kernel reads each row where it
-lies, through the request-to-slot table, with an exact two-pass softmax, OpenMP over
-(request, kv head) on torch's own thread pool. float32 and bfloat16 pools;
-``decode_attention_ref`` is the reference the tests compare with. Source
-kernels/cpu/decode_attention.c, built by kernels/cpu/_cc.py; no compiler, a failed build or
-``RADIXSERVE_CPU_KERNELS=0``: ``load()`` returns None. Tiling and numerics:
-docs/cpu-kernels.md.
+Reads each K/V row where it lies (through the request-to-slot table) instead of gathering a
+padded copy per layer; exact two-pass softmax, float32 and bfloat16 pools. ``load()`` is None
+where it cannot be built. Design and numerics: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations
@@ -33,10 +28,8 @@ DecodeAttention = Callable[..., torch.Tensor]
 
 @functools.cache
 def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
-    """The kernel as ``fn(q, k_pool, v_pool, req_to_token, req_slots, seq_lens, scale)``,
-    or None where it cannot be built here (the caller keeps its torch path).
-    ``extra_flags`` follow ``-march=native`` (the tests build the AVX2 and the portable
-    variants on an AVX-512 CPU with ``-mno-avx512f`` / ``-mno-avx2``)."""
+    """``fn(q, k_pool, v_pool, req_to_token, req_slots, seq_lens, scale)``, or None where it
+    cannot be built; ``extra_flags`` follow ``-march=native`` (tests build narrower variants)."""
     flags = [*_cc.FLAGS, *extra_flags]
     lib = _cc.load_library("decode_attention", _SOURCE, "CPU decode attention", log, flags)
     if lib is None:
@@ -53,8 +46,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(q: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> bool:
-    """float32 or bfloat16 CPU tensors (q of the pool's dtype) with the head dim contiguous
-    and an int32 table."""
+    """float32/bfloat16 CPU tensors of one dtype, head dim contiguous, an int32 table."""
     return (
         q.device.type == "cpu"
         and q.dtype in DTYPES

@@ -1,12 +1,8 @@
 """Fused element-wise ops of a CPU forward: rotary, SiLU-gated product, RMSNorm.
 
-Why: each of these is a chain of torch passes over the same rows (six for the rotary);
-here each is one pass that reads its inputs once and writes once, ``rms_norm`` optionally
-adding the residual first. The rotary is bit-identical to torch's expression, the others
-differ by float32 rounding (numerics per op and per dtype: docs/cpu-kernels.md).
-Source kernels/cpu/elementwise.c, built by kernels/cpu/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``,
-no compiler or a failed build: ``load()`` returns None and services/worker/layers.py keeps
-the torch expressions.
+Each replaces a chain of torch passes over the same rows with one pass (``rms_norm``
+optionally adding the residual first); ``load()`` is None where it cannot be built, and
+services/worker/layers.py keeps torch. Numerics per op and dtype: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations
@@ -44,8 +40,7 @@ class Elementwise(NamedTuple):
 
 @functools.cache
 def load(extra_flags: tuple[str, ...] = ()) -> Elementwise | None:
-    """The kernels, or None where they cannot be built here (callers keep torch's path).
-    ``extra_flags`` follow ``-march=native`` (the tests build the scalar variant)."""
+    """The kernels, or None where they cannot be built; ``extra_flags`` follow -march=native."""
     # -ffp-contract=off: the rotary's x1*c - x2*s must round twice as torch's does.
     flags = [*_cc.FLAGS, "-ffp-contract=off", *extra_flags]
     lib = _cc.load_library("elementwise", _SOURCE, "CPU fused element-wise", log, flags)

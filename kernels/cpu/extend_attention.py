@@ -1,12 +1,8 @@
 """Causal extend (prefill) attention on CPU straight from the paged KV pool: a C kernel.
 
-Why: torch's CPU SDPA ran below the linears' rate and a radix-cache hit paid a gather of
-the whole context plus a mask per request and layer; this kernel runs every extend request
-of a batch in one call, flash style, reading K/V rows where they lie in the pool, so a
-cached prefix costs no copy. float32 and bfloat16; ``extend_attention_ref`` is the
-reference the tests compare with. Source kernels/cpu/extend_attention.c, built by
-kernels/cpu/_cc.py; without AVX2/FMA, a compiler or with ``RADIXSERVE_CPU_KERNELS=0``:
-``load()`` returns None. Tiling and numerics: docs/cpu-kernels.md.
+Every extend request of a batch in one call, flash style, K/V read where they lie in the
+pool so a cached prefix costs no gather; float32 and bfloat16. ``load()`` is None where it
+cannot be built (no AVX2/FMA, no compiler). Tiling and numerics: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from kernels.cpu import decode_attention as cpu_decode_attention
 log = logging.getLogger(__name__)
 
 MAX_HEAD_DIM = 256  # the longest head dim the kernel takes (supports())
-# Work (query rows x keys x heads x head dim) from which a call is split over the threads:
-# ~4 MFLOP, ~50 us on one core.
+# Work (query rows x keys x heads x head dim) from which a call is split over the threads.
 PARALLEL_MIN = 1 << 20
 
 _SOURCE = _cc.read_source("extend_attention.c", PARALLEL_MIN=PARALLEL_MIN)
@@ -44,10 +39,8 @@ def block_rows(group: int) -> int:
 
 @functools.cache
 def load(extra_flags: tuple[str, ...] = ()) -> ExtendAttention | None:
-    """The kernel as ``fn(q, k_pool, v_pool, req_to_token, req_slots, qo_indptr,
-    prefix_lens, scale, out=None)``, or None where it cannot be built here (the caller
-    keeps its SDPA path). ``extra_flags`` follow ``-march=native`` (the tests build the
-    AVX2 tiles on an AVX-512 CPU with ``("-mno-avx512f",)``)."""
+    """``fn(q, k_pool, v_pool, req_to_token, req_slots, qo_indptr, prefix_lens, scale,
+    out=None)``, or None where it cannot be built; ``extra_flags`` follow ``-march=native``."""
     flags = [*_cc.FLAGS, *extra_flags]
     lib = _cc.load_library("extend_attention", _SOURCE, "CPU extend attention", log, flags)
     if lib is None or not hasattr(lib, "rs_extend_attention"):
@@ -60,8 +53,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ExtendAttention | None:
 
 
 def supports(q: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> bool:
-    """What the decode kernel reads (float32 or bfloat16 CPU, head dim contiguous, int32
-    table), with the head dim at most MAX_HEAD_DIM."""
+    """What the decode kernel supports, with the head dim at most MAX_HEAD_DIM."""
     return q.shape[-1] <= MAX_HEAD_DIM and cpu_decode_attention.supports(q, k_pool, req_to_token)
 
 

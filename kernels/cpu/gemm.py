@@ -1,11 +1,8 @@
 """Small-M GEMM on CPU: ``y = x @ W^T (+ b)`` over the plain [N, K] weight, a C kernel.
 
-Why: a decode step's linears run at M = 1..64 rows over cold weights, where oneDNN's packed
-path reads them far below memory bandwidth; this kernel streams each weight row once for
-all M rows. A fixed summation order makes every row bit-identical whatever batch it is in.
-Sources kernels/cpu/gemm.c and gemm16.c (``load16``: bfloat16/float16 weights), built by
-kernels/cpu/_cc.py; ``RADIXSERVE_CPU_KERNELS=0``, no compiler or a failed build: ``load()``
-returns None. Blocking, prefetch and numerics: docs/cpu-kernels.md.
+For a decode step's M = 1..64 rows over cold weights, where oneDNN reads far below memory
+bandwidth: each weight row streams once for all rows, in a fixed order (rows are
+batch-invariant). ``load16``: bfloat16/float16 weights. Design: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ def _library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 @functools.cache
 def lanes(extra_flags: tuple[str, ...] = ()) -> int:
-    """Float lanes of the built kernel's vectors: 16 (AVX-512), 8 (AVX2/FMA), 0 (portable
-    C, or no kernel). Where oneDNN overtakes it depends on this (services/worker/cpu_linear.py)."""
+    """Float lanes of the built kernel: 16 (AVX-512), 8 (AVX2/FMA), 0 (portable C or none)."""
     lib = _library(extra_flags)
     if lib is None:
         return 0
@@ -48,10 +44,8 @@ def lanes(extra_flags: tuple[str, ...] = ()) -> int:
 
 @functools.cache
 def load(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """The kernel as ``fn(x, weight, bias=None) -> y``, or None where it cannot be built
-    here (the caller keeps its torch path). ``extra_flags`` go to the compiler after
-    ``-march=native``: the tests build the AVX2 variant on an AVX-512 CPU with
-    ``("-mno-avx512f",)``."""
+    """``fn(x, weight, bias=None) -> y``, or None where it cannot be built; ``extra_flags``
+    follow ``-march=native`` (tests build the AVX2 variant with ``-mno-avx512f``)."""
     lib = _library(extra_flags)
     if lib is None:
         return None
@@ -72,8 +66,7 @@ ISA16_NAMES = {3: "avx512_bf16", 2: "avx512", 1: "avx2", 0: "c", -1: "none"}
 
 @functools.cache
 def isa16(extra_flags: tuple[str, ...] = ()) -> int:
-    """3 (AVX512_BF16 dot products), 2 (AVX-512 FMA), 1 (AVX2 FMA), 0 (portable C) or -1
-    (no kernel): how the built 16-bit kernel runs bfloat16 weights (ISA16_NAMES)."""
+    """How the 16-bit kernel runs bfloat16 weights: a key of ISA16_NAMES (-1: no kernel)."""
     lib = _library16(extra_flags)
     if lib is None:
         return -1
@@ -83,9 +76,8 @@ def isa16(extra_flags: tuple[str, ...] = ()) -> int:
 
 @functools.cache
 def load16(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """The 16-bit-weight kernel as ``fn(x, weight, bias=None) -> y`` (weight bfloat16 or
-    float16 [N, K], bias float32 [N], y in x's dtype), or None where it cannot be built.
-    ``extra_flags`` as for ``load`` (``-mno-avx512bf16``: the AVX-512 FMA variant)."""
+    """``fn(x, weight, bias=None) -> y`` for bfloat16/float16 [N, K] weights, float32 bias, y
+    in x's dtype; None where it cannot be built. ``extra_flags`` as for ``load``."""
     lib = _library16(extra_flags)
     if lib is None or not vector16(torch.bfloat16, extra_flags):
         return None  # portable C only: slower than torch's own bf16 paths
@@ -93,8 +85,7 @@ def load16(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 
 def bind16(lib: ctypes.CDLL) -> Gemm:
-    """``fn(x, weight, bias=None)`` over a built gemm16 library (the tests bind the
-    portable build, which ``load16`` does not serve, this way)."""
+    """``fn(x, weight, bias=None)`` over a built gemm16 library (also the portable build)."""
     fn = lib.rs_gemm16
     fn.restype = _I32
     fn.argtypes = [_PTR, _I32, _I64, _PTR, _I32, _I64, _PTR, _PTR, _I32, _I64, _I64, _I64, _I32]
@@ -103,8 +94,7 @@ def bind16(lib: ctypes.CDLL) -> Gemm:
 
 @functools.cache
 def vector16(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> bool:
-    """Whether the built 16-bit kernel has a vector path for weights of ``dtype`` (float16
-    needs F16C)."""
+    """Whether the 16-bit kernel has a vector path for ``dtype`` weights (float16 needs F16C)."""
     lib = _library16(extra_flags) if dtype in (torch.bfloat16, torch.float16) else None
     if lib is None:
         return False
@@ -113,8 +103,7 @@ def vector16(dtype: torch.dtype, extra_flags: tuple[str, ...] = ()) -> bool:
 
 
 def supports16(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """A bfloat16 / float16 CPU weight [N, K] with K contiguous, a vector path for its dtype,
-    and a float32 contiguous bias (or none)."""
+    """A bf16/fp16 CPU weight [N, K], K contiguous, with a vector path; float32 bias or none."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
@@ -208,6 +197,6 @@ def _call(
 def gemm_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The exact answer (float64), in float64: the tests' reference."""
+    """The exact answer, in float64: the tests' reference."""
     b = None if bias is None else bias.double()
     return F.linear(x.double(), weight.double(), b)

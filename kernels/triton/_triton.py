@@ -1,9 +1,7 @@
 """Imports Triton so that its kernels also run on machines without a GPU.
 
-Triton compiles for GPUs only. Without CUDA, its interpreter (``TRITON_INTERPRET=1``) runs the
-very same kernels on CPU tensors, slowly; the tests and the ``triton`` backend on CPU rely on
-that. Every kernel module imports ``triton`` from here, before defining its kernels, because
-Triton reads the variable when a function is *decorated*. An explicit setting is respected.
+Without CUDA it sets ``TRITON_INTERPRET=1`` (unless set) so the same kernels run on CPU
+tensors; kernel modules import triton from here since Triton reads it at *decoration* time.
 """
 
 from __future__ import annotations
@@ -25,12 +23,9 @@ __all__ = ["triton", "tl", "dot_precision", "sm_major", "check_head_dim_contiguo
 
 
 def _interpret_language_library() -> None:
-    """Makes Triton's own jit'd library functions (tl.sum, tl.max, tl.zeros, ...) interpretable.
-
-    They are decorated when ``triton.language`` is first imported. Other libraries import it
-    early (loading a transformers model does, through torch), often before the variable above
-    is set; those functions then stay compile-only and raise inside interpreted kernels. Wrapping
-    them again is what decorating them with the variable set would have done."""
+    """Makes Triton's own jit'd library functions (tl.sum, tl.zeros, ...) interpretable: when
+    triton.language was imported before the variable was set (torch may do so), they stay
+    compile-only and raise in interpreted kernels; rewrapping does what decoration would."""
     from triton.runtime.interpreter import InterpretedFunction
 
     wrapped: dict[int, InterpretedFunction] = {}
@@ -49,13 +44,8 @@ def _interpreting() -> bool:
 
 
 def _interpret_bf16() -> None:
-    """Makes the interpreter's bfloat16 arithmetic match the GPU's: tl.dot and the rounding.
-
-    numpy has no bfloat16, so the interpreter keeps those tensors as their raw 16-bit
-    patterns (uint16) and its dot multiplies the patterns as integers: every bfloat16 dot
-    (so every bf16 attention or AWQ kernel run on CPU) came out as garbage. Widening both
-    operands to float32 first is exact (a bfloat16 is the top half of a float32) and gives
-    the float32-accumulated product the GPU computes."""
+    """Makes the interpreter's bfloat16 tl.dot and rounding match the GPU's: it keeps bf16 as
+    raw uint16 patterns and would multiply them as integers; widening to float32 is exact."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -79,8 +69,7 @@ def _interpret_bf16() -> None:
     cast = builder.cast_impl
 
     def cast_impl(self, src, dst_type):
-        """float32 -> bfloat16 rounded to nearest even, as the GPU (and torch) round it; the
-        interpreter truncates, so the bf16 paths drifted from their references."""
+        """float32 -> bfloat16 rounded to nearest even as on the GPU (the interpreter truncates)."""
         if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
             return cast(self, src, dst_type)
         bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)

@@ -1,26 +1,11 @@
 """``x @ dequant(W)`` straight from AWQ's packed int4 weights (the GEMM layout).
 
-    x:        [M, K]        float16 / bfloat16 (float32 too: the interpreter, tests)
-    qweight:  [K, N / 8]    int32, 8 four-bit values per int32 in AWQ's interleaved order
-    qzeros:   [K / G, N / 8] int32, the zero points, packed alike
-    scales:   [K / G, N]    float16
-    bias:     [N] or None
-    returns:  [M, N]        x's dtype
-
-    W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]        (kernels/awq_pack.py)
-
-One program computes a [BLOCK_M, BLOCK_N] tile of the output over a range of K. Per
-[BLOCK_K, BLOCK_N] tile of W it loads the [BLOCK_K, BLOCK_N / 8] int32 words once
-(coalesced), repeats each word 8 times in registers (``tl.interleave``), shifts and masks
-the nibble of each column, subtracts the zero point, multiplies by the scale in float32 and
-rounds once to x's dtype, then accumulates ``tl.dot`` in float32. BLOCK_K divides the group
-size, so a K tile lies within one group: one row of zeros and scales per tile.
-
-Small M (decode) leaves too few output tiles to fill the GPU, so K is split across programs
-(SPLIT_K): each writes a float32 partial [SPLIT_K, M, N], summed afterwards in a fixed
-order (deterministic; no atomics). The grid, the split and every block size depend on
-shapes only, and nothing reads a device value on the host, so a CUDA graph captured for an
-M replays correctly.
+Shapes: awq_gemm's signature; x float16/bfloat16 (float32: interpreter, tests), qweight and
+qzeros 8 nibbles per int32 in AWQ's order, W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n].
+Each W tile's int32 words are loaded once, unpacked in registers, dequantized in float32
+and rounded once to x's dtype before a float32 ``tl.dot``; BLOCK_K divides the group size (one
+row of zeros and scales per tile). Small M splits K over programs (float32 partials summed in
+a fixed order: deterministic). Launches depend on shapes only: CUDA graphs replay them.
 """
 
 from __future__ import annotations
@@ -134,17 +119,14 @@ def block_k_for(group: int, preferred: int = 128) -> int:
 def choose_config(
     m: int, n: int, k: int, group: int, device: torch.device, dtype: torch.dtype = torch.float16
 ) -> GemmConfig:
-    """Decode sizes (small M) are bound by reading the packed weights: narrow M tiles, long K
-    tiles and a split of K so that every SM streams; prefill sizes are bound by the dot
-    products: square tiles, no split. float32 x (tests only: exact "ieee" dots on FMA units)
-    spills KBs at the 16-bit tiles on sm_90; 16 x 64 x 32 does not (bench/gpu_compile.py)."""
+    """Decode (small M) is bound by reading the weights: narrow M, long K tiles, K split so
+    every SM streams; prefill by the dots: square tiles. float32 x needs small tiles (spills)."""
     if device.type != "cuda":  # the interpreter: few, large programs
         return GemmConfig(16, 32, block_k_for(group, 64), 1, 4, 1)
     if dtype.itemsize >= 4:
         return GemmConfig(16, 64, block_k_for(group, 32), 1, 4, 2)
     if m <= 64:
-        # Register budget (ptxas, sm_90): 16 x 128 x 128 on 4 warps takes 140 registers;
-        # wider M tiles fit without spilling only with BLOCK_K 64 on 8 warps (165 at M 64).
+        # Wider M tiles fit in registers only with BLOCK_K 64 on 8 warps.
         bm, bk, warps = (16, 128, 4) if m <= 16 else ((32 if m <= 32 else 64), 64, 8)
         bk = block_k_for(group, bk)
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, 128)

@@ -1,23 +1,12 @@
 """Decode attention over a paged KV pool: one query token per request (flash-decoding).
 
-    q:            [B, Hq, D]     the newest token of each request (its K/V already stored)
-    k_pool/v_pool [S, Hkv, D]    Hq = g * Hkv (grouped-query attention)
-    req_to_token: [R, C] int32   row r, position p -> the KV slot holding that position
-    req_slots:    [B] int32      request b's row: its context is req_to_token[req_slots[b], :L_b]
-    seq_lens:     [B] int32      L_b, its context length (the new token included)
-    returns o:    [B, Hq, D]
-
-Stage 1 splits every context into ``num_kv_splits`` equal parts; one program handles one
-(request, KV head, split) and all g query heads that share that KV head, so each K/V row is
-read from memory once. It writes the split's normalised partial output and its log-sum-exp
-(log2 units) into a float32 scratch buffer [B, Hq, num_kv_splits, R] (LSE in column D; the
-row length R is D + 1 rounded up to 16 floats, so every row starts 64-byte aligned and the
-vector loads of stage 2 stay aligned). Stage 2 merges the splits of one (request, query head).
-
-Made for CUDA graphs: the grids and every kernel argument depend only on shapes
-(B, heads, D) and ``num_kv_splits``; each program reads its request's row and context length
-on the device, so a captured launch replays correctly with new rows and lengths. The kernels
-read the request-to-slot table itself: no per-step list of every context slot is built.
+Shapes: decode_attention's signature, Hq = g * Hkv. Request b's context is the KV slots
+req_to_token[req_slots[b], :seq_lens[b]], its new token's K/V already stored.
+Stage 1: a program per (request, KV head, split of the context) serves the g query heads of
+that KV head (each K/V row read once) and writes the split's output and log2-sum-exp to
+float32 scratch [B, Hq, num_kv_splits, R] (LSE in column D; R = D + 1 rounded up to 16 floats,
+aligned rows). Stage 2 merges the splits. Grids and arguments depend only on shapes and
+``num_kv_splits`` (rows and lengths are read on the device), so CUDA graphs replay them.
 """
 
 from __future__ import annotations
@@ -161,9 +150,7 @@ def _launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
 
 
 def tile_config(head_dim: int, dtype: torch.dtype, major: int) -> tuple[int, int, int]:
-    """Memory bound, so several K/V tiles in flight; float32 tiles of wide heads are halved:
-    a [32, 128] float32 K tile plus the accumulator spills on sm_90 (BLOCK_N 16 does not:
-    tests/unit/test_kernels_compile.py)."""
+    """Memory bound, so several K/V tiles in flight; halved for float32 wide heads (spills)."""
     if major < 8:
         return 32, 4, 1
     if dtype.itemsize >= 4:

@@ -1,27 +1,11 @@
 """Prefill ("extend") attention over a paged KV pool, for a ragged batch with cached prefixes.
 
-Request b has ``prefix_lens[b]`` tokens already in the pool and ``E_b`` new tokens whose K/V
-have just been stored too; its whole context (prefix, then new tokens) is row
-``req_slots[b]`` of the request-to-slot table, one slot per position (page size 1).
-
-    q:            [T, Hq, D]    new tokens of all requests, request b in rows qo_indptr[b]..[b+1]
-    k_pool/v_pool [S, Hkv, D]   Hq = g * Hkv (grouped-query attention)
-    qo_indptr:    [B+1] int32
-    req_to_token: [R, C] int32  row r, position p -> KV slot
-    req_slots:    [B] int32     request b's row
-    prefix_lens:  [B] int32
-    returns o:    [T, Hq, D]
-
-New row i of request b sits at position prefix_lens[b] + i and sees positions
-0 .. prefix_lens[b] + i: the whole prefix (no mask), then the new tokens causally.
-
-One program computes BLOCK_M new rows of one request for one query head, flash-attention
-style: an online softmax in float32 over BLOCK_N keys at a time, gathered from the pool by slot.
-
-    keys (positions) of request b:  | prefix: 0 .. P-1 | new: P .. P+E-1                  |
-    loop 1 (no causal mask):        |==================|                                  |
-    loop 2 (no causal mask):                           |== rows' block start ==|          |
-    loop 3 (causal mask):                                      | diagonal block |
+Shapes: extend_attention's signature, Hq = g * Hkv. Request b's new tokens are q rows
+qo_indptr[b]..[b+1]; its context (cached prefix, then new tokens, K/V all stored) is
+req_to_token row req_slots[b] (position -> KV slot), and new row i sees positions
+0 .. prefix_lens[b] + i. A program computes BLOCK_M new rows of one request and query head:
+an online float32 softmax over BLOCK_N keys at a time, unmasked over the prefix and earlier
+new blocks, causal on the diagonal block.
 """
 
 from __future__ import annotations
@@ -231,11 +215,8 @@ def _launch_config(
 
 
 def tile_config(head_dim: int, dtype: torch.dtype, major: int) -> tuple[int, int, int, int]:
-    """Tiles and pipeline depth that fit shared memory (Hopper ~227 KiB, Ampere ~164 KiB)
-    and registers. float32 ("ieee" dots run on FMA units, not tensor cores) needs far smaller
-    tiles: ptxas for sm_90 spills KBs at 128x64 (D=64) or 32x32 (D=128); these compile with
-    no spills (bench/gpu_compile.py, Triton 3.6). 16-bit D=128 at 128x64 spills 184 bytes,
-    kept for the larger tile's reuse of K/V."""
+    """Tiles and pipeline depth that fit shared memory and registers; float32 ("ieee" dots on
+    FMA units) needs far smaller tiles to avoid spills."""
     if major < 8:
         return 64, 32, 4, 1
     if dtype.itemsize >= 4:
@@ -272,7 +253,7 @@ def extend_attention(
     bm, bn, warps, stages = _launch_config(head_dim, q.dtype, q.device)
     if block_m or block_n:
         bm, bn = block_m or bm, block_n or bn
-        # 8 warps over a small tile only idle; 16-bit 16-row tiles spill on 4 (Triton 3.6).
+        # 8 warps over a small tile only idle; 16-bit 16-row tiles spill on 4.
         if bm < 64:
             warps = 2 if bm <= 16 and q.dtype.itemsize < 4 else 4
     if bm % bn:

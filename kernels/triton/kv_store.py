@@ -4,8 +4,7 @@
     slots:          [T] int64     destination slot of each new token
     k, v:           [T, Hkv, D]   (cast to the pool's dtype on the way)
 
-One program copies one token's K and V: its slot is read on the device, so the launch
-depends only on T and can be captured in a CUDA graph.
+One program per token, its slot read on the device: the launch depends only on T (graphable).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """`radixserve serve`: the three services as three OS processes, started in order and supervised.
 
-Internal addresses default to per-instance ipc paths and free ports, so two servers given
-different --port values run side by side. A process that dies after start-up is restarted
-as a container runtime would (same flags and addresses; exponential backoff; more than
---max-restarts in --restart-window stops everything, naming it); its peers fail their
-in-flight requests fast and serve again once it is back. `--on-child-exit stop` stops all
-three instead. A process that dies during start-up stops all (a configuration error).
-Ctrl-C or SIGTERM stops all of them (each drains for --shutdown-grace-period); children get
-SIGTERM from the kernel should this process die without cleaning up (no orphans).
+Internal addresses default to per-instance ipc paths and free ports, so servers on different
+--port values run side by side. A child that dies after start-up is restarted (same flags,
+backoff; over --max-restarts in --restart-window, or `--on-child-exit stop`, stops all); one
+dying during start-up stops all. Ctrl-C or SIGTERM stops all (each drains); children get
+SIGTERM from the kernel should this process die (no orphans).
 """
 
 from __future__ import annotations
@@ -191,10 +188,8 @@ def _say(text: str) -> None:
 
 
 def supervise(children: list[Child], configs: dict[str, object], policy: ServeConfig) -> int:
-    """After start-up: a child that dies is started again (same flags, same addresses, so
-    its peers find it), after a backoff that doubles with each restart in the window; more
-    than policy.max_restarts in policy.restart_window (a crash loop), or --on-child-exit
-    stop, stops everything. Returns the exit code (only ever on a failure)."""
+    """Restarts a dead child (same flags and addresses) after a doubling backoff; a crash loop
+    (policy) or --on-child-exit stop stops everything. Returns the exit code (on failure only)."""
     while True:
         now = time.monotonic()
         for c in children:

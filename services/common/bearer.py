@@ -1,10 +1,7 @@
-"""Bearer keys on gRPC servers: one interceptor for the public API (grpc.aio) and the
-scheduler's control service (grpc.server) alike.
+"""Bearer keys on gRPC servers: the public API (grpc.aio) and the control service (grpc.server).
 
-Every method needs ``authorization: Bearer <key>`` in its metadata except the standard
-health service (what the kubelet's probes and `radixserve serve` ask). A missing or wrong
-key ends the call with UNAUTHENTICATED before its request is even parsed, and keys are
-compared in constant time (hmac.compare_digest) so timing cannot reveal a prefix.
+Every method but the health service needs ``authorization: Bearer <key>``; a missing or wrong
+key (compared in constant time) ends the call UNAUTHENTICATED before its request is parsed.
 """
 
 from __future__ import annotations
@@ -65,8 +62,7 @@ class MethodKeys:
 def _deny_handler(
     handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any]
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that runs ``behaviour``; requests stay raw
-    bytes (nothing from an unauthenticated caller is parsed)."""
+    """``handler``'s kind running ``behaviour``, requests left as raw bytes (never parsed)."""
     serializer = handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(behaviour, None, serializer)
@@ -132,9 +128,8 @@ def aio_channel(
     options: Sequence[tuple[str, Any]] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel whose unary calls carry ``token`` (when given) as ``authorization:
-    Bearer`` metadata: the frontend's end of the scheduler's control. Plaintext unless
-    ``credentials`` (TLS: services/common/tls.py), which keep the token off the wire."""
+    """A grpc.aio channel whose unary calls carry ``token`` (if any) as bearer metadata;
+    plaintext unless ``credentials`` (TLS, which keeps the token off the wire)."""
     interceptors = [_SendToken(token)] if token else None
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

@@ -1,10 +1,8 @@
 """Configuration of the three services: frozen dataclasses whose defaults feed the CLI.
 
-Each service reads one dataclass. A field becomes the flag ``--field-name`` (SGLang's names
-where the concept is the same) and can also come from the environment as
-``RADIXSERVE_FIELD_NAME``, which is how the containers and the Helm chart configure them.
-``radixserve serve`` takes the union of the three: a field that two services share (say
-``model_path``) is one flag.
+A field becomes the flag ``--field-name`` (SGLang's names where the concept matches) and can
+come from the environment as ``RADIXSERVE_FIELD_NAME`` (how containers and the Helm chart set
+it). ``radixserve serve`` takes the union of the three: a shared field is one flag.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The small Llama the project trains itself (scripts/train_default_model.py). It ships as
-# package data beside this module, so the default works from a checkout and from an
-# installed wheel (the containers) alike.
+# The project's own small Llama, shipped as package data so the default works from a
+# checkout and an installed wheel alike.
 DEFAULT_MODEL_PATH = str(Path(__file__).resolve().parent / "default_model" / "radixserve-zen")
 ENV_PREFIX = "RADIXSERVE_"
 
@@ -37,9 +34,8 @@ def _opt(
     le: float | None = None,
     **kw,
 ):
-    """A config field with its help text (shown by --help) and, for a number, its bounds:
-    ``ge`` (>=) or ``gt`` (>), and ``le`` (<=), held by the flag, RADIXSERVE_<NAME> and the
-    constructor alike (``field_error``)."""
+    """A config field with its --help text and, for a number, bounds ``ge``/``gt``/``le``,
+    held by the flag, RADIXSERVE_<NAME> and the constructor alike (``field_error``)."""
     kw |= {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
@@ -62,8 +58,7 @@ _INSECURE_HELP = (
     "can send frames: for tests and trusted networks only)"
 )
 _TLS_FILES = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
-# TLS of the control gRPC (scheduler's SchedulerControl, worker's info/health port): the
-# servers take the certificate and key, their clients the CA. Plaintext when empty.
+# Control gRPC TLS: servers take certificate and key, clients the CA; empty: plaintext.
 _CONTROL_CERT_HELP = (
     "PEM certificate (chain) of the control gRPC server (TLS; its clients need "
     "--control-ssl-ca-certs); empty: plaintext"
@@ -72,9 +67,8 @@ _CONTROL_KEY_HELP = "PEM private key of --control-ssl-certfile"
 
 
 def check_tls_files(cfg, prefix: str = "") -> None:
-    """ValueError naming the flag when ``cfg``'s TLS files (``prefix``: "control_" for the
-    control link's) are not given in pairs, cannot be read or are no PEM certificate and
-    key, so a bad path stops the service before it binds anything."""
+    """ValueError naming the flag unless ``cfg``'s TLS files (``prefix`` "control_": the
+    control link's) come in pairs and are readable PEM, so a bad path stops before any bind."""
 
     def flag(name: str) -> str:
         return "--" + (prefix + name).replace("_", "-")
@@ -583,9 +577,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def field_error(f: dataclasses.Field, value) -> str | None:
-    """Why ``value`` is out of ``f``'s bounds (None: it is not): the one check behind the
-    flag, RADIXSERVE_<NAME> and the constructor. A bounded float must also be finite (NaN
-    and infinity are typos, not settings)."""
+    """Why ``value`` is out of ``f``'s bounds (None: it is not); a bounded float must also be
+    finite (NaN and infinity are typos, not settings)."""
     ge, gt, le = f.metadata.get("ge"), f.metadata.get("gt"), f.metadata.get("le")
     if ge is None and gt is None and le is None:
         return None
@@ -608,16 +601,14 @@ def check_bounds(cfg) -> None:
             raise ValueError(f"--{f.name.replace('_', '-')} {why}, got {value}")
 
 
-# Where add_dataclass_args leaves the RADIXSERVE_* values it refused, for from_args: each
-# subcommand keeps its own, so a bad worker variable neither stops `radixserve frontend`
-# nor is blamed on another subcommand.
+# Where add_dataclass_args leaves refused RADIXSERVE_* values for from_args, per subcommand,
+# so a bad worker variable neither stops nor is blamed on another subcommand.
 _ENV_ERRORS = "_radixserve_env_errors"
 
 
 def _env_default(f: dataclasses.Field, default, tp: type, errors: list[str]):
-    """The field's default from RADIXSERVE_<NAME> when set, held to the flag's own type,
-    choices and bounds (argparse checks none of them on a default); a bad value is kept in
-    ``errors`` as "VAR='value': why" and the field keeps its default."""
+    """The default from RADIXSERVE_<NAME>, held to the flag's type, choices and bounds (argparse
+    checks none on a default); a bad value goes to ``errors`` and the default stays."""
     var = ENV_PREFIX + f.name.upper()
     raw = os.environ.get(var)
     if raw is None:
@@ -649,8 +640,7 @@ def _env_default(f: dataclasses.Field, default, tp: type, errors: list[str]):
 
 
 def resolve_choices(spec):
-    """A list, or "module:function" naming the registry that lists the names (one place to
-    add one)."""
+    """A list, or "module:function" naming the registry that lists the names."""
     if isinstance(spec, str):
         module, fn = spec.split(":")
         return getattr(importlib.import_module(module), fn)()
@@ -691,9 +681,8 @@ def add_dataclass_args(
 
 
 def from_args(cls: type, ns: argparse.Namespace, **overrides):
-    """Builds ``cls`` from parsed arguments (fields it lacks are ignored); ValueError when a
-    RADIXSERVE_* variable that fed them (one line each, naming it) or a field is out of
-    bounds."""
+    """Builds ``cls`` from parsed arguments (others ignored); ValueError, a line per fault,
+    when a RADIXSERVE_* variable that fed them or a field is out of bounds."""
     if errors := getattr(ns, _ENV_ERRORS, None):
         raise ValueError("\n".join(errors))
     names = {f.name for f in dataclasses.fields(cls)}
@@ -706,8 +695,7 @@ def from_args(cls: type, ns: argparse.Namespace, **overrides):
 
 
 def secret_env(cfg) -> dict[str, str]:
-    """The secrets of ``cfg`` as the environment of a child process (to_argv leaves them
-    out: a process's argv is visible to every local user)."""
+    """``cfg``'s secrets as a child's environment (to_argv omits them: argv is public)."""
     return {
         ENV_PREFIX + f.name.upper(): getattr(cfg, f.name)
         for f in dataclasses.fields(cfg)
@@ -733,8 +721,7 @@ def to_argv(cfg) -> list[str]:
 
 
 def exit_usage(prog: str, error: ValueError) -> typing.NoReturn:
-    """A configuration error as argparse ends a bad command line (status 2), in one line per
-    fault, "<prog>: <why>", without the usage block or a traceback."""
+    """Ends like argparse on a bad command line (status 2): "<prog>: <why>" per fault."""
     for line in str(error).splitlines():
         print(f"{prog}: {line}", file=sys.stderr)
     raise SystemExit(2)

@@ -1,25 +1,9 @@
 """Who may talk on the internal links: ZeroMQ CURVE keys and the control token.
 
-One folder (``--internal-keys-dir``) holds what the three services need, written by
-``radixserve keys generate DIR``:
-
-    frontend.key_secret   frontend.key     the frontends' keypair (client of the scheduler)
-    scheduler.key_secret  scheduler.key    the scheduler's (server for frontends, client of
-                                           its worker)
-    worker.key_secret     worker.key       the worker's (server for its scheduler)
-    control.token                          bearer token of the scheduler's gRPC control
-
-(zmq's certificate format; a pod mounts only the files its services need). Instead, the
-folder may hold a single ``seed`` file (what the Helm chart generates): every keypair and the
-token are then derived from it with HMAC-SHA256, so Helm, which cannot compute a CURVE
-public key, only has to make one random string.
-
-With keys, libzmq encrypts each link and the binding side asks a ZAP handler about every
-connecting peer: the scheduler admits only the frontends' public key and the worker only
-its scheduler's, so a peer without the right secret key never completes the handshake and
-not one of its frames reaches the service. Without keys, ipc:// links (in the private 0700
-folder) stay unauthenticated, and a tcp:// link refuses to start unless
-``--insecure-internal`` says so.
+``--internal-keys-dir`` holds each role's zmq certificate pair plus ``control.token``, or one
+``seed`` (the Helm chart's: Helm cannot compute a CURVE public key) they all derive from by
+HMAC-SHA256. With keys, links are encrypted and a ZAP handler admits only the expected peers'
+keys; without, ipc:// links stay unauthenticated and tcp:// needs --insecure-internal.
 """
 
 from __future__ import annotations
@@ -136,8 +120,7 @@ def check_link(addr: str, keys: InternalKeys | None, insecure: bool, flag: str) 
 
 
 class AllowedPeers:
-    """ZAP credentials provider: admits only the listed public keys; refusals are counted
-    and logged at most once per ``every_s``."""
+    """ZAP credentials provider: admits only the listed keys; logs refusals once per ``every_s``."""
 
     def __init__(self, allowed: Iterable[bytes], name: str, every_s: float = 10.0) -> None:
         self.allowed = frozenset(allowed)
@@ -198,10 +181,8 @@ def connect_securely(keys: InternalKeys | None, role: str, server: str) -> Socke
 def ephemeral_keys(
     addrs: Iterable[str], keys_dir: str, insecure: bool, guard_control: bool = False
 ) -> str | None:
-    """For `radixserve serve`: a fresh private folder of keys when one of its own internal
-    links is tcp:// or ``guard_control`` (the public API takes a key, so the control port
-    must too), and neither keys nor --insecure-internal were given (None otherwise). The
-    caller removes it when the children are gone."""
+    """For `radixserve serve`: a fresh key folder (caller removes it) when a link is tcp:// or
+    ``guard_control``, unless keys or --insecure-internal were given; else None."""
     needed = guard_control or any(a.startswith("tcp://") for a in addrs)
     if keys_dir or insecure or not needed:
         return None

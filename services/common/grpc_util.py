@@ -1,12 +1,6 @@
-"""The standard gRPC extras every radixserve server carries: health checking and reflection.
+"""Health checking and reflection for every server, ``grpc.server`` and ``grpc.aio.server``.
 
-Works for both ``grpc.server`` (scheduler, worker) and ``grpc.aio.server`` (frontend). The
-health servicer kind follows the server kind, because the synchronous servicer blocks on
-threading conditions, which would stall an asyncio event loop.
-
-    health = add_health_and_reflection(server, ["radixserve.v1.Generation"])
-    set_serving(health, ["radixserve.v1.Generation"], True)          # grpc.server
-    await aset_serving(health, ["radixserve.v1.Generation"], True)   # grpc.aio.server
+The servicer's kind follows the server's: the synchronous one would stall an event loop.
 """
 
 from __future__ import annotations
@@ -21,11 +15,9 @@ from services.common.hostport import host_port
 
 HealthServicer: TypeAlias = health.HealthServicer | health.aio.HealthServicer
 
-# Messages larger than this are refused with RESOURCE_EXHAUSTED before they are parsed (a
-# 128k-token prompt as ids is ~0.7 MB); stated rather than left to grpc's default.
+# Larger messages are refused (RESOURCE_EXHAUSTED) before they are parsed.
 MAX_MESSAGE_BYTES = 16 << 20
-# Every server: a port already bound fails instead of being silently shared (grpc enables
-# SO_REUSEPORT by default, so a second server on a port took a share of its connections).
+# A port already bound fails instead of being shared (grpc enables SO_REUSEPORT by default).
 SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -34,23 +26,16 @@ SERVER_OPTIONS = [
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Liveness, apart from readiness ("" and the application services): SERVING while the
-# process runs, whatever its peers do, so an orchestrator restarts only a process that hangs
-# or died, never one whose peer is down (the chart's liveness probes ask this name).
+# Liveness, apart from readiness: SERVING while the process runs whatever its peers do, so
+# an orchestrator restarts only a hung or dead process, never one whose peer is down.
 LIVENESS_SERVICE = "liveness"
-# How a scheduler's GetStats refusal starts while it drains after SIGTERM: frontends send it
-# nothing new but keep what runs there (unlike UNAVAILABLE: gone, its requests failed).
+# Starts a draining scheduler's GetStats refusal: send it nothing new, keep what runs there.
 DRAINING = "draining"
 
 
 def add_health_and_reflection(server, service_names: list[str]) -> HealthServicer:
-    """Registers grpc.health.v1 and server reflection on ``server``; returns the health servicer.
-
-    ``service_names`` are the full names of the application services (e.g.
-    ``generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name``). A synchronous
-    server starts SERVING for "" and every name; an aio server starts with only "" SERVING
-    (the aio servicer's setter is a coroutine): call ``aset_serving`` once the loop runs.
-    """
+    """Registers health and reflection; returns the servicer. A sync server starts SERVING for
+    "" and ``service_names``, an aio one for "" only: call ``aset_serving`` in the loop."""
     is_aio = isinstance(server, grpc.aio.Server)
     servicer = health.aio.HealthServicer() if is_aio else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -84,9 +69,8 @@ async def aset_serving(
 def bind(
     server, host: str, port: int, what: str, credentials: grpc.ServerCredentials | None = None
 ) -> int:
-    """add_insecure_port (add_secure_port with ``credentials``: TLS) that fails loudly,
-    naming the port: the bound port (port 0: a free one). ``server`` must have been made
-    with SERVER_OPTIONS (no port sharing)."""
+    """Binds (TLS with ``credentials``) and returns the bound port (0: a free one); OSError
+    naming the port on failure. ``server`` must use SERVER_OPTIONS (no port sharing)."""
     addr = host_port(host, port)
     try:
         if credentials is None:

@@ -1,6 +1,5 @@
-"""Host:port strings that hold an IPv6 literal: pod IPs may be IPv6 (a dual-stack or
-IPv6-only cluster), and both ZeroMQ (``tcp://[fd00::1]:30100``) and gRPC
-(``[fd00::1]:30101``) need such a host in brackets, or its colons read as the port's."""
+"""Host:port strings with IPv6 literals (pod IPs may be IPv6): ZeroMQ and gRPC need such a
+host in brackets, or its colons read as the port's."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ import ipaddress
 
 
 def bracket(host: str) -> str:
-    """``host`` as the host part of an address: an IPv6 literal in brackets; a name, an
-    IPv4 literal, ``*`` or an already bracketed host unchanged."""
+    """``host`` for an address: an IPv6 literal bracketed, anything else unchanged."""
     if ":" not in host or host.startswith("["):
         return host
     try:
@@ -30,9 +28,7 @@ def tcp_addr(host: str, port: int | str) -> str:
 
 
 def zmq_endpoint(addr: str) -> str:
-    """``addr`` with an unbracketed IPv6 host bracketed: a flag written from a pod's IP
-    (the chart's ``tcp://$(POD_IP):30100``) cannot bracket it itself. Other addresses, and
-    ones already bracketed, are returned unchanged."""
+    """A tcp:// ``addr`` with its IPv6 host bracketed (flags built from ``$(POD_IP)`` can't)."""
     scheme, sep, rest = addr.partition("://")
     if scheme != "tcp" or not sep:
         return addr

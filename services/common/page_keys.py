@@ -1,7 +1,7 @@
-"""Keys of token blocks: what the storage tier names its pages by and what the routers
-index the engines' trees by. Block i of a sequence holds tokens[i*p:(i+1)*p]; its key hashes
-the previous block's key and its own tokens, the first one a root key of the seed and the
-namespace (cache salt / adapter), so equal keys mean equal tokens from the very start."""
+"""Keys of token blocks, by which the storage tier names pages and routers index engines' trees.
+
+Block i holds tokens[i*p:(i+1)*p]; its key hashes the previous key (first: a root key of seed
+and namespace) and its tokens, so equal keys mean equal tokens from the very start."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ def root_key(seed: bytes, namespace: str) -> bytes:
 def chain(
     prev: bytes, tokens: Sequence[int] | np.ndarray, first: int, end: int, p: int
 ) -> list[bytes]:
-    """Keys of blocks first..end-1 of tokens, given ``prev``, the key of block first-1 (the
-    root key when first is 0)."""
+    """Keys of blocks first..end-1, ``prev`` being block first-1's key (or the root key)."""
     data = np.asarray(tokens[first * p : end * p], dtype="<i4").tobytes()
     step, out, key = 4 * p, [], prev
     for i in range(end - first):

@@ -1,9 +1,7 @@
 """The bounds of sampling parameters, in one place for every process that checks them.
 
-The frontend checks the public SamplingParams (services/frontend/validation.py); the
-scheduler checks the engine's copy of a request that may not have come through a frontend
-(services/scheduler/request_checks.py). Both messages name these fields alike, so one
-function serves both; no torch, no protobuf types imported.
+Frontend and scheduler both check (a request need not come through a frontend); their
+SamplingParams name the fields alike, so one function serves both.
 """
 
 from __future__ import annotations

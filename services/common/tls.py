@@ -1,9 +1,6 @@
 """TLS credentials of the gRPC servers and channels, from the PEM files the flags name.
 
-The public ports (--ssl-certfile, --ssl-keyfile, --ssl-ca-certs: mutual TLS) and the control
-gRPC (--control-ssl-certfile / --control-ssl-keyfile on the servers, --control-ssl-ca-certs
-on their clients) share these helpers; an empty path means plaintext, the default. The
-files were already checked by the configs (config.check_tls_files), before any bind.
+For the public ports (--ssl-*) and the control gRPC (--control-ssl-*); empty: plaintext.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ def _read(path: str) -> bytes:
 def server_credentials(
     certfile: str, keyfile: str, client_ca: str = ""
 ) -> grpc.ServerCredentials | None:
-    """TLS with this certificate (None: plaintext); with ``client_ca`` every client must
-    present a certificate that CA signed."""
+    """TLS with this certificate (None: plaintext); ``client_ca``: clients must present one."""
     if not certfile:
         return None
     return grpc.ssl_server_credentials(
@@ -34,9 +30,8 @@ def server_credentials(
 
 @dataclass(frozen=True)
 class ClientTls:
-    """How a client dials a TLS server: the CA it checks the server by and, when the
-    certificate's name is not the target's host (engines discovered by DNS are dialed by
-    IP address), the name to check instead."""
+    """How a client dials a TLS server: the CA and, when the certificate's name is not the
+    target's host (engines found by DNS are dialed by IP), the name to check instead."""
 
     credentials: grpc.ChannelCredentials
     options: tuple[tuple[str, str], ...] = ()

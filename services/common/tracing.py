@@ -1,10 +1,7 @@
 """OpenTelemetry set-up shared by the three services, and W3C context propagation.
 
-Tracing is off unless ``--otlp-traces-endpoint`` is given; then spans go over OTLP/gRPC
-(what Jaeger ingests on port 4317). The trace context crosses process boundaries inside
-the internal protobuf messages (a ``map<string, string>`` carrier), so a request's spans
-in frontend, scheduler and worker share one trace id. Callers test ``enabled()`` before
-doing any span work, so that tracing off costs one boolean check.
+Off unless ``--otlp-traces-endpoint`` is given. The context crosses processes in a map of the
+internal messages, so a request's spans share one trace id; ``enabled()`` is the one check.
 """
 
 from __future__ import annotations

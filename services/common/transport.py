@@ -1,15 +1,7 @@
-"""ZeroMQ wrapped once: sockets that carry protobuf messages, one message per frame.
+"""ZeroMQ wrapped once: sockets that carry protobuf messages, one message per frame, no pickle.
 
-Topology (addresses are flags; ``ipc://`` paths per instance by default, ``tcp://`` in pods):
-
-    frontend DEALER  --connect-->  scheduler ROUTER (binds --scheduler-addr)
-        FrontendToScheduler ->          <- SchedulerToFrontend (routed by the frontend's identity)
-    scheduler DEALER --connect-->  worker ROUTER    (binds --worker-addr)
-        SchedulerToWorker ->            <- WorkerToScheduler
-    frontend SUB     --connect-->  scheduler PUB    (binds --cache-events-port)
-                                        <- CacheEvents (the radix tree's blocks, for routing)
-
-Nothing here pickles: every payload is ``message.SerializeToString()``.
+Frontend DEALER -> scheduler ROUTER -> (DEALER) worker ROUTER; frontend SUB -> scheduler PUB
+(CacheEvents). ``ipc://`` per instance by default, ``tcp://`` in pods.
 """
 
 from __future__ import annotations
@@ -43,8 +35,7 @@ class BadFrame(ValueError):
 
 
 class DropLog:
-    """Counts frames dropped at a socket; logs at most one line per ``every_s`` (a flood of
-    garbage must not become a flood of log lines)."""
+    """Counts dropped frames, logging once per ``every_s`` (garbage must not flood the log)."""
 
     def __init__(self, socket_name: str, every_s: float = 10.0):
         self.socket_name, self.every_s = socket_name, every_s
@@ -81,8 +72,7 @@ def private_ipc_dir() -> str:
 
 
 def new_ipc_addr(name: str) -> str:
-    """A fresh per-instance ipc:// address, so two servers can share a machine. libzmq
-    removes the socket file when the binding socket closes."""
+    """A fresh per-instance ipc:// address, so two servers can share a machine."""
     folder = private_ipc_dir()
     return f"ipc://{folder}/{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
 
@@ -141,11 +131,8 @@ def subscriber(
     setup: Callable[[zmq.Socket], None] | None = None,
     max_queued: int = 10_000,
 ) -> zmq.Socket:
-    """A SUB socket taking every message published at ``addr`` (one message per frame).
-
-    Unlike the request links its queue is bounded (``max_queued`` messages): a stream of
-    facts can be resynced from a snapshot, so a slow reader drops messages (the gap is seen
-    in their sequence numbers) instead of growing without limit."""
+    """A SUB socket for everything published at ``addr``, its queue bounded (``max_queued``):
+    the stream resyncs from a snapshot, so a slow reader drops (seen in sequence numbers)."""
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, max_queued)
@@ -182,8 +169,7 @@ def recv(sock: zmq.Socket, cls: type[M], flags: int = 0) -> M:
 
 
 def recv_routed(sock: zmq.Socket, cls: type[M], flags: int = 0) -> tuple[bytes, M]:
-    """Receives (identity, message) on a synchronous ROUTER; BadFrame for anything but
-    one identity frame plus one parseable message."""
+    """(identity, message) from a synchronous ROUTER; BadFrame unless exactly those two."""
     frames = sock.recv_multipart(flags=flags)
     if len(frames) != 2:
         raise BadFrame(f"{len(frames)} frames, expected identity + one message")

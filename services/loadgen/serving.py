@@ -1,21 +1,17 @@
 """Serving benchmark: drive any OpenAI-compatible server with a workload, report what users feel.
 
-Like `sglang.bench_serving` and `vllm bench serve`, and for the same reason: a server is
-judged from outside, through its HTTP API, so the same client measures radixserve and its
-peers alike. Every request is a streaming /v1/completions call with usage included, so
+Like `sglang.bench_serving` and `vllm bench serve`, it judges a server from outside, so it
+measures radixserve and its peers alike. Every request is a streaming /v1/completions call
+with usage included, so
 
-- TTFT is the time from sending to the first streamed token, ITL the gaps between
-  streamed chunks (a chunk may carry several tokens when the server's detokenizer holds
-  text back, as both SGLang's and vLLM's clients count it; a chunk with no text, which vLLM
-  sends for a token whose text it holds back, is no arrival: the user saw nothing);
-- token counts come from the server's usage (the client's tokenizer or a word count only
-  when a server reports none);
-- the cache hit rate is sum(cached_tokens) / sum(prompt_tokens) over the requests whose
-  server reported usage.prompt_tokens_details.cached_tokens (vLLM needs
-  --enable-prompt-tokens-details for it).
+- TTFT is the time to the first streamed token, ITL the gaps between streamed chunks (a
+  chunk may carry several tokens; one with no text is no arrival: the user saw nothing);
+- token counts come from the server's usage (else the client's tokenizer or a word count);
+- the cache hit rate is sum(cached_tokens) / sum(prompt_tokens) over the requests that
+  report usage.prompt_tokens_details.cached_tokens (vLLM: --enable-prompt-tokens-details).
 
-A failed request (HTTP error, an error event in the stream, a dropped connection) is
-counted and its message kept; it never stops the run.
+A failed request (HTTP error, error event, dropped connection) is counted and its message
+kept; it never stops the run.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The benchmark's workloads: which prompts are sent, in which groups, in which order.
 
-Prompts are random words drawn from a seeded generator, so a run is repeatable and a new
-seed gives texts that no server has seen (a peer comparison changes the seed every round
-so that no server is helped by an earlier one). They are sent as text; with a tokenizer
-each piece is cut to an exact token count, without one a word stands for about one token.
-
-A workload is a list of sessions. A session is one conversation: single-turn workloads
-have one turn per session; in multi-turn ones each turn's prompt is the previous prompt,
-the server's answer and the new message, so only the server can say what it is.
+Prompts are random words from a seeded generator: repeatable, and a new seed gives texts no
+server has cached. With a tokenizer each piece is cut to an exact token count, else a word is
+about one token. A workload is a list of sessions (conversations); in multi-turn ones each
+prompt is the previous prompt, the server's answer and the new message.
 """
 
 from __future__ import annotations
