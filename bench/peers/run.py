@@ -260,12 +260,17 @@ def radixserve_server(model_dir: Path, ns: argparse.Namespace, log_dir: Path) ->
     return Server("radixserve", argv, {}, http, log_dir / "radixserve.log")
 
 
+def max_positions(model_dir: Path) -> int:
+    """The model's context (radixserve takes it from config.json by itself)."""
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+
+
 def vllm_server(model_dir: Path, ns: argparse.Namespace, log_dir: Path) -> Server:
     port = ns.port_base + 180
     args = (f"-m vllm.entrypoints.openai.api_server --model {model_dir} "
             f"--served-model-name {model_dir.name} --host 127.0.0.1 --port {port} "
-            f"--dtype {ns.dtype} --max-model-len 4096 --enable-prefix-caching "
-            "--enable-prompt-tokens-details")  # fmt: skip
+            f"--dtype {ns.dtype} --max-model-len {max_positions(model_dir)} "
+            "--enable-prefix-caching --enable-prompt-tokens-details")  # fmt: skip
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(ns.kv_gib),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{ns.threads - 1}",
