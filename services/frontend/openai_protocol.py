@@ -44,6 +44,8 @@ _UNSERVED: dict[str, tuple[Any, ...]] = {
 
 
 _DEPRECATED = {"functions": "tools", "function_call": "tool_choice"}
+# OpenAI fields that label a request and ask nothing of its output: accepted as they are.
+_LABELS = frozenset({"metadata", "safety_identifier", "prompt_cache_key"})
 
 
 def check_unserved(body: BaseModel) -> None:
@@ -60,6 +62,8 @@ def check_unserved(body: BaseModel) -> None:
             raise ApiError(
                 400, f"{name} is not supported by radixserve (got {shown(value)}); {instead}", name
             )
+        if name not in _UNSERVED and name not in _LABELS:  # a typo, another server's extension
+            raise ApiError(400, f"unknown field {name!r}: radixserve does not serve it", name)
 
 
 class StreamOptions(BaseModel):

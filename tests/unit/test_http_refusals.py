@@ -102,10 +102,20 @@ def test_unserved_openai_fields_are_refused_by_name(base, route, field, value):
     assert error["param"] == field and f"{field} is not supported" in error["message"]
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_fields_are_refused_by_name_not_dropped(base, route):
+    body = {"prompt": "hi"} if route == "/v1/completions" else {"messages": _user()}
+    r = httpx.post(base + route, json={**body, "max_tokens": 2, "temprature": 0.5})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "temprature" and "unknown field 'temprature'" in error["message"]
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
         ("user", "u-1"),
+        ("safety_identifier", "s-1"),
         ("metadata", {"team": "a"}),
         ("logit_bias", {}),
         ("best_of", 1),
