@@ -57,17 +57,6 @@ SHAPES: dict[str, dict] = {
         intermediate_size=1408,
         tie_word_embeddings=True,
     ),
-    "small-32k": dict(
-        arch="llama",
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=1408,
-        tie_word_embeddings=True,
-        max_position_embeddings=LONG_POSITIONS,
-    ),
     "qwen-0.5b": dict(
         arch="qwen2",
         hidden_size=896,
@@ -78,6 +67,8 @@ SHAPES: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
 }
+
+SHAPES["small-32k"] = {**SHAPES["small"], "max_position_embeddings": LONG_POSITIONS}
 
 
 def model_dir(name: str) -> Path:
