@@ -1,10 +1,11 @@
-"""Speculation against vLLM's: the code-edit workload of bench_spec.py (the answer repeats
-a ~200-token document) over the OpenAI /v1/completions of servers already running, each
-with and without speculation, greedy, at batch 1 and 16. Rounds interleave the servers
-(the order flips each round); medians of output tokens/s, and every server's answers
-compared with the first one's (greedy: the same tokens, or the row says how many differ).
+"""Speculation against vLLM's: bench_spec.py's workloads (code edit, multi-turn, agentic,
+random) over the OpenAI API of servers already running, each with and without
+speculation, at batch 1 and 16. Rounds interleave the servers (the order flips each round),
+with a pause before each run (vLLM's engine spins for ~1 s after a load); medians of
+output tokens/s, and for the greedy workloads whether each server's answers equal the
+first one's.
 
-    .venv/bin/python bench/bench_spec_peers.py --servers rs-off=http://127.0.0.1:30080,...
+    .venv/bin/python bench/bench_spec_peers.py --servers rs-off=http://127.0.0.1:33080,...
 
 docs/benchmarks.md ("Speculative decoding") has the commands that started the servers.
 """
@@ -19,79 +20,99 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-
-PAUSE_S = 2.0
+from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_spec import document  # noqa: E402
+from bench.bench_spec import MAKERS, Call, Stream, fit  # noqa: E402
 from services.common.config import DEFAULT_MODEL_PATH  # noqa: E402
-from services.frontend.tokenizer import Tokenizer  # noqa: E402
+
+PAUSE_S = 2.0
+CONTEXT = 512  # the shipped model's positions: bench_spec's calls are fitted to them
 
 
-def prompts(n: int, doc_tokens: int) -> list[str]:
-    doc = document(doc_tokens, Tokenizer(DEFAULT_MODEL_PATH))
-    lines = doc.splitlines()
-    return [
-        f"Rewrite this text, changing nothing:\n{doc}\n\nRewritten:\n{lines[i % len(lines)]}\n"
-        for i in range(n)
-    ]
+def body(call: Call, model: str) -> tuple[str, dict]:
+    """The route and OpenAI body of one of bench_spec's calls."""
+    sp = call.sampling
+    out: dict = {"model": model, "max_tokens": sp.max_tokens, "temperature": sp.temperature}
+    if sp.HasField("seed"):
+        out["seed"] = sp.seed
+    if sp.ignore_eos:
+        out["ignore_eos"] = True
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if call.messages:
+        out["messages"] = [{"role": r, "content": c} for r, c in call.messages]
+        return "/v1/chat/completions", out
+    return "/v1/completions", out | {"prompt": call.text}
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
-    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
-    r.raise_for_status()
-    return r.json()["choices"][0]["text"]
+def run_stream(url: str, model: str, stream: Stream, tok) -> tuple[int, list[str]]:
+    """A stream's calls in order; (output tokens, answers)."""
+    call: Call | None = fit(stream.first, tok, CONTEXT)
+    tokens, answers = 0, []
+    while call is not None:
+        route, b = body(call, model)
+        r = httpx.post(url + route, json=b, timeout=600)
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        answer = choice["message"]["content"] if call.messages else choice["text"]
+        tokens += r.json()["usage"]["completion_tokens"]
+        answers.append(answer)
+        nxt = stream.follow(call, answer, len(answers)) if stream.follow else None
+        call = fit(nxt, tok, CONTEXT) if nxt is not None else None
+    return tokens, answers
 
 
-def measure(
-    url: str, batch: int, texts: list[str], max_tokens: int, waves: int = 1
-) -> tuple[float, list[str]]:
-    """Output tokens/s of ``waves`` rounds of ``batch`` concurrent requests (each of
-    ``max_tokens`` tokens), after a pause: vLLM's engine spins for ~1 s after a load."""
+def measure(url: str, streams: list[Stream], waves: int, tok) -> tuple[float, list[list[str]]]:
+    """Output tokens/s of ``waves`` rounds of the streams run concurrently."""
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     time.sleep(PAUSE_S)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(batch) as pool:
+    t0, total = time.perf_counter(), 0
+    with ThreadPoolExecutor(len(streams)) as pool:
         for _ in range(waves):
-            outs = list(pool.map(lambda p: complete(url, model, p, max_tokens), texts[:batch]))
-    return waves * batch * max_tokens / (time.perf_counter() - t0), outs
+            done = list(pool.map(lambda s: run_stream(url, model, s, tok), streams))
+            total += sum(t for t, _ in done)
+    return total / (time.perf_counter() - t0), [a for _, a in done]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", required=True, help="name=url,... (the first is the baseline)")
+    ap.add_argument("--workloads", default="code-edit,multi-turn,agentic,random")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--rounds", type=int, default=3)
+    # bench_spec.py's workload sizes (its defaults)
     ap.add_argument("--output-len", type=int, default=160)
-    ap.add_argument("--doc-tokens", type=int, default=200)
+    ap.add_argument("--turn-len", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--step-len", type=int, default=96)
+    ap.add_argument("--agent-steps", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=200)
+    ap.add_argument("--random-temperature", type=float, default=2.0, help="vLLM allows <= 2")
     a = ap.parse_args()
     servers = dict(s.split("=", 1) for s in a.servers.split(","))
     batches = [int(b) for b in a.batches.split(",")]
-    texts = prompts(max(batches), a.doc_tokens)
-    for url in servers.values():  # warm: compiled graphs, caches of the document's prefix
-        measure(url, 2, texts, 8)
-    speeds: dict[tuple[str, int], list[float]] = {}
-    answers: dict[tuple[str, int], list[str]] = {}
-    for r in range(a.rounds):
-        for batch in batches:
-            for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
-                waves = max(1, 8 // batch)  # a batch-1 run of one answer is too short to time
-                tps, outs = measure(servers[name], batch, texts, a.output_len, waves)
-                speeds.setdefault((name, batch), []).append(tps)
-                answers[(name, batch)] = outs
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
     first = next(iter(servers))
-    print("| server | " + " | ".join(f"batch {b} tok/s" for b in batches) + " | answers |")
-    print("|---|" + "---:|" * len(batches) + "---|")
-    for name in servers:
-        cells = []
-        for b in batches:
-            med, base = statistics.median(speeds[(name, b)]), statistics.median(speeds[(first, b)])
-            cells.append(f"{med:,.0f} ({med / base:.2f}x)")
-        same = sum(answers[(name, b)] == answers[(first, b)] for b in batches)
-        print(f"| {name} | " + " | ".join(cells) + f" | {same}/{len(batches)} batches as {first} |")
+    print("| workload | batch | " + " | ".join(servers) + " | same answers as " + first + " |")
+    print("|---|---:|" + "---:|" * len(servers) + "---|")
+    for w in a.workloads.split(","):
+        for batch in batches:
+            streams = [MAKERS[w](i, a, tok) for i in range(batch)]
+            waves = max(1, 8 // batch)  # a batch-1 run of one answer is too short to time
+            speeds: dict[str, list[float]] = {name: [] for name in servers}
+            answers: dict[str, list[list[str]]] = {}
+            for r in range(a.rounds):
+                for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
+                    tps, answers[name] = measure(servers[name], streams, waves, tok)
+                    speeds[name].append(tps)
+            base = statistics.median(speeds[first])
+            cells = [f"{statistics.median(v):,.0f} ({statistics.median(v) / base:.2f}x)"
+                     for v in speeds.values()]  # fmt: skip
+            same = "(sampled)" if w == "random" else " ".join(
+                name for name in servers if answers[name] == answers[first])  # fmt: skip
+            print(f"| {w} | {batch} | " + " | ".join(cells) + f" | {same} |", flush=True)
 
 
 if __name__ == "__main__":
