@@ -76,6 +76,11 @@ class Scheduler:
         self.spec = Speculator.of(cfg, self.metrics)
         self.attach_worker(worker_sock, info)
 
+    @property
+    def grammars(self) -> GrammarGate:
+        """Requests waiting for their grammar (one gate, the result applier's)."""
+        return self.results.grammars
+
     def attach_worker(self, worker_sock: zmq.Socket, info: engine_pb2.WorkerInfo) -> None:
         """Rebuilds everything sized by the worker's pool (a restarted worker's is new and
         empty). Call with no request left."""
@@ -109,9 +114,8 @@ class Scheduler:
         )
         timeout = cfg.worker_result_timeout
         self.link = WorkerLink(worker_sock, info, self.metrics, self.worker_lost, timeout)
-        self.grammars = GrammarGate()
         self.results = ResultApplier(
-            self.queues, self.spec, self.metrics, self.outbox, self.grammars,
+            self.queues, self.spec, self.metrics, self.outbox, GrammarGate(),
             self.max_model_len, cache_prefills=not cfg.disable_radix_cache,
         )  # fmt: skip
         self.limits = QueueLimits.of(cfg, max_running, self.kv.total)
@@ -283,7 +287,7 @@ class Scheduler:
             req.finish_reason, req.error_code, req.finish_message = "abort", "UNAVAILABLE", message
             self.results.finish(req)
         self.link.in_flight.clear()
-        self.grammars = self.results.grammars = GrammarGate()
+        self.results.grammars = GrammarGate()
         self.dirty_since_check = True
         self.publish_stats()
         return len(ended)
