@@ -266,29 +266,40 @@ static inline void widen_row(float* dst, const void* src, int64_t off, int D, in
 
 typedef struct { float *qt, *ot, *s, *m, *l, *qpos, *kblk, *vblk; const float **kp, **vp; } Work;
 
-/* Rows r0 .. r0 + rows of request b, kv head kh: their G heads as G * bq query lanes
-   (lane = g * bq + r, bq = rows rounded up to the tile; the padding lanes are zero
-   queries whose results are dropped), in tiles of 16 lanes: one head, 16 rows. */
+/* Rows r0 .. r0 + rows of request b, kv head kh: their G heads as G * rows query lanes,
+   lane l = g * rows + r, in tiles of 16 lanes (the padding lanes past G * rows are zero
+   queries whose results are dropped). A few rows (a verify step's 1 + k) of all G heads
+   share one tile instead of padding each head to 16; a tile may hold rows of two heads,
+   so its causal bounds come from its lanes' positions. */
 static void item(const Args* a, const Work* w, int b, int kh, int r0, int rows) {
-    const int G = a->H / a->KVH, D = a->D, bq = (rows + VT - 1) / VT * VT;
-    const int tiles_per_head = bq / VT, ntiles = G * tiles_per_head;
+    const int G = a->H / a->KVH, D = a->D, nlanes = G * rows;
+    const int ntiles = (nlanes + VT - 1) / VT;
     const int prefix = a->prefix_lens[b], row0 = a->qo_indptr[b] + r0;
     const int32_t* slots = a->req_to_token + (int64_t)a->req_slots[b] * a->table_stride;
     const int kend = prefix + r0 + rows; /* keys 0 .. kend - 1: the last row's context */
-    for (int g = 0; g < G; ++g)
-        for (int r = 0; r < bq; ++r) {
-            float* dst = w->qt + (int64_t)(g * tiles_per_head + r / VT) * D * VT + r % VT;
-            const int64_t src = (int64_t)(row0 + r) * a->q_t + (int64_t)(kh * G + g) * a->q_h;
-            if (r >= rows)
-                for (int d = 0; d < D; ++d) dst[d * VT] = 0.0f;
-            else if (a->dt == DT_F32)
-                for (int d = 0; d < D; ++d) dst[d * VT] = ld_f(a->q, src + d, DT_F32) * a->scale;
-            else
-                for (int d = 0; d < D; ++d) dst[d * VT] = ld_f(a->q, src + d, DT_BF16) * a->scale;
-        }
+    for (int l = 0; l < ntiles * VT; ++l) {
+        float* dst = w->qt + (int64_t)(l / VT) * D * VT + l % VT;
+        const int g = l / rows, r = l < nlanes ? l % rows : rows - 1;
+        w->qpos[l] = (float)(prefix + r0 + r);
+        const int64_t src = (int64_t)(row0 + r) * a->q_t + (int64_t)(kh * G + g) * a->q_h;
+        if (l >= nlanes)
+            for (int d = 0; d < D; ++d) dst[d * VT] = 0.0f;
+        else if (a->dt == DT_F32)
+            for (int d = 0; d < D; ++d) dst[d * VT] = ld_f(a->q, src + d, DT_F32) * a->scale;
+        else
+            for (int d = 0; d < D; ++d) dst[d * VT] = ld_f(a->q, src + d, DT_BF16) * a->scale;
+    }
     memset(w->ot, 0, sizeof(float) * (size_t)ntiles * D * VT);
     for (int i = 0; i < ntiles * VT; ++i) { w->m[i] = -INFINITY; w->l[i] = 0.0f; }
-    for (int r = 0; r < bq; ++r) w->qpos[r] = (float)(prefix + r0 + r);
+    int tfirst[ntiles], tlast[ntiles]; /* each tile's lowest and highest query position */
+    for (int t = 0; t < ntiles; ++t) {
+        tfirst[t] = tlast[t] = (int)w->qpos[t * VT];
+        for (int i = 1; i < VT; ++i) {
+            const int p = (int)w->qpos[t * VT + i];
+            tfirst[t] = p < tfirst[t] ? p : tfirst[t];
+            tlast[t] = p > tlast[t] ? p : tlast[t];
+        }
+    }
     for (int kb = 0; kb < kend; kb += BK) {
         const int nk = kend - kb < BK ? kend - kb : BK;
         /* The block's K and V rows copied side by side (rows past the context zero): the
@@ -316,20 +327,19 @@ static void item(const Args* a, const Work* w, int b, int kh, int r0, int rows) 
             }
         }
         for (int t = 0; t < ntiles; ++t) {
-            const int rr = (t % tiles_per_head) * VT, first = prefix + r0 + rr;
-            if (kb > first + VT - 1) continue; /* every key of the block is in the future */
-            const int lim = first + VT - kb, n_use = nk < lim ? nk : lim;
+            if (kb > tlast[t]) continue; /* every key of the block is in the future */
+            const int lim = tlast[t] + 1 - kb, n_use = nk < lim ? nk : lim;
             const float* qt = w->qt + (int64_t)t * D * VT;
             qk_block(w->kblk, w->kp, n_use, qt, D, w->s);
             float al[VT] __attribute__((aligned(64)));
-            softmax_tile(w->s, n_use, kb, w->qpos + rr, kb + n_use - 1 > first,
+            softmax_tile(w->s, n_use, kb, w->qpos + t * VT, kb + n_use - 1 > tfirst[t],
                          w->m + t * VT, w->l + t * VT, al);
             pv_all(w->vblk, w->vp, D, w->s, n_use, w->ot + (int64_t)t * D * VT, al);
         }
     }
     for (int g = 0; g < G; ++g)
         for (int r = 0; r < rows; ++r) {
-            const int t = g * tiles_per_head + r / VT, lane = r % VT;
+            const int t = (g * rows + r) / VT, lane = (g * rows + r) % VT;
             const float l = w->l[t * VT + lane], inv = l > 0.0f ? 1.0f / l : 0.0f;
             const float* src = w->ot + (int64_t)t * D * VT + lane;
             const int64_t dst = ((int64_t)(row0 + r) * a->H + kh * G + g) * D;

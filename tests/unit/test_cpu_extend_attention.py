@@ -95,6 +95,11 @@ def _case(
         (2, 1, 128, [90], [33]),
         (6, 3, 100, [40], [7]),  # head dim 6 x 16 + 4: both P.V tile widths' remainders
         (2, 2, 24, [19], [0]),
+        # verify steps (1 + k rows on a prefix): every head's rows in one tile, some tiles
+        # straddling two heads (group 7 x 5 rows = 35 lanes)
+        (4, 2, 48, [5, 5, 5, 2, 5, 1], [200, 3, 50, 1, 120, 7]),
+        (14, 2, 64, [5, 3, 2], [40, 90, 0]),
+        (8, 2, 64, [7], [33]),
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
