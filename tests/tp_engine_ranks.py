@@ -26,7 +26,10 @@ LOGPROB_TOL = 1e-4
 # a pool small enough that requests are retracted and resumed.
 CASES = {
     "chunked": (dict(chunked_prefill_size=16), 4096),
-    "speculative": (dict(speculative_algorithm="ngram", chunked_prefill_size=24), 4096),
+    "speculative": (
+        dict(speculative_algorithm="ngram", speculative_gate="always", chunked_prefill_size=24),
+        4096,
+    ),
     "tight_pool": (dict(chunked_prefill_size=32), 100),
 }
 Outputs = dict[str, dict]

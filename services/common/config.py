@@ -313,6 +313,14 @@ class SchedulerConfig:
         ge=1,
         le=16,
     )
+    speculative_gate: str = _opt(
+        "goodput",
+        "speculation: goodput runs a step's drafts only when the tokens they are expected to "
+        "bring per second beat a plain step's, by the step times the scheduler measures (a "
+        "verify step costs more, and pauses the overlap schedule); always verifies whatever "
+        "was drafted",
+        choices="services.scheduler.spec_gate:gate_names",
+    )
     speculative_index_tokens: int = _opt(
         1 << 18,
         "speculation (suffix): tokens the draft index holds at most, least recently used "

@@ -41,11 +41,14 @@ class DecodeBuilder:
         """One decode step of every running request, retracting others if KV runs out
         (a request's drafts are dropped first)."""
         running = self.queues.running
+        decoding = [r for r in running if not r.in_prefill]
+        spec = self.spec
+        step_drafts = spec.step_drafts(decoding, self.max_model_len) if spec.enabled else {}
         items: list[Item] = []
-        for req in list(running):  # a retraction below removes requests from running
-            if req.in_prefill or req not in running:
+        for req in decoding:
+            if req not in running:  # retracted below
                 continue
-            drafts = self.spec.drafts(req, self.max_model_len) if self.spec.enabled else []
+            drafts = step_drafts.get(req, [])
             while self.kv.grow(req, 1 + len(drafts)) is None:
                 if drafts:
                     drafts = []

@@ -101,6 +101,10 @@ class SchedulerMetrics:
         self.spec_steps = d.labelled_counter(
             "spec_decode_num_verify_steps", "Forward batches that verified drafts"
         )
+        self.spec_declined = d.labelled_counter(
+            "spec_decode_num_declined_steps",
+            "Decode steps run plain although requests had drafts (--speculative-gate goodput)",
+        )
 
     def _declare_gauges(self, d: _Declare) -> None:
         self.running = d.gauge("num_running_reqs", "Requests in the running batch")
@@ -170,6 +174,10 @@ class SchedulerMetrics:
             self.spec_drafts.inc()
             self.spec_draft_tokens.inc(drafted)
             self.spec_accepted_tokens.inc(accepted)
+
+    def on_declined_step(self) -> None:
+        if self.enabled:
+            self.spec_declined.inc()
 
     def on_retract(self) -> None:
         if self.enabled:

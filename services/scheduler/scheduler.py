@@ -37,6 +37,7 @@ from services.scheduler.req_slots import ReqSlotTable
 from services.scheduler.request import Req
 from services.scheduler.request_checks import request_problem
 from services.scheduler.results import ResultApplier
+from services.scheduler.spec_gate import StepKind
 from services.scheduler.speculative import Speculator
 from services.scheduler.step_costs import StepCosts
 from services.scheduler.storage_tier import StorageTier, engine_seed
@@ -139,6 +140,7 @@ class Scheduler:
         if not self.link.in_flight:
             items = self._next_batch()
             if not items and not self.grammars.waiting() and not self.kv.has_copies():
+                self.spec.gate.idle()
                 return False
             self.dirty_since_check = True
             self._send(items)
@@ -305,9 +307,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results --
     def _apply(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
+        self._time_step(items, result)
         self.results.apply(items, result)
         if not result.error:
             self._observe_step(items, result)
+
+    def _time_step(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
+        """For the speculation gate: this step's kind, rows and committed tokens."""
+        kind = StepKind.OTHER if result.error else step_kind(items)
+        tokens = 0
+        if kind is not StepKind.OTHER:
+            tokens = sum(1 + len(tok.extra_token_ids) for tok in result.tokens)
+        self.spec.gate.observe(kind, len(items), tokens)
 
     def _observe_step(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
         decoded = sum(not it.is_prefill for it in items)
@@ -435,3 +446,10 @@ class Scheduler:
         if full and self.tree_unchecked:
             self.tree_unchecked = False
             self.kv.check()
+
+
+def step_kind(items: list[Item]) -> StepKind:
+    """What the speculation gate times a result as."""
+    if not items or any(it.is_prefill for it in items):
+        return StepKind.OTHER
+    return StepKind.VERIFY if any(it.drafts for it in items) else StepKind.PLAIN

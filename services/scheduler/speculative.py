@@ -2,7 +2,8 @@
 what a verify step's result commits (the verify step itself: docs/speculative.md).
 
 Every request speculates except with ``--speculative-algorithm none``, with
-``disable_speculation``, or when max_tokens or the context leaves no room for a draft.
+``disable_speculation``, or when max_tokens or the context leaves no room for a draft; a
+whole step runs plain when the gate (spec_gate.py) expects fewer tokens per second from it.
 The overlap schedule pauses while speculation is live: after a verify step even the
 position of the next token is unknown.
 """
@@ -10,13 +11,14 @@ position of the next token is unknown.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Req
 from services.scheduler.spec_drafts import ALGORITHMS, AdaptiveLength, DraftIndex, propose
+from services.scheduler.spec_gate import SpecGate
 
 FEED_TOKENS_PER_STEP = 64  # tokens a request adds to the draft index per step, at most
 START_OFF_BELOW = 0.2  # a new request starts probing below this engine-wide acceptance
@@ -44,6 +46,7 @@ class Speculator:
     metrics: SchedulerMetrics
     index: DraftIndex | None = None
     draft_fn: DraftFn = propose  # tests put an oracle here
+    gate: SpecGate = field(default_factory=SpecGate)
     accept_rate: float = 1.0  # moving share of drafted tokens accepted, every request
     _ids: itertools.count = field(default_factory=itertools.count)
 
@@ -52,7 +55,10 @@ class Speculator:
         index = None
         if cfg.speculative_algorithm == "suffix":
             index = DraftIndex(max_tokens=cfg.speculative_index_tokens)
-        return cls(cfg.speculative_algorithm, cfg.speculative_num_draft_tokens, metrics, index)
+        return cls(
+            cfg.speculative_algorithm, cfg.speculative_num_draft_tokens, metrics, index,
+            gate=SpecGate(cfg.speculative_gate),
+        )  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -90,8 +96,16 @@ class Speculator:
         ids = req.fill_ids
         return self.draft_fn(self.algorithm, self.index, req.namespace, st.seq_id, ids, k)[:k]
 
-    def would_verify(self, reqs: Iterable[Req], max_model_len: int) -> bool:
-        """Whether any request is likely to draft next step; decides each one's k for it."""
+    def step_drafts(self, reqs: Sequence[Req], max_model_len: int) -> dict[Req, list[int]]:
+        """Each decoding request's drafts for the next step; none when the gate declines."""
+        drafts = {req: d for req in reqs if (d := self.drafts(req, max_model_len))}
+        if drafts and not self.gate.worth(len(reqs)):
+            self.metrics.on_declined_step()
+            return {}
+        return drafts
+
+    def would_verify(self, reqs: Sequence[Req], max_model_len: int) -> bool:
+        """Whether the next step is likely to verify drafts; decides each one's k for it."""
         found = False
         decided: list[SpecState] = []
         for req in reqs:
@@ -106,6 +120,9 @@ class Speculator:
                 continue
             self._feed(req, st)
             found = bool(self._propose(req, st, k))
+        if found and not self.gate.worth(len(reqs)):
+            self.metrics.on_declined_step()
+            found = False
         if not found:  # the lookahead goes out: that step of each was a plain one
             for st in decided:
                 st.planned = None

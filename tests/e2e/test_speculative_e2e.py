@@ -24,7 +24,8 @@ MAX_NEW = 64
 
 @pytest.fixture(scope="module")
 def server():
-    flags = ("--speculative-algorithm", "suffix", "--chunked-prefill-size", "16")
+    flags = ("--speculative-algorithm", "suffix", "--speculative-gate", "always",
+             "--chunked-prefill-size", "16")  # fmt: skip
     with Server(*flags, metrics=True) as s:
         yield s
 

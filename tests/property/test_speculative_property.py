@@ -70,6 +70,7 @@ def test_speculative_workloads_are_token_exact_and_leak_nothing(
         mixed_prefill_tokens=mixed,
         speculative_algorithm="ngram",
         speculative_num_draft_tokens=k,
+        speculative_gate="always",  # every draft verified: the bookkeeping under test
     )
     sched.spec.draft_fn = oracle(seed, wrong)
     run_arrivals(sched, reqs, prefixes, aborts)

@@ -91,6 +91,7 @@ def workload(seed: int = 0) -> list[tuple[str, list[int], engine_pb2.SamplingPar
 def serve(runner: ModelRunner, reqs, **cfg) -> tuple[dict, Scheduler, InProcessWorker]:
     worker = InProcessWorker(runner)
     metrics = SchedulerMetrics("tiny", "0")
+    cfg.setdefault("speculative_gate", "always")  # the cases assert drafts were verified
     sched = Scheduler(SchedulerConfig(**cfg), FakeWorkerSocket(worker), worker.info, metrics)
     for rid, prompt, sampling in reqs:
         msg = engine_pb2.TokenizedRequest(rid=rid, input_ids=pack_i32(prompt), sampling=sampling)

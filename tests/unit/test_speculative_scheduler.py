@@ -52,6 +52,7 @@ class Oracle:
 
 def spec_sched(oracle=None, **cfg) -> Scheduler:
     cfg.setdefault("speculative_algorithm", "ngram")
+    cfg.setdefault("speculative_gate", "always")  # these tests count verify steps
     sched, _ = make(**cfg)
     if oracle is not None:
         sched.spec.draft_fn = oracle

@@ -1,0 +1,140 @@
+"""The speculation gate: a step verifies drafts only when its expected tokens per second beat
+a plain step's, by periods it measures (a fake clock here). End to end against the
+slot-checking fake worker: where verify steps are slow the gate runs them plain, outputs stay
+token-exact and no slot leaks; where drafts pay, it lets them through."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.spec_gate import (
+    EXPLORE_CALLS,
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    MIN_STEPS,
+    WINDOW,
+    Goodput,
+    SpecGate,
+    StepKind,
+    explore_interval,
+)
+from tests.fake_worker import expected, run, submit
+from tests.unit.test_speculative_scheduler import Oracle, spec_sched, verify_items
+
+
+def timed_gate(periods: dict[StepKind, float]) -> SpecGate:
+    """A gate whose clock advances by ``periods[kind]`` before each result it sees."""
+    now = [0.0]
+    gate = SpecGate(clock=lambda: now[0])
+    observe = gate.observe
+
+    def timed(kind: StepKind, batch: int, tokens: int) -> None:
+        now[0] += periods.get(kind, 0.001)
+        observe(kind, batch, tokens)
+
+    gate.observe = timed  # type: ignore[method-assign]
+    return gate
+
+
+def goodput(*rates: float) -> Goodput:
+    g = Goodput()
+    g.rates.extend(rates)
+    return g
+
+
+def test_periods_are_measured_between_results_of_one_kind():
+    gate = timed_gate({StepKind.PLAIN: 0.010, StepKind.VERIFY: 0.040})
+    gate.observe(StepKind.VERIFY, 16, 40)
+    assert gate.verify == {}  # one result is no period yet
+    gate.observe(StepKind.VERIFY, 16, 40)
+    gate.observe(StepKind.PLAIN, 16, 16)  # after a verify step: not a plain period
+    assert list(gate.verify[5].rates) == [pytest.approx(1000.0)] and gate.plain == {}
+    gate.observe(StepKind.PLAIN, 17, 17)
+    gate.observe(StepKind.OTHER, 17, 0)  # a prefill breaks the chain
+    gate.observe(StepKind.PLAIN, 17, 17)
+    gate.idle()
+    gate.observe(StepKind.PLAIN, 17, 17)
+    assert list(gate.plain[5].rates) == [pytest.approx(1700.0)]
+    gate.observe(StepKind.PLAIN, 4, 4)  # another bucket
+    assert list(gate.plain[3].rates) == [pytest.approx(400.0)]
+
+
+def test_a_rate_is_the_median_of_the_last_steps():
+    g = goodput(1000.0, 1100.0, 5.0, 900.0)  # one step held up by other work
+    assert g.known and g.rate == pytest.approx(950.0)
+    g.rates.extend([1.0] * WINDOW)
+    assert len(g.rates) == WINDOW and g.rate == 1.0
+    assert not goodput(*[1.0] * (MIN_STEPS - 1)).known
+
+
+def test_worth_compares_measured_tokens_per_second():
+    gate = SpecGate()
+    assert gate.worth(16)  # nothing measured: verify steps first
+    gate.verify[5] = goodput(1300.0, 1300.0, 1300.0)
+    assert not gate.worth(16)  # then plain ones
+    gate.plain[5] = goodput(1600.0, 1600.0, 1600.0)
+    assert not gate.worth(16)
+    gate.verify[5] = goodput(1700.0, 1700.0, 1700.0)
+    assert gate.worth(16)
+    assert gate.worth(2)  # bucket 2 unmeasured
+
+
+@pytest.mark.parametrize("verify_rate", [1550.0, 1650.0])
+def test_the_other_mode_is_measured_again_now_and_then(verify_rate):
+    gate = SpecGate(
+        verify={5: goodput(*[verify_rate] * 3)}, plain={5: goodput(1600.0, 1600.0, 1600.0)}
+    )
+    best = verify_rate > 1600.0
+    every = explore_interval(verify_rate, 1600.0)
+    assert EXPLORE_EVERY <= every < EXPLORE_EVERY * 1.1  # the two are close
+    answers = [gate.worth(16) for _ in range(2 * (every + EXPLORE_CALLS - 1))]
+    # A few calls in a row: two steps of the other mode back to back measure one period.
+    assert answers.count(not best) == 2 * EXPLORE_CALLS
+    assert answers[every - 1 : every - 1 + EXPLORE_CALLS] == [not best] * EXPLORE_CALLS
+
+
+def test_a_mode_far_behind_is_looked_at_rarely():
+    assert explore_interval(2.0, 1.0) == explore_interval(1.0, 2.0) == 4 * EXPLORE_EVERY
+    assert explore_interval(1.0, 100.0) == MAX_EXPLORE_EVERY
+
+
+def test_always_never_declines_nor_measures():
+    gate = SpecGate("always", verify={5: goodput(1.0, 1.0, 1.0)}, plain={5: goodput(9.0, 9.0, 9.0)})
+    assert gate.worth(16)
+    gate.observe(StepKind.PLAIN, 16, 16)
+    gate.observe(StepKind.PLAIN, 16, 16)
+    assert list(gate.plain[5].rates) == [9.0] * 3
+    with pytest.raises(ValueError, match="speculative_gate"):
+        SpecGate("sometimes")
+
+
+def serve_gated(periods: dict[StepKind, float], corrupt) -> tuple[dict, object]:
+    prompts = {f"r{i}": [i + 1] + list(range(2, 40)) for i in range(8)}
+    sched = spec_sched(Oracle(corrupt), speculative_gate="goodput", speculative_num_draft_tokens=4)
+    sched.spec.gate = timed_gate(periods)
+    for rid, prompt in prompts.items():
+        submit(sched, rid, prompt, 60)
+    got = run(sched)
+    for rid, prompt in prompts.items():
+        assert list(got[rid].token_ids) == expected(prompt, 60)
+    return got, sched
+
+
+def test_slow_verify_steps_run_plain_and_stay_exact():
+    # A verify step costs 4 plain ones; every second draft is wrong: ~2 tokens a verify step.
+    periods = {StepKind.PLAIN: 0.010, StepKind.VERIFY: 0.040}
+    _, sched = serve_gated(periods, corrupt=lambda rid, pos: pos % 2 == 0)
+    steps = sched.link.sock.worker.batches
+    verify = sum(any(r.draft_tokens for r in b.reqs) for b in steps)
+    assert verify <= 6 and len(steps) > 50  # a few to measure and look again, then plain
+    sched.check_idle()  # no slot leaked by drafts dropped after proposing
+
+
+def test_cheap_verify_steps_keep_speculating():
+    periods = {StepKind.PLAIN: 0.010, StepKind.VERIFY: 0.012}
+    _, sched = serve_gated(periods, corrupt=lambda rid, pos: False)
+    drafted = sum(len(r.draft_tokens) for r in verify_items(sched))
+    assert drafted > 0
+    steps = sched.link.sock.worker.batches
+    assert len(steps) < 60 // 2  # several tokens a step
+    sched.check_idle()
