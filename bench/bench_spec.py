@@ -1,8 +1,10 @@
 """Speculative decoding side by side: speculation off, ngram and suffix, one server each,
 on four workloads at batch 1 and batch 16. Prints one markdown table (output tokens/s,
-acceptance, tokens per verify step, ratio vs off) for docs/benchmarks.md.
+acceptance, tokens per verify step, ratio vs off, the share of draft steps the goodput
+gate ran plain) for docs/benchmarks.md.
 
     .venv/bin/python bench/bench_spec.py [--quick] [--model-path DIR] [--output-len N]
+    .venv/bin/python bench/bench_spec.py --servers none,ngram,ngram/always,suffix,suffix/always
 
 Workloads (the text is the Zen of Python, read from the `this` module's source):
 - code-edit: "rewrite this text" followed by a document; the answer repeats most of it
@@ -57,6 +59,7 @@ from tests.server_util import Server, scrape_metrics  # noqa: E402
 ALGORITHMS = ("none", "ngram", "suffix")
 WORKLOADS = ("code-edit", "multi-turn", "agentic", "random")
 P = "radixserve:"
+PAUSE_S = 1.0  # before each measurement: the server before it goes idle
 
 
 def zen() -> str:
@@ -201,7 +204,7 @@ def run_stream(server: Server, s: Stream, tok, context: int) -> int:
 
 def counters(server: Server) -> dict[str, float]:
     m = scrape_metrics(server.sched_metrics)
-    names = ("draft_tokens", "accepted_tokens", "drafts")
+    names = ("draft_tokens", "accepted_tokens", "drafts", "verify_steps", "declined_steps")
     return {n: m.get(f"{P}spec_decode_num_{n}_total", 0.0) for n in names}
 
 
@@ -211,6 +214,7 @@ class Row:
     accept: float  # accepted / drafted tokens
     per_step: float  # tokens per verify step: 1 + accepted / drafts
     outputs: list[list[list[int]]]
+    declined: float = 0.0  # share of decode steps with drafts that the gate ran plain
 
 
 def measure(server: Server, workload: str, batch: int, args, tok) -> Row:
@@ -229,6 +233,7 @@ def measure(server: Server, workload: str, batch: int, args, tok) -> Row:
         d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
         1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else 1.0,
         [s.outputs for s in streams],
+        d["declined_steps"] / max(1.0, d["declined_steps"] + d["verify_steps"]),
     )
 
 
@@ -240,6 +245,7 @@ def median_row(rows: list[Row]) -> Row:
         statistics.median(r.accept for r in rows),
         statistics.median(r.per_step for r in rows),
         rows[0].outputs,
+        statistics.median(r.declined for r in rows),
     )
 
 
@@ -266,6 +272,12 @@ def main() -> int:
     p.add_argument("--context-length", type=int, default=0, help="0: the model's")
     p.add_argument("--flags", default="", help="more server flags, space separated")
     p.add_argument("--repeats", type=int, default=3, help="runs of each measurement (median)")
+    p.add_argument(
+        "--servers",
+        default=",".join(ALGORITHMS),
+        help="one server each, comma separated: ALGORITHM or ALGORITHM/GATE "
+        "(--speculative-gate, e.g. ngram/always); the first is the baseline",
+    )
     args = p.parse_args()
     if args.quick:
         args.agent_steps, args.output_len = 2, 64
@@ -282,46 +294,71 @@ def main() -> int:
     if args.context_length:
         args.flags += f" --context-length {args.context_length}"
 
-    def flags(algorithm: str) -> list[str]:
+    variants = args.servers.split(",")
+
+    def flags(variant: str) -> list[str]:
+        algorithm, _, gate = variant.partition("/")
         return ["--speculative-algorithm", algorithm,
                 "--speculative-num-draft-tokens", str(args.draft_tokens),
-                "--max-running-requests", str(max(batches)), *args.flags.split()]  # fmt: skip
+                "--max-running-requests", str(max(batches)),
+                *(["--speculative-gate", gate] if gate else []), *args.flags.split()]  # fmt: skip
 
-    # All three servers up at once; each measurement runs off / ngram / suffix back to back
-    # (the order reversed every repeat), so a drift in the machine's speed hits all alike.
+    # All servers up at once; each measurement runs on every one back to back, the order
+    # rotated every repeat so that each server takes each place alike (a drift in the
+    # machine's speed hits all alike), after a pause: a server that just finished does its
+    # idle work (the slot check's tree recount), which would land on the next one's time.
     with ExitStack() as stack:
         servers = {
-            a: stack.enter_context(Server(*flags(a), model=args.model_path, metrics=True,
+            v: stack.enter_context(Server(*flags(v), model=args.model_path, metrics=True,
                                           timeout=600))
-            for a in ALGORITHMS
+            for v in variants
         }  # fmt: skip
         for server in servers.values():
             warm_up(server, args, tok)
         for w in workloads:
             for b in batches:
-                runs: dict[str, list[Row]] = {a: [] for a in ALGORITHMS}
+                runs: dict[str, list[Row]] = {v: [] for v in variants}
                 for rep in range(args.repeats):
-                    for a in ALGORITHMS if rep % 2 == 0 else ALGORITHMS[::-1]:
-                        runs[a].append(measure(servers[a], w, b, args, tok))
-                for a in ALGORITHMS:
-                    r = results[a, w, b] = median_row(runs[a])
-                    print(f"{a} {w} batch {b}: {r.tok_s:.1f} tok/s (median of "
+                    for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
+                        time.sleep(PAUSE_S)
+                        runs[v].append(measure(servers[v], w, b, args, tok))
+                for v in variants:
+                    r = results[v, w, b] = median_row(runs[v])
+                    print(f"{v} {w} batch {b}: {r.tok_s:.1f} tok/s (median of "
                           f"{args.repeats}), accept {r.accept:.2f}, {r.per_step:.2f} "
-                          "tokens/step", file=sys.stderr, flush=True)  # fmt: skip
-    print(f"\nmodel {Path(args.model_path).name}, k = {args.draft_tokens}\n")
-    print("| workload | batch | off tok/s | ngram tok/s | ngram vs off | ngram accept (tok/step) "
-          "| suffix tok/s | suffix vs off | suffix accept (tok/step) | same tokens |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+                          f"tokens/step, declined {r.declined:.2f}", file=sys.stderr,
+                          flush=True)  # fmt: skip
+    print(table(variants, workloads, batches, results, args.model_path, args.draft_tokens))
+    return 0
+
+
+def table(
+    variants: list[str],
+    workloads: list[str],
+    batches: list[int],
+    results: dict[tuple[str, str, int], Row],
+    model_path: str,
+    k: int,
+) -> str:
+    """Markdown: the first variant's tok/s, then each other's tok/s, ratio to the first,
+    acceptance (tokens per verify step) and the share of draft steps the gate ran plain."""
+    base, others = variants[0], variants[1:]
+    head = f"| workload | batch | {base} tok/s |" + "".join(
+        f" {v} tok/s | {v} vs {base} | {v} accept (tok/step) | {v} declined |" for v in others
+    )
+    lines = [f"\nmodel {Path(model_path).name}, k = {k}\n", head + " same tokens |"]
+    lines.append("|---|---:|---:|" + "---:|" * 4 * len(others) + "---|")
     for w in workloads:
         for b in batches:
-            off, ng, sf = (results[a, w, b] for a in ALGORITHMS)
-            same = "yes" if off.outputs == ng.outputs == sf.outputs else "NO"
-            print(
-                f"| {w} | {b} | {off.tok_s:.1f} | {ng.tok_s:.1f} | {ng.tok_s / off.tok_s:.2f}x | "
-                f"{ng.accept:.2f} ({ng.per_step:.2f}) | {sf.tok_s:.1f} | "
-                f"{sf.tok_s / off.tok_s:.2f}x | {sf.accept:.2f} ({sf.per_step:.2f}) | {same} |"
-            )
-    return 0
+            first = results[base, w, b]
+            row = f"| {w} | {b} | {first.tok_s:.1f} |"
+            for v in others:
+                r = results[v, w, b]
+                row += (f" {r.tok_s:.1f} | {r.tok_s / first.tok_s:.2f}x | {r.accept:.2f} "
+                        f"({r.per_step:.2f}) | {r.declined:.2f} |")  # fmt: skip
+            same = all(results[v, w, b].outputs == first.outputs for v in others)
+            lines.append(row + (" yes |" if same else " NO |"))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

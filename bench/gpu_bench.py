@@ -11,7 +11,9 @@ Rows:
   * extend attention vs torch SDPA (flash, is_causal) on the same contiguous shapes
     (target >= 0.6x SDPA's speed);
   * a random-weight Llama end to end through ModelRunner: decode tokens/s with CUDA graphs
-    on and off, at batch 1 and batch 32.
+    on and off, at batch 1 and batch 32;
+  * on the same model, a speculative verify step (1 + 4 rows a request) against a decode step
+    of the same requests: its time and its token (must be the decode step's).
 Every section is guarded: a failure or an exhausted time budget becomes a row saying so.
 Progress goes to stderr, rows to stdout (and to $GPU_CHECK_ROWS); exit 1 if a row FAILs.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.gpu_plan import BENCH_STEPS, BY_NAME  # noqa: E402
@@ -414,6 +418,84 @@ def bench_model(table: Table, sizes: Sizes, budget: Budget) -> None:
                 )
 
 
+VERIFY_K = 4  # drafts per request in the verify-step row (the server's default k)
+
+
+def verify_vs_decode(
+    folder: Path, sizes: Sizes, batch: int, steps: int
+) -> tuple[float, float, bool]:
+    """(plain decode step ms, verify step ms, same tokens): from one state, a decode step of
+    every request and a verify step of 1 + VERIFY_K rows each (wrong drafts: each keeps only
+    its own next token), each run ``steps`` times over the same KV slots; the verify step's
+    token must be the decode step's (greedy)."""
+    from bench.gpu_model_check import decode_batch, prefill_batch
+    from services.common.config import WorkerConfig
+    from services.worker.batch import Batch, ReqInput
+    from services.worker.model_runner import ModelRunner
+
+    n, vocab = sizes.prompt_len, sizes.model["vocab_size"]
+    span = n + VERIFY_K + 2
+    runner = ModelRunner(WorkerConfig(
+        model_path=str(folder), device=sizes.device, attention_backend="triton",
+        dtype=str(sizes.dtype).removeprefix("torch."), max_running_requests=batch,
+        context_length=span + 8, max_total_tokens=batch * span + 16, cuda_graph_max_bs=batch,
+    ))  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for _ in range(batch)]
+    first = runner.forward(prefill_batch([(i, p, 1 + i * span) for i, p in enumerate(prompts)]))
+    plain = decode_batch([(i, t, n, 1 + i * span + n) for i, t in enumerate(first.token_ids)])
+    drafts = [torch.randint(3, vocab, (VERIFY_K,), generator=gen).numpy().astype(np.int32)
+              for _ in range(batch)]  # fmt: skip
+    verify = Batch(is_decode=False, reqs=[
+        ReqInput(req_slot=i, input_ids=np.array([t], np.int32),
+                 out_slots=np.arange(1 + i * span + n, 1 + i * span + n + 1 + VERIFY_K,
+                                     dtype=np.int32),
+                 prefix_len=n, sample=True, use_last_sampled=False, drafts=drafts[i])
+        for i, t in enumerate(first.token_ids)
+    ])  # fmt: skip
+    want = runner.forward(plain).token_ids
+    got = runner.forward(verify)
+    # A draft the model agrees with is kept: then it is the decode step's token.
+    same = all(
+        (x[0] if x else t) == w
+        for x, t, w in zip(got.extra_token_ids, got.token_ids, want, strict=True)
+    )
+
+    def timed(b: Batch) -> float:
+        runner.forward(b)  # warm-up: compiles the kernels for these shapes
+        times = []
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            runner.forward(b)
+            sync()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    return timed(plain), timed(verify), same
+
+
+def bench_verify(table: Table, sizes: Sizes, budget: Budget) -> None:
+    """Speculative decoding's verify step (docs/speculative.md) on the model above, against a
+    plain decode step of the same requests: eager (graphs replay plain steps only)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        build_model(folder, sizes)
+        for batch in sizes.model_batches:
+            if budget.left() < 10:
+                table.add(f"verify step, batch {batch}", "skipped: time budget", "", "")
+                continue
+            plain_ms, verify_ms, same = verify_vs_decode(folder, sizes, batch, 20)
+            empty_cache()
+            table.add(
+                f"verify step (1 + {VERIFY_K} rows a request) vs decode step, batch {batch}",
+                f"{verify_ms:.2f} vs {plain_ms:.2f} ms ({verify_ms / plain_ms:.2f}x); "
+                f"tokens {'same' if same else 'DIFFER'}",
+                "same tokens",
+                verdict(same),
+            )
+
+
 def bench_tensor_parallel(table: Table, sizes: Sizes, budget: Budget) -> None:
     """TP=1 vs TP=N (NCCL, rank r on GPU r) on the model above: needs N >= 2 GPUs."""
     from bench.bench_tp import Plan, compare
@@ -508,6 +590,7 @@ def step_sections(step: str, sizes: Sizes, peak: float | None, budget: Budget) -
         return [("default-config profile", fn, need, (model_sizes, verdict))]
     return [
         ("model end to end", bench_model, 20, (sizes, budget)),
+        ("speculative verify step", bench_verify, 10, (sizes, budget)),
         ("tensor parallelism", bench_tensor_parallel, 1, (sizes, budget)),
     ]
 

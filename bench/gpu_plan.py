@@ -41,7 +41,7 @@ STEPS = (
     Step("kernels", 45, 4, "decode attention, extend attention vs SDPA, hicache copy GB/s"),
     Step("awq", 35, 5, "AWQ int4 GEMM accuracy and speed vs fp16 matmul"),
     Step("profile", 70, 6, "the default config on a 7B-shaped model: KV slots, decode split"),
-    Step("tokens", 35, 7, "decode tokens/s, CUDA graphs on and off, batch 1 and 32; TP=1 vs TP=N"),
+    Step("tokens", 45, 7, "decode tokens/s, graphs on/off, batch 1 and 32; verify step; TP=1 vs N"),
 )
 BENCH_STEPS = ("model", "kernels", "awq", "profile", "tokens")  # one gpu_bench.py process
 DEADLINE_S = 360  # the whole check; the device call's timeout_s leaves a margin above it
