@@ -214,7 +214,7 @@ def test_scale_down_drains_and_requests_keep_succeeding(cluster):
     *_, last = list(call)  # the stream on the leaving engine finished there
     assert last.finish_reason == "length"
     # Only that stream ran there (the counter may trail the stream's last message a little).
-    until(lambda: cluster.requests_done(leaving) >= before + 1, 5, "the stream counted")
+    until(lambda: cluster.requests_done(leaving) >= before + 1, 15, "the stream counted")
     time.sleep(0.5)
     assert cluster.requests_done(leaving) == before + 1
     cluster.publish([])  # scaled to zero: not ready, but alive
