@@ -315,8 +315,8 @@ class SchedulerConfig:
     )
     speculative_gate: str = _opt(
         "goodput",
-        "speculation: goodput runs a step's drafts only when the tokens they are expected to "
-        "bring per second beat a plain step's, by the step times the scheduler measures (a "
+        "speculation: goodput runs a step's drafts only while verify steps have been bringing "
+        "more tokens per second than plain ones, by the step times the scheduler measures (a "
         "verify step costs more, and pauses the overlap schedule); always verifies whatever "
         "was drafted",
         choices="services.scheduler.spec_gate:gate_names",

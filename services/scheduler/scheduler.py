@@ -314,6 +314,8 @@ class Scheduler:
 
     def _time_step(self, items: list[Item], result: engine_pb2.ForwardResult) -> None:
         """For the speculation gate: this step's kind, rows and committed tokens."""
+        if not self.spec.enabled:
+            return
         kind = StepKind.OTHER if result.error else step_kind(items)
         tokens = 0
         if kind is not StepKind.OTHER:

@@ -12,10 +12,10 @@ period is the time between two results of the same mode back to back (plain afte
 verify after verify), so it holds all a step costs the loop: the forward, the scheduler's
 work, and for a plain step whatever the overlap hid. The median, because a period also
 holds whatever else the loop did in it (requests arriving, ending, aborted), which now and
-then makes one many times longer. Kept per batch size bucket (powers of two). The mode not chosen
-is measured again now and then, a few steps long: after EXPLORE_EVERY steps of the other
-while the two are close, more rarely the further apart they are (each look costs steps of
-the worse mode).
+then makes one many times longer. Kept per batch size bucket (powers of two). The mode not
+chosen is measured again now and then, a few steps long: after EXPLORE_EVERY steps of the
+other while the two are close, more rarely the further apart they are (each look costs
+steps of the worse mode).
 """
 
 from __future__ import annotations

@@ -99,10 +99,14 @@ class Speculator:
     def step_drafts(self, reqs: Sequence[Req], max_model_len: int) -> dict[Req, list[int]]:
         """Each decoding request's drafts for the next step; none when the gate declines."""
         drafts = {req: d for req in reqs if (d := self.drafts(req, max_model_len))}
-        if drafts and not self.gate.worth(len(reqs)):
-            self.metrics.on_declined_step()
-            return {}
-        return drafts
+        return {} if drafts and self._declined(len(reqs)) else drafts
+
+    def _declined(self, batch: int) -> bool:
+        """The gate runs this step of ``batch`` requests plain (counted)."""
+        if self.gate.worth(batch):
+            return False
+        self.metrics.on_declined_step()
+        return True
 
     def would_verify(self, reqs: Sequence[Req], max_model_len: int) -> bool:
         """Whether the next step is likely to verify drafts; decides each one's k for it."""
@@ -120,8 +124,7 @@ class Speculator:
                 continue
             self._feed(req, st)
             found = bool(self._propose(req, st, k))
-        if found and not self.gate.worth(len(reqs)):
-            self.metrics.on_declined_step()
+        if found and self._declined(len(reqs)):
             found = False
         if not found:  # the lookahead goes out: that step of each was a plain one
             for st in decided:
