@@ -9,7 +9,7 @@ prefills --batch prompts and times --steps decode steps (wall ms per step, media
     spin      GOMP_SPINCOUNT=300000 (libgomp's own default: spin ~300k rounds, then sleep)
     spinN     GOMP_SPINCOUNT=N (--cpu-wait spin is spin30000)
     adaptive  --cpu-wait adaptive, the worker's default: spin30000, and the worker's thread
-              governor (services/worker/cpu_threads.py) after every step
+              governor (services/worker/cpu_threads.py) around every step
 
 ``--busy N`` runs N busy loops (one process each) beside the children for the whole run:
 the cores wanted by someone else, as on a shared machine.
@@ -70,10 +70,12 @@ def child(path: str, batch: int, prompt_len: int, steps: int, threads: int, adap
     times = []
     for b in todo[1:]:
         start = time.perf_counter()
-        wire.forward(r, b)
-        times.append(time.perf_counter() - start)
         if governor:
-            governor.after_step()
+            governor.before(len(b.reqs))  # decode steps: one row a request
+        wire.forward(r, b)
+        if governor:
+            governor.after()
+        times.append(time.perf_counter() - start)
     print(json.dumps({"ms": statistics.median(times[1:]) * 1e3}))
 
 

@@ -185,8 +185,8 @@ class WorkerConfig:
     cpu_wait: str = _opt(
         "adaptive",
         "how CPU worker threads wait between parallel ops: spin ~0.5 ms then sleep (spin), "
-        "sleep at once (passive), or spin and run one thread fewer while other processes "
-        "wait for the cores (adaptive); OMP_WAIT_POLICY / GOMP_SPINCOUNT win when set",
+        "sleep at once (passive), or spin and run each batch size with every thread or one "
+        "fewer, whichever measured faster (adaptive); OMP_WAIT_POLICY / GOMP_SPINCOUNT win",
         choices=["adaptive", "spin", "passive"],
     )
     cpu_linear: str = _opt(

@@ -140,7 +140,7 @@ class Scheduler:
         if not self.link.in_flight:
             items = self._next_batch()
             if not items and not self.grammars.waiting() and not self.kv.has_copies():
-                self.spec.gate.idle()
+                self.spec.idle()
                 return False
             self.dirty_since_check = True
             self._send(items)
@@ -150,6 +150,7 @@ class Scheduler:
             if ahead:
                 self._send(ahead)
         self._apply(current.items, self.link.recv())
+        self.spec.after_step()
         # Before the outputs go out: a client's last token never precedes its gauges.
         self.publish_stats()
         return True

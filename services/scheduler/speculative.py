@@ -11,6 +11,7 @@ position of the next token is unknown.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,8 +20,13 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Req
 from services.scheduler.spec_drafts import ALGORITHMS, AdaptiveLength, DraftIndex, propose
 from services.scheduler.spec_gate import SpecGate
+from services.scheduler.tokens import Tokens
 
 FEED_TOKENS_PER_STEP = 64  # tokens a request adds to the draft index per step, at most
+# Finished requests' text not indexed yet waits in a backlog (indexing costs ~10-40 us a
+# token): this many tokens of it are indexed per decode step, this many per idle loop turn.
+BACKLOG_TOKENS_PER_STEP = 16
+BACKLOG_TOKENS_IDLE = 1024
 START_OFF_BELOW = 0.2  # a new request starts probing below this engine-wide acceptance
 # (algorithm, index, namespace, seq_id, tokens, k) -> up to k drafts
 DraftFn = Callable[[str, DraftIndex | None, str, str, Sequence[int], int], list[int]]
@@ -48,6 +54,10 @@ class Speculator:
     draft_fn: DraftFn = propose  # tests put an oracle here
     gate: SpecGate = field(default_factory=SpecGate)
     accept_rate: float = 1.0  # moving share of drafted tokens accepted, every request
+    # Finished requests whose text is not all indexed yet, oldest first, and how many
+    # tokens they still have to index.
+    backlog: deque[tuple[SpecState, str, Tokens]] = field(default_factory=deque)
+    backlog_tokens: int = 0
     _ids: itertools.count = field(default_factory=itertools.count)
 
     @classmethod
@@ -140,23 +150,60 @@ class Speculator:
     # -- the draft index ----------------------------------------------------------------
     def _feed(self, req: Req, st: SpecState, limit: int = FEED_TOKENS_PER_STEP) -> None:
         """Indexes at most ``limit`` new tokens a call, so a long prompt stalls no step."""
+        self._index(st, req.namespace, req.fill_ids, limit)
+
+    def _index(self, st: SpecState, namespace: str, ids: Tokens, limit: int) -> int:
+        """Indexes up to ``limit`` more of ``ids``; returns how many."""
         if self.index is None:
-            return
-        ids = req.fill_ids
-        end = min(len(ids), st.indexed + limit)
-        if st.indexed == 0 and end:
-            self.index.add(req.namespace, st.seq_id, ids[:end])
-        elif st.indexed < end:
-            self.index.extend(req.namespace, st.seq_id, ids[st.indexed : end])
-        st.indexed = end
+            return 0
+        start = st.indexed
+        end = min(len(ids), start + limit)
+        if start == 0 and end:
+            self.index.add(namespace, st.seq_id, ids[:end])
+        elif start < end:
+            self.index.extend(namespace, st.seq_id, ids[start:end])
+        st.indexed = max(start, end)
+        return st.indexed - start
 
     def finished(self, req: Req) -> None:
-        """A request's whole text stays in the index for its namespace to draft from."""
+        """A request's whole text stays in the index for its namespace to draft from: what
+        is not indexed yet joins the backlog (index_backlog), oldest dropped beyond the
+        index's own bound."""
         if self.index is None or not req.output_ids:
             return
-        self._feed(req, self._state(req), limit=len(req.fill_ids))
+        st = self._state(req)
+        ids = req.fill_ids
+        if st.indexed >= len(ids):
+            return
+        self.backlog.append((st, req.namespace, ids))
+        self.backlog_tokens += len(ids) - st.indexed
+        while self.backlog_tokens > self.index.max_tokens:
+            old, _, old_ids = self.backlog.popleft()
+            self.backlog_tokens -= len(old_ids) - old.indexed
+
+    def index_backlog(self, budget: int) -> None:
+        """Indexes up to ``budget`` tokens of finished requests' text, oldest first."""
+        while budget > 0 and self.backlog:
+            st, namespace, ids = self.backlog[0]
+            n = self._index(st, namespace, ids, budget)
+            budget -= n
+            self.backlog_tokens -= n
+            if st.indexed >= len(ids):
+                self.backlog.popleft()
+
+    def after_step(self) -> None:
+        """A step's result is applied: a little of the backlog is indexed."""
+        if self.backlog:
+            self.index_backlog(BACKLOG_TOKENS_PER_STEP)
+
+    def idle(self) -> None:
+        """The engine has nothing to run: the gate's chain breaks, the backlog drains."""
+        self.gate.idle()
+        self.index_backlog(BACKLOG_TOKENS_IDLE)
 
     def reset(self) -> None:
         """Forgets every indexed sequence (FlushCache, with no request running)."""
         if self.index is not None:
             self.index = DraftIndex(max_tokens=self.index.max_tokens)
+        self.backlog.clear()
+        self.backlog_tokens = 0

@@ -239,9 +239,11 @@ def serve(
         if not session.admits(identity, msg):
             continue
         last_msg = time.monotonic()
+        if governor and msg.HasField("forward"):
+            governor.before(batch_rows(msg.forward))
         reply = handle(runner, msg, instance)
         if governor and reply.HasField("result"):
-            governor.after_step()
+            governor.after()
             if metrics:
                 metrics.cpu_threads.labels(metrics.model_name).set(governor.threads)
         if metrics and reply.HasField("result"):
@@ -250,6 +252,11 @@ def serve(
             transport.send(sock, reply, identity)
         except zmq.ZMQError as e:  # the scheduler went away (kill -9): serve the next one
             log.warning("worker: reply to a scheduler that is gone dropped (%s)", e)
+
+
+def batch_rows(batch: engine_pb2.ForwardBatch) -> int:
+    """Query rows the forward runs: one KV slot each (int32 each), drafts included."""
+    return sum(len(r.out_slots) for r in batch.reqs) // 4
 
 
 def _drained(stop: threading.Event, last_msg: float, stop_at: float) -> bool:

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
+from services.common.goodput import MIN_STEPS, explore_interval
 from services.worker.cpu_threads import (
+    EXPLORE_CALLS,
+    FEWER_MARGIN,
+    IDLE_S,
     SPIN_COUNT,
-    GovernorConfig,
     ThreadGovernor,
-    decide,
-    read_run_delay_ns,
     set_openmp_wait,
 )
 
@@ -59,113 +59,62 @@ def test_the_cli_refuses_an_unknown_mode():
         build_parser().parse_args(["worker", "--cpu-wait", "busy"])
 
 
-CFG = GovernorConfig(period_s=0.5, high=0.25, sustain=3, probe_s=30.0)
+class FakeWorker:
+    """A clock that a batch moves by the period its thread count gives it, per rows."""
+
+    def __init__(self, periods: dict[int, float], threads: int = 2):
+        self.now, self.set, self.periods = 0.0, [], periods
+        self.g = ThreadGovernor(threads, self.set.append, lambda: self.now)
+
+    def batches(self, n: int, rows: int = 16) -> list[int]:
+        """Runs n batches of ``rows`` back to back; returns each one's thread count."""
+        used = []
+        for _ in range(n):
+            self.g.before(rows)
+            self.now += self.periods[self.g.threads]
+            self.g.after()
+            used.append(self.g.threads)
+        return used
 
 
-def test_decide_drops_a_thread_only_after_sustained_contention():
-    assert decide(2, 2, 2, 100.0, CFG) == 2  # a burst (the frontend tokenizing): stays
-    assert decide(2, 2, 3, 100.0, CFG) == 1
-    assert decide(1, 2, 9, 100.0, CFG) == 1  # never below one
-    assert decide(2, 2, 0, 100.0, CFG) == 2  # quiet at the maximum: stays
+def test_measures_every_thread_then_one_fewer_then_keeps_the_faster():
+    w = FakeWorker({2: 0.010, 1: 0.006})  # spinning threads hold cores others need
+    used = w.batches(40)
+    assert used[: MIN_STEPS + 1] == [2] * (MIN_STEPS + 1)  # MIN_STEPS periods need one more
+    assert used[MIN_STEPS + 1 : 2 * (MIN_STEPS + 1)] == [1] * (MIN_STEPS + 1)
+    assert set(used[2 * (MIN_STEPS + 1) :]) == {1} and w.g.threads == 1
 
 
-def test_decide_probes_one_more_thread_only_after_probe_s():
-    assert decide(1, 2, 0, 29.0, CFG) == 1
-    assert decide(1, 2, 0, 30.0, CFG) == 2
-    assert decide(3, 4, 1, 60.0, CFG) == 3  # the last window contended: no probe
+def test_all_threads_kept_where_they_are_faster_and_the_other_is_looked_at_rarely():
+    w = FakeWorker({2: 0.005, 1: 0.009})
+    used = w.batches(2 * (MIN_STEPS + 1) + 300)[2 * (MIN_STEPS + 1) :]
+    # 1.8x apart: one look (EXPLORE_CALLS batches) every explore_interval batches.
+    looks = used.count(1)
+    assert looks == EXPLORE_CALLS * (300 // (explore_interval(0.005, 0.009) + EXPLORE_CALLS - 1))
+    assert used[-1] == 2 and w.set.count(1) == 1 + looks // EXPLORE_CALLS
 
 
-class FakeProc:
-    """A clock and a run-delay counter the test moves by hand."""
-
-    def __init__(self):
-        self.now, self.delay_ns, self.set = 0.0, 0, []
-
-    def advance(self, seconds: float, delay_share_per_thread: float, threads: int) -> None:
-        self.now += seconds
-        self.delay_ns += int(seconds * delay_share_per_thread * threads * 1e9)
+def test_one_thread_fewer_must_be_clearly_faster():
+    w = FakeWorker({2: 0.010, 1: 0.010 / (FEWER_MARGIN - 0.05)})
+    used = w.batches(40)
+    assert set(used[2 * (MIN_STEPS + 1) :]) == {2}  # a little faster: not worth a switch
 
 
-def governor(proc: FakeProc, threads: int = 2) -> ThreadGovernor:
-    return ThreadGovernor(threads, proc.set.append, lambda: proc.delay_ns, lambda: proc.now, CFG)
+def test_each_batch_size_is_judged_on_its_own():
+    w = FakeWorker({2: 0.010, 1: 0.006})
+    w.batches(12, rows=16)
+    w.periods = {2: 0.030, 1: 0.050}  # a long prefill: all threads pay
+    assert w.batches(12, rows=2048)[-1] == 2
+    assert w.batches(1, rows=17) == [1]  # 16 and 17 share a bucket
 
 
-def test_governor_drops_then_probes_back_after_contention_ends():
-    proc = FakeProc()
-    g = governor(proc)
-    proc.advance(0.2, 0.6, 2)
-    g.after_step()  # inside the first window: nothing measured yet
-    assert proc.set == []
-    for _ in range(2):
-        proc.advance(0.6, 0.6, 2)
-        g.after_step()
-    assert proc.set == []  # two hot windows: not yet
-    proc.advance(0.6, 0.6, 2)
-    g.after_step()
-    assert proc.set == [1] and g.threads == 1
-    for _ in range(10):  # one thread beside the busy process: no delay, but no probe yet
-        proc.advance(1.0, 0.0, 1)
-        g.after_step()
-    assert proc.set == [1]
-    for _ in range(25):
-        proc.advance(1.0, 0.0, 1)
-        g.after_step()
-    assert proc.set == [1, 2]  # probed back after probe_s
-    proc.advance(0.6, 0.05, 2)  # the cores are free again: stays at two
-    g.after_step()
-    assert proc.set == [1, 2] and g.threads == 2
+def test_a_wait_for_work_starts_a_new_chain():
+    w = FakeWorker({2: 0.010, 1: 0.006})
+    w.batches(2)
+    w.now += IDLE_S * 2  # idle: this gap is no batch's period
+    w.batches(1)
+    assert list(w.g.choice.firsts[5].rates) == [pytest.approx(1600.0)]
 
 
-def hot(proc: FakeProc, g: ThreadGovernor, windows: int) -> None:
-    for _ in range(windows):
-        proc.advance(0.6, 0.5, g.threads)
-        g.after_step()
-
-
-def test_governor_goes_back_down_when_a_probe_finds_contention():
-    proc = FakeProc()
-    g = governor(proc)
-    hot(proc, g, 3)
-    proc.advance(31.0, 0.0, 1)
-    g.after_step()
-    hot(proc, g, 3)
-    assert proc.set == [1, 2, 1]
-
-
-def test_bursts_between_quiet_windows_never_drop_a_thread():
-    proc = FakeProc()
-    g = governor(proc)
-    for _ in range(20):
-        hot(proc, g, 2)
-        proc.advance(0.6, 0.05, 2)
-        g.after_step()
-    assert proc.set == []
-
-
-def test_governor_is_off_with_one_thread_or_no_schedstat():
-    proc = FakeProc()
-    assert not governor(proc, threads=1).enabled
-    g = ThreadGovernor(2, proc.set.append, lambda: None, lambda: proc.now, CFG)
-    assert not g.enabled
-    g.after_step()
-    assert proc.set == []
-
-
-def test_read_run_delay_sums_this_process_threads():
-    delay = read_run_delay_ns()
-    if delay is None:
-        pytest.skip("/proc/self/task/*/schedstat unreadable here (not Linux, or no schedstats)")
-    assert delay >= 0
-
-
-def test_read_run_delay_of_a_fake_task_dir(tmp_path: Path):
-    for tid, line in (("1", "100 250 3\n"), ("2", "7 50 1\n")):
-        (tmp_path / tid).mkdir()
-        (tmp_path / tid / "schedstat").write_text(line)
-    assert read_run_delay_ns(tmp_path) == 300
-    (tmp_path / "3").mkdir()  # a thread that ended meanwhile: skipped
-    assert read_run_delay_ns(tmp_path) == 300
-    (tmp_path / "4").mkdir()
-    (tmp_path / "4" / "schedstat").write_text("garbage\n")
-    assert read_run_delay_ns(tmp_path) is None
-    assert read_run_delay_ns(tmp_path / "missing") is None
+def test_off_with_one_thread():
+    assert not ThreadGovernor(1, print).enabled

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.spec_gate import (
-    EXPLORE_CALLS,
+from services.common.goodput import (
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
     MIN_STEPS,
     WINDOW,
     Goodput,
-    SpecGate,
-    StepKind,
     explore_interval,
 )
+from services.scheduler.spec_gate import EXPLORE_CALLS, SpecGate, StepKind
 from tests.fake_worker import expected, run, submit
 from tests.unit.test_speculative_scheduler import Oracle, spec_sched, verify_items
 

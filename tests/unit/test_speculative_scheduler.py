@@ -18,6 +18,7 @@ from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32, unpack_i32
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.spec_drafts import propose
+from services.scheduler.speculative import BACKLOG_TOKENS_PER_STEP
 from tests.fake_worker import (
     FRONTEND,
     VOCAB,
@@ -226,6 +227,34 @@ def test_ngram_and_suffix_drafts_run_the_real_index():
     run(sched)
     assert index.propose("tenant-x", text[:10], 4) == text[10:14]
     assert index.propose("tenant-y", text[:10], 4) == []
+
+
+def test_finished_text_is_indexed_a_little_per_step_and_the_rest_when_idle():
+    """Indexing a finished request's text costs tens of us a token: it waits in a backlog,
+    BACKLOG_TOKENS_PER_STEP of it indexed per decode step, the rest once the engine idles;
+    beyond the index's own bound the oldest waiting text is dropped."""
+    rng = random.Random(5)
+    sched = spec_sched(speculative_algorithm="suffix")
+    spec = sched.spec
+    spec.max_k = 0  # off: nothing indexed while a request runs
+    text = [rng.randrange(1, 900) for _ in range(200)]
+    submit(sched, "done", text, 2)
+    submit(sched, "next", [rng.randrange(1, 900) for _ in range(5)], 8)  # keeps it busy
+    while not spec.backlog:
+        assert sched.step()
+    step = BACKLOG_TOKENS_PER_STEP  # the step that finished "done" indexed its share
+    assert spec.backlog_tokens == 202 - step and spec.index.num_tokens == step
+    assert sched.step()
+    assert spec.backlog_tokens == 202 - 2 * step
+    run(sched)  # idle at the end: the rest
+    assert spec.backlog_tokens == 0 and not spec.backlog
+    assert spec.index.propose("", text[:20], 4) == text[20:24]
+    spec.index.check_integrity()
+    spec.index.max_tokens = 150
+    submit(sched, "big", text, 2)
+    while "big" in sched.queues.by_rid:
+        assert sched.step()
+    assert not spec.backlog and spec.backlog_tokens == 0  # 202 > 150: dropped
 
 
 def test_retraction_and_aborts_with_drafts_in_a_tight_pool(caplog):

@@ -1,0 +1,107 @@
+"""Which of two ways to run a step delivers more tokens per second, by measuring both.
+
+Used where the answer depends on the model, the batch and the machine and is only known by
+trying: the scheduler's speculation gate (verify drafts, or run the step plain) and the CPU
+worker's thread count (every thread, or one fewer beside processes that want a core).
+
+A way's goodput is the median tokens per second of its last WINDOW steps. A step's period is
+the time between two results of the same way back to back, so it holds all the step costs
+the loop (the forward and the host work around it), and the median, because a period also
+holds whatever else happened in it, which now and then makes one many times longer. Kept per
+batch size bucket (powers of two). The way not chosen is measured again now and then, a few
+steps long: after EXPLORE_EVERY steps of the other while the two are close, more rarely the
+further apart they are (each look costs steps of the worse way).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+WINDOW = 16  # steps of a way whose median rate a bucket keeps
+MIN_STEPS = 3  # steps of each way measured before they are compared
+EXPLORE_EVERY = 32  # steps of one way in a row before the other is measured again
+MAX_EXPLORE_EVERY = 512  # the same when one way is far ahead (interval x ratio squared)
+
+
+def bucket(batch: int) -> int:
+    return max(batch, 1).bit_length()
+
+
+def explore_interval(a: float, b: float) -> int:
+    """Steps of the better way before the other is measured again."""
+    ratio = max(a, b) / max(min(a, b), 1e-12)
+    return int(min(MAX_EXPLORE_EVERY, EXPLORE_EVERY * ratio * ratio))
+
+
+@dataclass
+class Goodput:
+    """One way's last steps, as tokens per second each."""
+
+    rates: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def add(self, seconds: float, tokens: int) -> None:
+        if seconds > 0:
+            self.rates.append(tokens / seconds)
+
+    @property
+    def known(self) -> bool:
+        return len(self.rates) >= MIN_STEPS
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.rates)
+
+
+@dataclass
+class GoodputChoice:
+    """The first way or the second, per batch size bucket. The first is measured first.
+
+    ``explore_calls``: how many ``first()`` calls a look at the other way lasts; enough that
+    two steps of it run back to back (one period) however often a step asks. ``margin``:
+    how many times the first way's rate the second must measure to be chosen (> 1 where the
+    first is the safe default and a wrong switch costs more than a missed one)."""
+
+    explore_calls: int = 2
+    margin: float = 1.0
+    clock: Callable[[], float] = field(default_factory=lambda: time.perf_counter)
+    firsts: dict[int, Goodput] = field(default_factory=dict)
+    seconds: dict[int, Goodput] = field(default_factory=dict)
+    streak: int = 0  # first() answers in a row that chose the measured-better way
+    exploring: int = 0  # first() calls left that answer the other way
+    _last: tuple[bool, float] | None = None
+
+    def observe(self, first: bool | None, batch: int, tokens: int) -> None:
+        """A step of ``batch`` that delivered ``tokens`` ended just now, run the first way,
+        the second, or neither (None: a step of another kind breaks the chain)."""
+        now = self.clock()
+        last, self._last = self._last, (None if first is None else (first, now))
+        if first is None or last is None or last[0] is not first:
+            return
+        table = self.firsts if first else self.seconds
+        table.setdefault(bucket(batch), Goodput()).add(now - last[1], tokens)
+
+    def idle(self) -> None:
+        """The loop went idle: the next result starts a new chain."""
+        self._last = None
+
+    def first(self, batch: int) -> bool:
+        """Whether the next step of ``batch`` runs the first way."""
+        b = bucket(batch)
+        one, two = self.firsts.get(b), self.seconds.get(b)
+        if one is None or not one.known:
+            return True  # measure the first way first
+        if two is None or not two.known:
+            return False  # then the second
+        best = one.rate * self.margin > two.rate
+        if self.exploring:
+            self.exploring -= 1
+            return not best
+        self.streak += 1
+        if self.streak >= explore_interval(one.rate, two.rate):  # things drift: look again
+            self.streak, self.exploring = 0, self.explore_calls - 1
+            return not best
+        return best
