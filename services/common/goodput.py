@@ -31,10 +31,12 @@ def bucket(batch: int) -> int:
     return max(batch, 1).bit_length()
 
 
-def explore_interval(a: float, b: float) -> int:
+def explore_interval(
+    a: float, b: float, every: int = EXPLORE_EVERY, most: int = MAX_EXPLORE_EVERY
+) -> int:
     """Steps of the better way before the other is measured again."""
     ratio = max(a, b) / max(min(a, b), 1e-12)
-    return int(min(MAX_EXPLORE_EVERY, EXPLORE_EVERY * ratio * ratio))
+    return int(min(most, every * ratio * ratio))
 
 
 @dataclass
@@ -63,10 +65,13 @@ class GoodputChoice:
     ``explore_calls``: how many ``first()`` calls a look at the other way lasts; enough that
     two steps of it run back to back (one period) however often a step asks. ``margin``:
     how many times the first way's rate the second must measure to be chosen (> 1 where the
-    first is the safe default and a wrong switch costs more than a missed one)."""
+    first is the safe default and a wrong switch costs more than a missed one).
+    ``explore_every``, ``max_explore_every``: explore_interval's bounds."""
 
     explore_calls: int = 2
     margin: float = 1.0
+    explore_every: int = EXPLORE_EVERY
+    max_explore_every: int = MAX_EXPLORE_EVERY
     clock: Callable[[], float] = field(default_factory=lambda: time.perf_counter)
     firsts: dict[int, Goodput] = field(default_factory=dict)
     seconds: dict[int, Goodput] = field(default_factory=dict)
@@ -101,7 +106,8 @@ class GoodputChoice:
             self.exploring -= 1
             return not best
         self.streak += 1
-        if self.streak >= explore_interval(one.rate, two.rate):  # things drift: look again
+        every = explore_interval(one.rate, two.rate, self.explore_every, self.max_explore_every)
+        if self.streak >= every:  # things drift: look again
             self.streak, self.exploring = 0, self.explore_calls - 1
             return not best
         return best

@@ -50,7 +50,9 @@ class SpecGate:
             raise ValueError(
                 f"speculative_gate must be one of {', '.join(GATES)}, got {self.mode!r}"
             )
-        self.choice = GoodputChoice(EXPLORE_CALLS, 1.0, self.clock, self.verify, self.plain)
+        self.choice = GoodputChoice(
+            EXPLORE_CALLS, clock=self.clock, firsts=self.verify, seconds=self.plain
+        )
 
     def observe(self, kind: StepKind, batch: int, tokens: int) -> None:
         """A result of ``batch`` decode rows that committed ``tokens`` came back just now."""

@@ -43,14 +43,21 @@ def set_openmp_wait(mode: str) -> None:
 IDLE_S = 0.05
 # first() calls a look at the other thread count lasts: three batches, two periods.
 EXPLORE_CALLS = 3
-# One thread fewer must measure this much faster to be chosen: single runs of 16 periods
-# read 0.8-1.3x of each other where every thread serves 1.5x faster (docs/benchmarks.md).
+# One thread fewer must measure this much faster to be chosen: 16 periods of each read
+# 0.9-1.15x of each other where every thread serves ~1.1x faster (docs/benchmarks.md).
 FEWER_MARGIN = 1.2
+# Contention changes slowly: each look at the other count (a few slower batches) comes
+# after this many batches of a size at least, 16x as many when one count is far ahead.
+EXPLORE_EVERY = 128
+MAX_EXPLORE_EVERY = 2048
+# Larger batches (prefill chunks) always run every thread: one fewer measured 1.8x slower
+# there on 2 cores, and one look costs seconds of a long prompt's first token.
+MAX_CHOSEN_ROWS = 512
 
 
 class ThreadGovernor:
-    """Per batch size (query rows, in powers of two), runs every thread or one fewer,
-    whichever measured more rows per second (services/common/goodput.py). A batch's period
+    """Per batch size (query rows, in powers of two, up to MAX_CHOSEN_ROWS), runs every
+    thread or one fewer, whichever measured more rows per second (services/common/goodput.py). A batch's period
     runs from the previous result to its own, so it holds the wait for the batch: where
     spinning threads keep the scheduler, the frontend or another process off the cores, the
     batches come slower, and one thread fewer measures faster. Call ``before`` and
@@ -64,7 +71,9 @@ class ThreadGovernor:
     ):
         self.max_threads = self.threads = max_threads
         self.set_threads, self.clock = set_threads, clock
-        self.choice = GoodputChoice(EXPLORE_CALLS, FEWER_MARGIN, clock)
+        self.choice = GoodputChoice(
+            EXPLORE_CALLS, FEWER_MARGIN, EXPLORE_EVERY, MAX_EXPLORE_EVERY, clock=clock
+        )
         self.enabled = max_threads > 1
         self._rows = 0
         self._done_at: float | None = None
@@ -73,7 +82,8 @@ class ThreadGovernor:
         """A batch of ``rows`` query rows is next: sets the thread count it runs with."""
         if self._done_at is not None and self.clock() - self._done_at > IDLE_S:
             self.choice.idle()
-        want = self.max_threads if self.choice.first(rows) else self.max_threads - 1
+        every = rows > MAX_CHOSEN_ROWS or self.choice.first(rows)
+        want = self.max_threads if every else self.max_threads - 1
         if want != self.threads:
             self.set_threads(want)
             self.threads = want

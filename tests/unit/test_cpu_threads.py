@@ -9,8 +9,11 @@ import pytest
 from services.common.goodput import MIN_STEPS, explore_interval
 from services.worker.cpu_threads import (
     EXPLORE_CALLS,
+    EXPLORE_EVERY,
     FEWER_MARGIN,
     IDLE_S,
+    MAX_CHOSEN_ROWS,
+    MAX_EXPLORE_EVERY,
     SPIN_COUNT,
     ThreadGovernor,
     set_openmp_wait,
@@ -87,11 +90,20 @@ def test_measures_every_thread_then_one_fewer_then_keeps_the_faster():
 
 def test_all_threads_kept_where_they_are_faster_and_the_other_is_looked_at_rarely():
     w = FakeWorker({2: 0.005, 1: 0.009})
-    used = w.batches(2 * (MIN_STEPS + 1) + 300)[2 * (MIN_STEPS + 1) :]
+    n = 3000
+    used = w.batches(2 * (MIN_STEPS + 1) + n)[2 * (MIN_STEPS + 1) :]
     # 1.8x apart: one look (EXPLORE_CALLS batches) every explore_interval batches.
+    every = explore_interval(0.005, 0.009, EXPLORE_EVERY, MAX_EXPLORE_EVERY)
+    assert EXPLORE_EVERY * 3 < every < MAX_EXPLORE_EVERY
     looks = used.count(1)
-    assert looks == EXPLORE_CALLS * (300 // (explore_interval(0.005, 0.009) + EXPLORE_CALLS - 1))
+    assert looks == EXPLORE_CALLS * (n // (every + EXPLORE_CALLS - 1))
     assert used[-1] == 2 and w.set.count(1) == 1 + looks // EXPLORE_CALLS
+
+
+def test_large_batches_always_run_every_thread():
+    w = FakeWorker({2: 0.050, 1: 0.010})  # even where one fewer would measure faster
+    assert set(w.batches(20, rows=MAX_CHOSEN_ROWS + 1)) == {2}
+    assert w.batches(20, rows=MAX_CHOSEN_ROWS)[-1] == 1
 
 
 def test_one_thread_fewer_must_be_clearly_faster():
@@ -103,8 +115,8 @@ def test_one_thread_fewer_must_be_clearly_faster():
 def test_each_batch_size_is_judged_on_its_own():
     w = FakeWorker({2: 0.010, 1: 0.006})
     w.batches(12, rows=16)
-    w.periods = {2: 0.030, 1: 0.050}  # a long prefill: all threads pay
-    assert w.batches(12, rows=2048)[-1] == 2
+    w.periods = {2: 0.030, 1: 0.050}  # larger decode batches: all threads pay
+    assert w.batches(12, rows=256)[-1] == 2
     assert w.batches(1, rows=17) == [1]  # 16 and 17 share a bucket
 
 
