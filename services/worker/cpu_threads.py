@@ -57,11 +57,11 @@ MAX_CHOSEN_ROWS = 512
 
 class ThreadGovernor:
     """Per batch size (query rows, in powers of two, up to MAX_CHOSEN_ROWS), runs every
-    thread or one fewer, whichever measured more rows per second (services/common/goodput.py). A batch's period
-    runs from the previous result to its own, so it holds the wait for the batch: where
-    spinning threads keep the scheduler, the frontend or another process off the cores, the
-    batches come slower, and one thread fewer measures faster. Call ``before`` and
-    ``after`` around each forward batch."""
+    thread or one fewer, whichever measured more rows per second (services/common/goodput.py).
+    A batch's period runs from the previous result to its own, so it holds the wait for the
+    batch: where spinning threads keep the scheduler, the frontend or another process off
+    the cores, the batches come slower, and one thread fewer measures faster. Call
+    ``before`` and ``after`` around each forward batch."""
 
     def __init__(
         self,
