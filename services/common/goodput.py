@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,7 +60,9 @@ class Goodput:
 
 @dataclass
 class GoodputChoice:
-    """The first way or the second, per batch size bucket. The first is measured first.
+    """The first way or the second, per batch size bucket. A bucket measures the first way
+    first (``follow``: the way the busiest measured bucket chose, so that a new batch size
+    runs like the steps around it while the other way is measured).
 
     ``explore_calls``: how many ``first()`` calls a look at the other way lasts; enough that
     two steps of it run back to back (one period) however often a step asks. ``margin``:
@@ -72,9 +74,11 @@ class GoodputChoice:
     margin: float = 1.0
     explore_every: int = EXPLORE_EVERY
     max_explore_every: int = MAX_EXPLORE_EVERY
+    follow: bool = False
     clock: Callable[[], float] = field(default_factory=lambda: time.perf_counter)
     firsts: dict[int, Goodput] = field(default_factory=dict)
     seconds: dict[int, Goodput] = field(default_factory=dict)
+    seen: Counter[int] = field(default_factory=Counter)  # first() calls per bucket
     streak: int = 0  # first() answers in a row that chose the measured-better way
     exploring: int = 0  # first() calls left that answer the other way
     _last: tuple[bool, float] | None = None
@@ -93,20 +97,37 @@ class GoodputChoice:
         """The loop went idle: the next result starts a new chain."""
         self._last = None
 
+    def ratio(self, b: int) -> float | None:
+        """The second way's rate over the first's in bucket b; None until both known."""
+        one, two = self.firsts.get(b), self.seconds.get(b)
+        if one is None or not one.known or two is None or not two.known:
+            return None
+        return two.rate / one.rate
+
+    def _lean(self) -> bool:
+        """The way the busiest bucket that knows both chose (``follow``), else the first."""
+        known = [b for b in self.firsts.keys() & self.seconds.keys() if self.ratio(b)]
+        if not self.follow or not known:
+            return True
+        ratio = self.ratio(max(known, key=self.seen.__getitem__))
+        return ratio is None or ratio < self.margin
+
     def first(self, batch: int) -> bool:
         """Whether the next step of ``batch`` runs the first way."""
         b = bucket(batch)
-        one, two = self.firsts.get(b), self.seconds.get(b)
-        if one is None or not one.known:
-            return True  # measure the first way first
-        if two is None or not two.known:
-            return False  # then the second
-        best = one.rate * self.margin > two.rate
+        self.seen[b] += 1
+        ratio = self.ratio(b)
+        if ratio is None:  # measure both ways, in the order _lean gives
+            one, two = self.firsts.get(b), self.seconds.get(b)
+            if self._lean():
+                return one is None or not one.known
+            return two is not None and two.known
+        best = ratio < self.margin
         if self.exploring:
             self.exploring -= 1
             return not best
         self.streak += 1
-        every = explore_interval(one.rate, two.rate, self.explore_every, self.max_explore_every)
+        every = explore_interval(1.0, ratio, self.explore_every, self.max_explore_every)
         if self.streak >= every:  # things drift: look again
             self.streak, self.exploring = 0, self.explore_calls - 1
             return not best

@@ -60,8 +60,10 @@ class ThreadGovernor:
     thread or one fewer, whichever measured more rows per second (services/common/goodput.py).
     A batch's period runs from the previous result to its own, so it holds the wait for the
     batch: where spinning threads keep the scheduler, the frontend or another process off
-    the cores, the batches come slower, and one thread fewer measures faster. Call
-    ``before`` and ``after`` around each forward batch."""
+    the cores, the batches come slower, and one thread fewer measures faster. A new size
+    starts on the count the busiest size chose, so that verify steps run like the plain
+    steps around them while the speculation gate compares the two. Call ``before`` and
+    ``after`` around each forward batch."""
 
     def __init__(
         self,
@@ -72,7 +74,7 @@ class ThreadGovernor:
         self.max_threads = self.threads = max_threads
         self.set_threads, self.clock = set_threads, clock
         self.choice = GoodputChoice(
-            EXPLORE_CALLS, FEWER_MARGIN, EXPLORE_EVERY, MAX_EXPLORE_EVERY, clock=clock
+            EXPLORE_CALLS, FEWER_MARGIN, EXPLORE_EVERY, MAX_EXPLORE_EVERY, follow=True, clock=clock
         )
         self.enabled = max_threads > 1
         self._rows = 0

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from services.common.goodput import MIN_STEPS, explore_interval
+from services.common.goodput import MIN_STEPS, Goodput, explore_interval
 from services.worker.cpu_threads import (
     EXPLORE_CALLS,
     EXPLORE_EVERY,
@@ -112,12 +112,23 @@ def test_one_thread_fewer_must_be_clearly_faster():
     assert set(used[2 * (MIN_STEPS + 1) :]) == {2}  # a little faster: not worth a switch
 
 
-def test_each_batch_size_is_judged_on_its_own():
+def test_a_new_batch_size_measures_the_count_chosen_elsewhere_first():
+    """So that a verify step's batch size runs like the plain steps around it while its
+    other count is measured (the speculation gate compares the two kinds of step)."""
     w = FakeWorker({2: 0.010, 1: 0.006})
     w.batches(12, rows=16)
-    w.periods = {2: 0.030, 1: 0.050}  # larger decode batches: all threads pay
-    assert w.batches(12, rows=256)[-1] == 2
-    assert w.batches(1, rows=17) == [1]  # 16 and 17 share a bucket
+    # The chain of one-thread periods goes on from the 16-row batches.
+    want = [1] * MIN_STEPS + [2] * (MIN_STEPS + 1) + [1] * 3
+    assert w.batches(len(want), rows=80) == want
+    w.periods = {2: 0.005, 1: 0.010}  # where each size decides for itself
+    w.g.choice.firsts[9] = goodput(256 / 0.005)  # (256 rows measured on all threads only)
+    assert w.batches(MIN_STEPS + 3, rows=256) == [1] * MIN_STEPS + [2] * 3
+
+
+def goodput(rate: float) -> Goodput:
+    g = Goodput()
+    g.rates.extend([rate] * MIN_STEPS)
+    return g
 
 
 def test_a_wait_for_work_starts_a_new_chain():
