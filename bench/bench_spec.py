@@ -5,6 +5,7 @@ gate ran plain) for docs/benchmarks.md.
 
     .venv/bin/python bench/bench_spec.py [--quick] [--model-path DIR] [--output-len N]
     .venv/bin/python bench/bench_spec.py --servers none,ngram,ngram/always,suffix,suffix/always
+    .venv/bin/python bench/bench_spec.py --servers none,none+--cpu-wait=spin,ngram
 
 Workloads (the text is the Zen of Python, read from the `this` module's source):
 - code-edit: "rewrite this text" followed by a document; the answer repeats most of it
@@ -276,7 +277,8 @@ def main() -> int:
         "--servers",
         default=",".join(ALGORITHMS),
         help="one server each, comma separated: ALGORITHM or ALGORITHM/GATE "
-        "(--speculative-gate, e.g. ngram/always); the first is the baseline",
+        "(--speculative-gate, e.g. ngram/always), then +FLAG=VALUE for flags of that "
+        "server alone (e.g. none+--cpu-wait=spin); the first is the baseline",
     )
     args = p.parse_args()
     if args.quick:
@@ -297,11 +299,13 @@ def main() -> int:
     variants = args.servers.split(",")
 
     def flags(variant: str) -> list[str]:
-        algorithm, _, gate = variant.partition("/")
+        base, *own = variant.split("+")
+        algorithm, _, gate = base.partition("/")
         return ["--speculative-algorithm", algorithm,
                 "--speculative-num-draft-tokens", str(args.draft_tokens),
                 "--max-running-requests", str(max(batches)),
-                *(["--speculative-gate", gate] if gate else []), *args.flags.split()]  # fmt: skip
+                *(["--speculative-gate", gate] if gate else []), *args.flags.split(),
+                *own]  # fmt: skip
 
     # All servers up at once; each measurement runs on every one back to back, the order
     # rotated every repeat so that each server takes each place alike (a drift in the
