@@ -102,7 +102,7 @@ class GoodputChoice:
         one, two = self.firsts.get(b), self.seconds.get(b)
         if one is None or not one.known or two is None or not two.known:
             return None
-        return two.rate / one.rate
+        return two.rate / max(one.rate, 1e-12)  # a way that delivered nothing: 0
 
     def _lean(self) -> bool:
         """The way the busiest bucket that knows both chose (``follow``), else the first."""

@@ -84,14 +84,17 @@ class ThreadGovernor:
         """A batch of ``rows`` query rows is next: sets the thread count it runs with."""
         if self._done_at is not None and self.clock() - self._done_at > IDLE_S:
             self.choice.idle()
+        self._rows = rows
+        if rows <= 0:  # no forward (KV copies, grammar requests only): nothing to choose
+            return
         every = rows > MAX_CHOSEN_ROWS or self.choice.first(rows)
         want = self.max_threads if every else self.max_threads - 1
         if want != self.threads:
             self.set_threads(want)
             self.threads = want
-        self._rows = rows
 
     def after(self) -> None:
         """The batch ``before`` announced has its result."""
-        self.choice.observe(self.threads == self.max_threads, self._rows, self._rows)
+        way = self.threads == self.max_threads if self._rows > 0 else None
+        self.choice.observe(way, self._rows, self._rows)
         self._done_at = self.clock()

@@ -139,5 +139,17 @@ def test_a_wait_for_work_starts_a_new_chain():
     assert list(w.g.choice.firsts[5].rates) == [pytest.approx(1600.0)]
 
 
+def test_a_batch_without_rows_chooses_nothing_and_breaks_the_chain():
+    w = FakeWorker({2: 0.010, 1: 0.006})
+    w.batches(2)
+    w.batches(1, rows=0)  # KV copies or grammar requests only: no forward
+    w.batches(1)
+    assert len(w.g.choice.firsts[5].rates) == 1 and 1 not in w.g.choice.firsts
+    w.g.choice.firsts[5].rates.extend([0.0] * 16)  # a way that delivered nothing
+    w.g.choice.seconds[5] = Goodput()
+    w.g.choice.seconds[5].rates.extend([0.0] * 16)
+    assert w.g.choice.ratio(5) == 0.0 and w.batches(1) == [2]
+
+
 def test_off_with_one_thread():
     assert not ThreadGovernor(1, print).enabled
