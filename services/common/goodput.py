@@ -106,11 +106,11 @@ class GoodputChoice:
 
     def _lean(self) -> bool:
         """The way the busiest bucket that knows both chose (``follow``), else the first."""
-        known = [b for b in self.firsts.keys() & self.seconds.keys() if self.ratio(b)]
+        known = [b for b in self.firsts.keys() & self.seconds.keys() if self.ratio(b) is not None]
         if not self.follow or not known:
             return True
         ratio = self.ratio(max(known, key=self.seen.__getitem__))
-        return ratio is None or ratio < self.margin
+        return ratio is not None and ratio < self.margin
 
     def first(self, batch: int) -> bool:
         """Whether the next step of ``batch`` runs the first way."""
