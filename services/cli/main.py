@@ -83,6 +83,12 @@ def _service_main(name: str, cfg: Any) -> Callable[[Any], None]:
     from services.worker import cpu_threads
 
     cpu_threads.set_openmp_wait(cfg.cpu_wait)
+    try:
+        cpu_threads.set_openmp_bind(
+            cfg.cpu_bind, cfg.cpu_threads, cfg.device, cfg.tp_size, cfg.tp_rank
+        )
+    except ValueError as e:
+        raise SystemExit(f"worker: {e}") from None
     from services.worker import host_memory  # before torch: see its docstring
 
     host_memory.tune()

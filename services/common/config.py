@@ -189,6 +189,14 @@ class WorkerConfig:
         "fewer, whichever measured faster (adaptive); OMP_WAIT_POLICY / GOMP_SPINCOUNT win",
         choices=["adaptive", "spin", "passive"],
     )
+    cpu_bind: str = _opt(
+        "auto",
+        "CPU worker: pin its OpenMP threads one per core, so a step's threads keep their "
+        "cores and caches (auto: where the ranks' threads take every core the process may "
+        "use, one each, and no GPU is present, rank r of --tp-size takes the r-th run of "
+        "--cpu-threads of them; none; or a core list such as 0-3 or 0,2,4,6); "
+        "OMP_PROC_BIND / OMP_PLACES / GOMP_CPU_AFFINITY / KMP_AFFINITY win",
+    )
     cpu_linear: str = _opt(
         "auto",
         "float32 linears on CPU: packed (oneDNN, weights prepacked once at load), hybrid "

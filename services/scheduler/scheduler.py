@@ -150,7 +150,7 @@ class Scheduler:
             if ahead:
                 self._send(ahead)
         self._apply(current.items, self.link.recv())
-        self.spec.after_step()
+        self.spec.after_step(self.queues.running)
         # Before the outputs go out: a client's last token never precedes its gauges.
         self.publish_stats()
         return True

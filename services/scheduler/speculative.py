@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.common.config import SchedulerConfig
@@ -22,9 +22,12 @@ from services.scheduler.spec_drafts import ALGORITHMS, AdaptiveLength, DraftInde
 from services.scheduler.spec_gate import SpecGate
 from services.scheduler.tokens import Tokens
 
-FEED_TOKENS_PER_STEP = 64  # tokens a request adds to the draft index per step, at most
-# Finished requests' text not indexed yet waits in a backlog (indexing costs ~10-40 us a
-# token): this many tokens of it are indexed per decode step, this many per idle loop turn.
+# Indexing costs ~10-40 us a token, so it is rationed: after every step (plain or verify
+# alike, so the gate compares like with like) this many tokens of running requests' text
+# not indexed yet, all of them together, taken in turn; a request's own text drafts through
+# ngram_draft meanwhile. Finished requests' text not indexed yet waits in a backlog: this
+# many tokens of it are indexed per step, this many per idle loop turn.
+FEED_TOKENS_PER_STEP = 32
 BACKLOG_TOKENS_PER_STEP = 16
 BACKLOG_TOKENS_IDLE = 1024
 START_OFF_BELOW = 0.2  # a new request starts probing below this engine-wide acceptance
@@ -59,6 +62,7 @@ class Speculator:
     backlog: deque[tuple[SpecState, str, Tokens]] = field(default_factory=deque)
     backlog_tokens: int = 0
     _ids: itertools.count = field(default_factory=itertools.count)
+    _feed_turn: int = 0  # which running request is fed first after the next step
 
     @classmethod
     def of(cls, cfg: SchedulerConfig, metrics: SchedulerMetrics) -> Speculator:
@@ -99,7 +103,6 @@ class Speculator:
         k = min(k, self._room(req, max_model_len))
         if k <= 0:
             return []
-        self._feed(req, st)
         return self._propose(req, st, k)
 
     def _propose(self, req: Req, st: SpecState, k: int) -> list[int]:
@@ -132,7 +135,6 @@ class Speculator:
             k = min(st.planned, self._room(req, max_model_len))
             if found or k <= 0:
                 continue
-            self._feed(req, st)
             found = bool(self._propose(req, st, k))
         if found and self._declined(len(reqs)):
             found = False
@@ -148,9 +150,19 @@ class Speculator:
             self.accept_rate = 0.9 * self.accept_rate + 0.1 * accepted / drafted
 
     # -- the draft index ----------------------------------------------------------------
-    def _feed(self, req: Req, st: SpecState, limit: int = FEED_TOKENS_PER_STEP) -> None:
-        """Indexes at most ``limit`` new tokens a call, so a long prompt stalls no step."""
-        self._index(st, req.namespace, req.fill_ids, limit)
+    def feed(self, running: Iterable[Req], budget: int = FEED_TOKENS_PER_STEP) -> None:
+        """Indexes up to ``budget`` tokens of the decoding requests' text not indexed yet,
+        starting one request further each call, so every request gets its turn."""
+        reqs = [r for r in running if not r.in_prefill and self.may_speculate(r)]
+        if self.index is None or not reqs:
+            return
+        self._feed_turn = (self._feed_turn + 1) % len(reqs)
+        for req in itertools.chain(reqs[self._feed_turn :], reqs[: self._feed_turn]):
+            st = self._state(req)
+            if st.indexed < len(req.input_ids) + len(req.output_ids):
+                budget -= self._index(st, req.namespace, req.fill_ids, budget)
+            if budget <= 0:
+                return
 
     def _index(self, st: SpecState, namespace: str, ids: Tokens, limit: int) -> int:
         """Indexes up to ``limit`` more of ``ids``; returns how many."""
@@ -191,8 +203,10 @@ class Speculator:
             if st.indexed >= len(ids):
                 self.backlog.popleft()
 
-    def after_step(self) -> None:
-        """A step's result is applied: a little of the backlog is indexed."""
+    def after_step(self, running: Iterable[Req]) -> None:
+        """A step's result is applied: a little of the running requests' text and of the
+        backlog is indexed."""
+        self.feed(running)
         if self.backlog:
             self.index_backlog(BACKLOG_TOKENS_PER_STEP)
 

@@ -23,7 +23,7 @@ SPIN_COUNT = 30_000
 
 def default_threads(requested: int, tp_size: int = 1) -> int:
     """--cpu-threads, or the usable cores split evenly between the tensor-parallel ranks."""
-    return requested or max(1, len(os.sched_getaffinity(0)) // tp_size)
+    return requested or max(1, len(process_cores()) // tp_size)
 
 
 def set_openmp_wait(mode: str) -> None:
@@ -36,6 +36,71 @@ def set_openmp_wait(mode: str) -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     else:
         os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+
+
+# Set by hand, these win over --cpu-bind.
+BIND_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+# Set with --cpu-bind's GOMP_CPU_AFFINITY: the cores the process could use before libgomp
+# pinned its main thread (which then reports one core, and passes that one core on to the
+# threads and processes it starts: TP ranks).
+PROCESS_CORES_ENV = "RADIXSERVE_PROCESS_CORES"
+
+
+def process_cores() -> list[int]:
+    """The cores this process may use, as they were before --cpu-bind pinned it."""
+    saved = os.environ.get(PROCESS_CORES_ENV)
+    return parse_cores(saved) if saved else sorted(os.sched_getaffinity(0))
+
+
+def _gpu_present() -> bool:
+    """An NVIDIA driver is loaded (checked without torch: binding must be set before it)."""
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
+def parse_cores(text: str) -> list[int]:
+    """'0-3,6' -> [0, 1, 2, 3, 6]."""
+    cores: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu_bind: {text!r} is not a core list such as 0-3 or 0,2,4")
+        cores.extend(range(int(lo), int(hi if sep else lo) + 1))
+    return cores
+
+
+def bind_cores(mode: str, threads: int, tp_size: int = 1, rank: int = 0) -> list[int]:
+    """The cores --cpu-bind pins `threads` OpenMP threads of TP rank `rank` to ([]: none)."""
+    usable = process_cores()
+    if mode == "none":
+        return []
+    if mode != "auto":
+        cores = parse_cores(mode)
+        if not set(cores) <= set(usable):
+            raise ValueError(f"cpu_bind: cores {mode} are not all among those usable: {usable}")
+        return cores
+    # Only where the ranks' threads take every usable core, one each: fewer would all pin
+    # the lowest cores, which a neighbour (another worker, another pod) may pin too.
+    if threads * tp_size != len(usable):
+        return []
+    return usable[rank * threads : (rank + 1) * threads]
+
+
+def set_openmp_bind(mode: str, requested: int, device: str, tp_size: int, rank: int) -> None:
+    """Before torch loads libgomp, which reads GOMP_CPU_AFFINITY once (and pins the
+    process's main thread to the first core: thread 0 of every parallel region)."""
+    inherited = os.environ.pop(PROCESS_CORES_ENV, None)
+    if inherited:  # a rank started by a pinned rank 0: that pinning is not this rank's
+        os.environ.pop("GOMP_CPU_AFFINITY", None)
+        os.sched_setaffinity(0, parse_cores(inherited))
+    if any(k in os.environ for k in BIND_ENV) or device == "cuda":
+        return
+    if device == "auto" and _gpu_present():
+        return
+    usable = process_cores()
+    cores = bind_cores(mode, default_threads(requested, tp_size), tp_size, rank)
+    if cores:
+        os.environ["GOMP_CPU_AFFINITY"] = " ".join(map(str, cores))
+        os.environ[PROCESS_CORES_ENV] = ",".join(map(str, usable))
 
 
 # A batch that came later than this after the previous result found the worker idle: no

@@ -356,6 +356,7 @@ def test_config_values_become_env_vars_every_container_reads(
         k: p["enum"][-1] if "enum" in p else samples[p["type"]] for k, p in schema_config.items()
     }
     config["attentionBackend"] = "torch"
+    config["cpuBind"] = "0-3"
     config["maxTotalTokens"] = 1_000_000  # must reach the service as 1000000, never 1e+06
     config["engineDnsServer"] = "10.43.0.10:53"
     config["routingLoadFactor"] = 1.5

@@ -8,14 +8,20 @@ import pytest
 
 from services.common.goodput import MIN_STEPS, Goodput, explore_interval
 from services.worker.cpu_threads import (
+    BIND_ENV,
     EXPLORE_CALLS,
     EXPLORE_EVERY,
     FEWER_MARGIN,
     IDLE_S,
     MAX_CHOSEN_ROWS,
     MAX_EXPLORE_EVERY,
+    PROCESS_CORES_ENV,
     SPIN_COUNT,
     ThreadGovernor,
+    bind_cores,
+    default_threads,
+    parse_cores,
+    set_openmp_bind,
     set_openmp_wait,
 )
 
@@ -48,6 +54,110 @@ def test_an_explicit_setting_wins(clean_env, name, value, mode):
     assert os.environ[name] == value
     other = "GOMP_SPINCOUNT" if name == "OMP_WAIT_POLICY" else "OMP_WAIT_POLICY"
     assert other not in os.environ
+
+
+@pytest.fixture
+def eight_cores(monkeypatch):
+    for name in (*BIND_ENV, PROCESS_CORES_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.setattr("services.worker.cpu_threads._gpu_present", lambda: False)
+    return monkeypatch
+
+
+def test_auto_binding_gives_each_rank_its_own_run_of_cores(eight_cores):
+    assert bind_cores("auto", 8) == list(range(8))
+    assert [bind_cores("auto", 4, 2, r) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert bind_cores("auto", 16) == []  # more threads than cores: the kernel places them
+    assert bind_cores("auto", 4, 4, 3) == []  # 4 ranks x 4 threads do not fit 8 cores
+    assert bind_cores("auto", 2) == []  # 2 of 8 cores: a neighbour may pin the same two
+    assert bind_cores("none", 2) == []
+    assert bind_cores("0-2,6", 4) == [0, 1, 2, 6] == parse_cores("0-2, 6")
+
+
+@pytest.mark.parametrize("bad", ["9", "0-9", "x", "1-", "-2", ""])
+def test_a_bad_core_list_is_refused_by_name(eight_cores, bad):
+    with pytest.raises(ValueError, match="cpu_bind"):
+        bind_cores(bad, 2)
+
+
+def test_binding_goes_into_the_environment_on_the_cpu_only(eight_cores):
+    set_openmp_bind("auto", 0, "cpu", 1, 0)  # 0: a thread per core
+    assert os.environ["GOMP_CPU_AFFINITY"] == "0 1 2 3 4 5 6 7"
+    eight_cores.delenv("GOMP_CPU_AFFINITY")
+    set_openmp_bind("1,3", 2, "cpu", 1, 0)
+    assert os.environ["GOMP_CPU_AFFINITY"] == "1 3"
+    eight_cores.delenv("GOMP_CPU_AFFINITY")
+    set_openmp_bind("auto", 4, "auto", 2, 1)
+    assert os.environ["GOMP_CPU_AFFINITY"] == "4 5 6 7"
+    eight_cores.delenv("GOMP_CPU_AFFINITY")
+    set_openmp_bind("auto", 8, "cuda", 1, 0)
+    eight_cores.setattr("services.worker.cpu_threads._gpu_present", lambda: True)
+    set_openmp_bind("auto", 8, "auto", 1, 0)
+    set_openmp_bind("none", 8, "cpu", 1, 0)
+    assert "GOMP_CPU_AFFINITY" not in os.environ
+    eight_cores.setenv("OMP_PROC_BIND", "false")  # set by hand: it wins
+    set_openmp_bind("auto", 8, "cpu", 1, 0)
+    assert "GOMP_CPU_AFFINITY" not in os.environ
+
+
+def test_a_rank_started_by_a_pinned_rank_takes_its_own_cores(eight_cores):
+    """Rank 0's libgomp pinned its main thread to one core, and the ranks it starts inherit
+    that core and its GOMP_CPU_AFFINITY: each rank restores the process's cores first."""
+    set_openmp_bind("auto", 0, "cpu", 2, 0)
+    assert os.environ["GOMP_CPU_AFFINITY"] == "0 1 2 3"
+    mask, restored = {0}, []  # the one core the child inherits
+
+    def set_mask(pid: int, cores: list[int]) -> None:
+        restored.append(cores)
+        mask.clear()
+        mask.update(cores)
+
+    eight_cores.setattr(os, "sched_getaffinity", lambda pid: set(mask))
+    eight_cores.setattr(os, "sched_setaffinity", set_mask)
+    assert default_threads(0, 2) == 4  # the process's cores, not the pinned thread's
+    set_openmp_bind("auto", 0, "cpu", 2, 1)
+    assert restored == [list(range(8))]
+    assert os.environ["GOMP_CPU_AFFINITY"] == "4 5 6 7"
+
+
+def test_the_worker_refuses_a_bad_core_list_before_loading_torch(clean_env, eight_cores):
+    from services.cli.main import _service_main
+    from services.common.config import WorkerConfig
+
+    with pytest.raises(SystemExit, match="worker: cpu_bind: cores 0-99"):
+        _service_main("worker", WorkerConfig(cpu_bind="0-99", device="cpu"))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_libgomp_pins_a_fresh_process_threads_one_per_core():
+    """What the worker gets: with the setting made before torch loads, its OpenMP threads
+    (the main thread is thread 0) each run on one core of their own."""
+    import ast
+    import subprocess
+    import sys
+
+    code = (
+        "import os, glob\n"
+        "from services.worker.cpu_threads import set_openmp_bind\n"
+        "set_openmp_bind('auto', 0, 'cpu', 1, 0)\n"
+        "import torch\n"
+        "from services.worker.cpu_threads import default_threads\n"
+        "torch.set_num_threads(default_threads(0))\n"
+        "torch.nn.functional.silu(torch.ones(1 << 22))\n"
+        "cores = set()\n"
+        "for t in glob.glob('/proc/self/task/*/status'):\n"
+        "    line = [x for x in open(t) if x.startswith('Cpus_allowed_list')][0]\n"
+        "    cores.add(line.split()[1])\n"
+        "print(sorted(cores))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (*BIND_ENV, PROCESS_CORES_ENV)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    assert {str(first), str(second)} <= set(ast.literal_eval(out.stdout))
 
 
 def test_an_unknown_mode_is_refused_by_name(clean_env):

@@ -18,7 +18,7 @@ from services.common.config import SchedulerConfig
 from services.common.transport import pack_i32, unpack_i32
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.spec_drafts import propose
-from services.scheduler.speculative import BACKLOG_TOKENS_PER_STEP
+from services.scheduler.speculative import BACKLOG_TOKENS_PER_STEP, FEED_TOKENS_PER_STEP
 from tests.fake_worker import (
     FRONTEND,
     VOCAB,
@@ -227,6 +227,33 @@ def test_ngram_and_suffix_drafts_run_the_real_index():
     run(sched)
     assert index.propose("tenant-x", text[:10], 4) == text[10:14]
     assert index.propose("tenant-y", text[:10], 4) == []
+
+
+def test_running_text_is_indexed_a_shared_ration_per_step_verify_or_plain():
+    """Running requests' text enters the index FEED_TOKENS_PER_STEP tokens a step, all of
+    them together and each in turn, after plain steps as after verify steps (so the gate
+    compares steps that carry the same upkeep)."""
+    rng = random.Random(6)
+    for gate in ("always", "goodput"):
+        sched = spec_sched(speculative_algorithm="suffix", speculative_gate=gate)
+        spec = sched.spec
+        if gate == "goodput":  # every step plain: the gate declines whatever is drafted
+            spec.gate.worth = lambda batch: False
+        prompts = {f"r{i}": [rng.randrange(1, 900) for _ in range(100)] for i in range(3)}
+        for rid, p in prompts.items():
+            submit(sched, rid, p, 40)
+        while any(r.in_prefill for r in sched.queues.running) or len(sched.queues.running) < 3:
+            assert sched.step()
+        grown = []
+        for _ in range(6):
+            before = spec.index.num_tokens
+            assert sched.step()
+            grown.append(spec.index.num_tokens - before)
+        assert grown == [FEED_TOKENS_PER_STEP] * 6, (gate, grown)
+        assert all(r.spec.indexed > 0 for r in sched.queues.running)  # each had its turn
+        run(sched)
+        spec.index.check_integrity()
+        sched.kv.check()
 
 
 def test_finished_text_is_indexed_a_little_per_step_and_the_rest_when_idle():
