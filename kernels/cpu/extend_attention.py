@@ -31,10 +31,21 @@ _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_
 ExtendAttention = Callable[..., torch.Tensor]
 
 
-def block_rows(group: int) -> int:
-    """Query rows per work item: with g heads sharing it, g * rows query lanes reuse each
-    K/V block read (~128-256 lanes); fewer rows for large groups keep the items many."""
-    return 64 if group <= 2 else 32
+# Query rows, and lanes (rows x the heads sharing a K/V head), of one work item at most. An
+# item streams its request's whole context of one K/V head once, block by block, so the
+# more lanes share that read, the less copying per FLOP: 256 rows x 2 heads ran a
+# 2,048-row chunk over a 14k prefix 1.2x faster than 64 x 2 (docs/benchmarks.md, "Host
+# costs that grow"); the lane cap keeps a large group's buffers in L2.
+MAX_ROWS, MAX_LANES = 256, 1024
+MIN_ITEMS_PER_THREAD = 4  # smaller items while there would be fewer (causal imbalance)
+
+
+def block_rows(group: int, rows: int = 1 << 30, kv_heads: int = 1, threads: int = 1) -> int:
+    """Query rows per work item for a batch of ``rows`` query rows."""
+    block = max(16, min(MAX_ROWS, MAX_LANES // group // 16 * 16))
+    while block > 16 and kv_heads * -(-rows // block) < MIN_ITEMS_PER_THREAD * threads:
+        block //= 2
+    return block
 
 
 @functools.cache
@@ -74,7 +85,7 @@ def _call(
     kvh = k_pool.shape[1]
     if v_pool.stride() != k_pool.stride():
         raise ValueError("k_pool and v_pool must share one layout")
-    block_q = block_q or block_rows(h // kvh)
+    block_q = block_q or block_rows(h // kvh, t, kvh, torch.get_num_threads())
     if block_q < 1 or h % kvh:
         raise ValueError(f"extend attention: block_q {block_q}, heads {h} / kv heads {kvh}")
     if out is None:

@@ -117,14 +117,26 @@ def test_kernel_matches_reference(heads, kv_heads, d, new, prefix, threads, fn):
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_q", [16, 32, 48])
+@pytest.mark.parametrize("block_q", [16, 32, 48, 144, 256])
 def test_query_blocks_split_requests_exactly(block_q):
     """Rows split into blocks of block_q query rows (and the last, shorter one) give the
     same result as the reference, whatever the block size."""
-    case = _case(8, 4, 64, [77, 16, 33], [20, 0, 65], seed=1)
+    case = _case(8, 4, 64, [300, 16, 33], [20, 0, 65], seed=1)
     out = run(*case, 0.125, block_q=block_q)
     ref = reference(*case, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_work_items_grow_with_the_rows_but_stay_many_enough_for_the_threads():
+    from kernels.cpu.extend_attention import MAX_LANES, MAX_ROWS, block_rows
+
+    assert block_rows(2, 2048, 4, 2) == MAX_ROWS  # a long chunk: the largest items
+    assert block_rows(7, 2048, 2, 2) * 7 <= MAX_LANES  # a large group: lanes capped
+    for rows, threads in [(200, 2), (2048, 16), (5, 64), (1, 1)]:
+        b = block_rows(2, rows, 4, threads)
+        assert 16 <= b <= MAX_ROWS
+        # Halved until each thread has 4 items, or the items reached 16 rows.
+        assert b == 16 or 4 * -(-rows // b) >= 4 * threads
 
 
 @needs_kernel
