@@ -149,8 +149,8 @@ class Scheduler:
             ahead = self.decode.lookahead(current.items, self.link.next_batch_id)
             if ahead:
                 self._send(ahead)
+        self.spec.upkeep(self.queues.running)  # while the worker computes: off the step's path
         self._apply(current.items, self.link.recv())
-        self.spec.after_step(self.queues.running)
         # Before the outputs go out: a client's last token never precedes its gauges.
         self.publish_stats()
         return True

@@ -22,11 +22,12 @@ from services.scheduler.spec_drafts import ALGORITHMS, AdaptiveLength, DraftInde
 from services.scheduler.spec_gate import SpecGate
 from services.scheduler.tokens import Tokens
 
-# Indexing costs ~10-40 us a token, so it is rationed: after every step (plain or verify
-# alike, so the gate compares like with like) this many tokens of running requests' text
-# not indexed yet, all of them together, taken in turn; a request's own text drafts through
-# ngram_draft meanwhile. Finished requests' text not indexed yet waits in a backlog: this
-# many tokens of it are indexed per step, this many per idle loop turn.
+# Indexing costs ~10-40 us a token, so it is rationed: once every step, while the worker
+# computes (plain or verify alike, so the gate compares like with like), this many tokens
+# of running requests' text not indexed yet, all of them together, taken in turn; a
+# request's own text drafts through ngram_draft meanwhile. Finished requests' text not
+# indexed yet waits in a backlog: this many tokens of it are indexed per step, this many
+# per idle loop turn.
 FEED_TOKENS_PER_STEP = 32
 BACKLOG_TOKENS_PER_STEP = 16
 BACKLOG_TOKENS_IDLE = 1024
@@ -203,8 +204,9 @@ class Speculator:
             if st.indexed >= len(ids):
                 self.backlog.popleft()
 
-    def after_step(self, running: Iterable[Req]) -> None:
-        """A step's result is applied: a little of the running requests' text and of the
+    def upkeep(self, running: Iterable[Req]) -> None:
+        """Once a step, while a batch is in flight (verify steps have no overlap schedule
+        to hide scheduler work behind): a little of the running requests' text and of the
         backlog is indexed."""
         self.feed(running)
         if self.backlog:

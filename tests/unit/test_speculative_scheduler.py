@@ -231,8 +231,8 @@ def test_ngram_and_suffix_drafts_run_the_real_index():
 
 def test_running_text_is_indexed_a_shared_ration_per_step_verify_or_plain():
     """Running requests' text enters the index FEED_TOKENS_PER_STEP tokens a step, all of
-    them together and each in turn, after plain steps as after verify steps (so the gate
-    compares steps that carry the same upkeep)."""
+    them together and each in turn, in plain steps as in verify steps (so the gate compares
+    steps that carry the same upkeep)."""
     rng = random.Random(6)
     for gate in ("always", "goodput"):
         sched = spec_sched(speculative_algorithm="suffix", speculative_gate=gate)
@@ -269,7 +269,10 @@ def test_finished_text_is_indexed_a_little_per_step_and_the_rest_when_idle():
     submit(sched, "next", [rng.randrange(1, 900) for _ in range(5)], 8)  # keeps it busy
     while not spec.backlog:
         assert sched.step()
-    step = BACKLOG_TOKENS_PER_STEP  # the step that finished "done" indexed its share
+    # Upkeep runs while a batch is in flight, before its result (which finished "done").
+    assert spec.backlog_tokens == 202 and spec.index.num_tokens == 0
+    step = BACKLOG_TOKENS_PER_STEP
+    assert sched.step()
     assert spec.backlog_tokens == 202 - step and spec.index.num_tokens == step
     assert sched.step()
     assert spec.backlog_tokens == 202 - 2 * step
