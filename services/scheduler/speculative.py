@@ -63,7 +63,7 @@ class Speculator:
     backlog: deque[tuple[SpecState, str, Tokens]] = field(default_factory=deque)
     backlog_tokens: int = 0
     _ids: itertools.count = field(default_factory=itertools.count)
-    _feed_turn: int = 0  # which running request is fed first after the next step
+    _feed_turn: int = 0  # where the next ration starts among the running requests
 
     @classmethod
     def of(cls, cfg: SchedulerConfig, metrics: SchedulerMetrics) -> Speculator:
@@ -160,7 +160,7 @@ class Speculator:
         self._feed_turn = (self._feed_turn + 1) % len(reqs)
         for req in itertools.chain(reqs[self._feed_turn :], reqs[: self._feed_turn]):
             st = self._state(req)
-            if st.indexed < len(req.input_ids) + len(req.output_ids):
+            if st.indexed < req.seq_len:
                 budget -= self._index(st, req.namespace, req.fill_ids, budget)
             if budget <= 0:
                 return

@@ -92,15 +92,15 @@ def set_openmp_bind(mode: str, requested: int, device: str, tp_size: int, rank: 
     if inherited:  # a rank started by a pinned rank 0: that pinning is not this rank's
         os.environ.pop("GOMP_CPU_AFFINITY", None)
         os.sched_setaffinity(0, parse_cores(inherited))
-    if any(k in os.environ for k in BIND_ENV) or device == "cuda":
+    if any(k in os.environ for k in BIND_ENV):
         return
-    if device == "auto" and _gpu_present():
+    # auto pins a CPU worker only; a core list given by hand is honoured on any device.
+    if mode == "auto" and (device == "cuda" or (device == "auto" and _gpu_present())):
         return
-    usable = process_cores()
     cores = bind_cores(mode, default_threads(requested, tp_size), tp_size, rank)
     if cores:
+        os.environ[PROCESS_CORES_ENV] = ",".join(map(str, process_cores()))
         os.environ["GOMP_CPU_AFFINITY"] = " ".join(map(str, cores))
-        os.environ[PROCESS_CORES_ENV] = ",".join(map(str, usable))
 
 
 # A batch that came later than this after the previous result found the worker idle: no

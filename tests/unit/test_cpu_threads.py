@@ -101,6 +101,12 @@ def test_binding_goes_into_the_environment_on_the_cpu_only(eight_cores):
     assert "GOMP_CPU_AFFINITY" not in os.environ
 
 
+def test_a_core_list_given_by_hand_is_honoured_beside_a_gpu(eight_cores):
+    eight_cores.setattr("services.worker.cpu_threads._gpu_present", lambda: True)
+    set_openmp_bind("1,3", 2, "cuda", 1, 0)
+    assert os.environ["GOMP_CPU_AFFINITY"] == "1 3"
+
+
 def test_a_rank_started_by_a_pinned_rank_takes_its_own_cores(eight_cores):
     """Rank 0's libgomp pinned its main thread to one core, and the ranks it starts inherit
     that core and its GOMP_CPU_AFFINITY: each rank restores the process's cores first."""
@@ -129,7 +135,10 @@ def test_the_worker_refuses_a_bad_core_list_before_loading_torch(clean_env, eigh
         _service_main("worker", WorkerConfig(cpu_bind="0-99", device="cpu"))
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2,
+    reason="this process may use one core only: one thread per core cannot be told from none",
+)
 def test_libgomp_pins_a_fresh_process_threads_one_per_core():
     """What the worker gets: with the setting made before torch loads, its OpenMP threads
     (the main thread is thread 0) each run on one core of their own."""
