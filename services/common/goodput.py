@@ -97,6 +97,16 @@ class GoodputChoice:
         """The loop went idle: the next result starts a new chain."""
         self._last = None
 
+    def refresh(self) -> None:
+        """What runs next may differ from what was measured (a new workload after a pause):
+        each way keeps only its newest MIN_STEPS // 2 rates and is measured again until
+        known, so the new steps are most of each median (else a window full of another
+        workload's steps keeps deciding for hundreds of steps)."""
+        for table in (self.firsts, self.seconds):
+            for g in table.values():
+                while len(g.rates) > MIN_STEPS // 2:
+                    g.rates.popleft()
+
     def ratio(self, b: int) -> float | None:
         """The second way's rate over the first's in bucket b; None until both known."""
         one, two = self.firsts.get(b), self.seconds.get(b)

@@ -24,6 +24,9 @@ GATES = ("goodput", "always")
 # worth() calls an exploration lasts: the lookahead's and the build's of one step, and one
 # more, so that two steps of the explored mode run back to back (one period).
 EXPLORE_CALLS = 3
+# An engine idle this long starts again with its measurements thinned (GoodputChoice.refresh):
+# the next requests may be another workload, whose drafts pay more or less.
+REFRESH_AFTER_IDLE_S = 0.5
 
 
 def gate_names() -> list[str]:
@@ -53,6 +56,7 @@ class SpecGate:
         self.choice = GoodputChoice(
             EXPLORE_CALLS, clock=self.clock, firsts=self.verify, seconds=self.plain
         )
+        self._idle_since: float | None = None
 
     def observe(self, kind: StepKind, batch: int, tokens: int) -> None:
         """A result of ``batch`` decode rows that committed ``tokens`` came back just now."""
@@ -63,7 +67,15 @@ class SpecGate:
     def idle(self) -> None:
         """The loop went idle: the next result starts a new chain."""
         self.choice.idle()
+        if self._idle_since is None:
+            self._idle_since = self.clock()
 
     def worth(self, batch: int) -> bool:
         """Whether the next step of ``batch`` decode rows, some with drafts, verifies them."""
-        return self.mode != "goodput" or self.choice.first(batch)
+        if self.mode != "goodput":
+            return True
+        if self._idle_since is not None:
+            if self.clock() - self._idle_since >= REFRESH_AFTER_IDLE_S:
+                self.choice.refresh()
+            self._idle_since = None
+        return self.choice.first(batch)

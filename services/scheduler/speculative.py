@@ -44,7 +44,8 @@ def algorithm_names() -> list[str]:
 class SpecState:
     seq_id: str
     length: AdaptiveLength
-    indexed: int = 0  # tokens of the request's fill_ids already in the draft index
+    indexed: int = 0  # tokens of the request's fill_ids in the draft index, or skipped
+    added: bool = False  # whether the index holds the sequence yet
     # k decided ahead for the next step (the lookahead's prediction); None: not yet.
     planned: int | None = None
 
@@ -88,8 +89,19 @@ class Speculator:
             # Recent drafts mostly failed: start probing, as verify steps slow the batch.
             start_off = self.accept_rate < START_OFF_BELOW
             length = AdaptiveLength(self.max_k, start_off=start_off)
-            req.spec = SpecState(f"{req.rid}#{next(self._ids)}", length)
+            req.spec = SpecState(f"{req.rid}#{next(self._ids)}", length, self._skip(req))
         return req.spec
+
+    def _skip(self, req: Req) -> int:
+        """Leading tokens of the request not to index: the prompt prefix it found cached on
+        this engine is the text of an earlier request of its namespace, indexed with that
+        one (a turn's history, a shared document); the last max_depth of them are indexed
+        again so that windows across the end of the prefix exist. KV that came from storage
+        may have been written by another engine, whose text this index never saw."""
+        if self.index is None:
+            return 0
+        here = req.cached_tokens - req.cached_storage_tokens
+        return max(0, here - self.index.max_depth)
 
     def _room(self, req: Req, max_model_len: int) -> int:
         return min(req.remaining_new_tokens - 1, max_model_len - req.seq_len)
@@ -171,8 +183,9 @@ class Speculator:
             return 0
         start = st.indexed
         end = min(len(ids), start + limit)
-        if start == 0 and end:
-            self.index.add(namespace, st.seq_id, ids[:end])
+        if start < end and not st.added:
+            self.index.add(namespace, st.seq_id, ids[start:end])
+            st.added = True
         elif start < end:
             self.index.extend(namespace, st.seq_id, ids[start:end])
         st.indexed = max(start, end)

@@ -15,7 +15,7 @@ from services.common.goodput import (
     Goodput,
     explore_interval,
 )
-from services.scheduler.spec_gate import EXPLORE_CALLS, SpecGate, StepKind
+from services.scheduler.spec_gate import EXPLORE_CALLS, REFRESH_AFTER_IDLE_S, SpecGate, StepKind
 from tests.fake_worker import expected, run, submit
 from tests.unit.test_speculative_scheduler import Oracle, spec_sched, verify_items
 
@@ -94,6 +94,36 @@ def test_the_other_mode_is_measured_again_now_and_then(verify_rate):
 def test_a_mode_far_behind_is_looked_at_rarely():
     assert explore_interval(2.0, 1.0) == explore_interval(1.0, 2.0) == 4 * EXPLORE_EVERY
     assert explore_interval(1.0, 100.0) == MAX_EXPLORE_EVERY
+
+
+def test_after_a_pause_old_measurements_are_thinned_and_both_modes_measured_again():
+    """Another workload may follow a pause: each mode keeps its newest MIN_STEPS // 2 rates
+    and is measured again, verify first, so the new steps decide; a short gap (a client's
+    next call) changes nothing."""
+    now = [0.0]
+    gate = SpecGate(
+        clock=lambda: now[0],
+        verify={5: goodput(*[100.0] * WINDOW)},
+        plain={5: goodput(*[1600.0] * WINDOW)},
+    )
+    assert not gate.worth(16)
+    gate.idle()
+    now[0] += REFRESH_AFTER_IDLE_S / 10
+    assert not gate.worth(16)  # a short gap
+    assert len(gate.verify[5].rates) == WINDOW
+    gate.idle()
+    now[0] += REFRESH_AFTER_IDLE_S
+    gate.idle()  # the loop turns while idle: the pause counts from its start
+    now[0] += REFRESH_AFTER_IDLE_S / 2
+    assert gate.worth(16)
+    assert len(gate.verify[5].rates) == len(gate.plain[5].rates) == MIN_STEPS // 2
+    for _ in range(MIN_STEPS - MIN_STEPS // 2):  # the new workload's verify steps pay
+        assert gate.worth(16)
+        gate.verify[5].add(1.0, 3200.0)
+    assert not gate.worth(16)  # now plain, until known
+    for _ in range(MIN_STEPS - MIN_STEPS // 2):
+        gate.plain[5].add(1.0, 1600.0)
+    assert gate.worth(16)
 
 
 def test_always_never_declines_nor_measures():

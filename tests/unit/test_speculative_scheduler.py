@@ -281,10 +281,38 @@ def test_finished_text_is_indexed_a_little_per_step_and_the_rest_when_idle():
     assert spec.index.propose("", text[:20], 4) == text[20:24]
     spec.index.check_integrity()
     spec.index.max_tokens = 150
-    submit(sched, "big", text, 2)
+    submit(sched, "big", [rng.randrange(1, 900) for _ in range(200)], 2)  # nothing cached
     while "big" in sched.queues.by_rid:
         assert sched.step()
     assert not spec.backlog and spec.backlog_tokens == 0  # 202 > 150: dropped
+
+
+def test_a_cached_prefix_is_not_indexed_again():
+    """A second turn's history is the first turn's text, indexed with it: only its last
+    max_depth tokens (for windows across the end of the prefix) and what follows are added;
+    drafts across that end still come from the index."""
+    rng = random.Random(8)
+    sched = spec_sched(speculative_algorithm="suffix")
+    spec = sched.spec
+    first = [rng.randrange(1, 900) for _ in range(120)]
+    submit(sched, "t1", first, 8)
+    turn1 = first + list(run(sched)["t1"].token_ids)
+    assert spec.index.num_tokens == len(turn1)  # all of it (idle drained the backlog)
+    second = turn1 + [rng.randrange(1, 900) for _ in range(20)]
+    submit(sched, "t2", second, 8)
+    req = sched.queues.by_rid["t2"]
+    while req.in_prefill:
+        assert sched.step()
+    depth = spec.index.max_depth
+    assert req.cached_tokens >= 100
+    turn2 = second + list(run(sched)["t2"].token_ids)
+    held = {sid.split("#")[0]: toks for _, sid, toks in spec.index.sequences()}
+    assert held["t2"] == turn2[req.cached_tokens - depth :]
+    assert spec.index.num_tokens == len(turn1) + len(held["t2"])
+    across = turn2[len(turn1) - 10 : len(turn1) + 2]  # ends past the first turn's text
+    assert spec.index.propose("", across, 4) == turn2[len(turn1) + 2 : len(turn1) + 6]
+    spec.index.check_integrity()
+    sched.kv.check()
 
 
 def test_retraction_and_aborts_with_drafts_in_a_tight_pool(caplog):
