@@ -79,6 +79,7 @@ class GoodputChoice:
     firsts: dict[int, Goodput] = field(default_factory=dict)
     seconds: dict[int, Goodput] = field(default_factory=dict)
     seen: Counter[int] = field(default_factory=Counter)  # first() calls per bucket
+    unknown: Counter[int] = field(default_factory=Counter)  # calls, the first way unknown
     streak: int = 0  # first() answers in a row that chose the measured-better way
     exploring: int = 0  # first() calls left that answer the other way
     _last: tuple[bool, float] | None = None
@@ -129,9 +130,17 @@ class GoodputChoice:
         ratio = self.ratio(b)
         if ratio is None:  # measure both ways, in the order _lean gives
             one, two = self.firsts.get(b), self.seconds.get(b)
-            if self._lean():
-                return one is None or not one.known
-            return two is not None and two.known
+            if not self._lean():
+                return two is not None and two.known
+            if one is not None and one.known:
+                return False
+            if two is None or not two.known:
+                return True
+            # The second way is known and the first is not, so its steps have not run back
+            # to back: they may come only now and then (a draft here and there), never to
+            # be measured. They get a few tries out of every explore_every calls.
+            self.unknown[b] += 1
+            return self.unknown[b] % self.explore_every <= 2 * self.explore_calls
         best = ratio < self.margin
         if self.exploring:
             self.exploring -= 1

@@ -220,8 +220,11 @@ class Speculator:
     def upkeep(self, running: Iterable[Req]) -> None:
         """Once a step, while a batch is in flight (verify steps have no overlap schedule
         to hide scheduler work behind): a little of the running requests' text and of the
-        backlog is indexed."""
-        self.feed(running)
+        backlog is indexed. While drafts keep failing engine-wide (text that repeats
+        nothing), running text waits for the backlog instead: the ration would tax every
+        step for drafts that are not coming."""
+        if self.accept_rate >= START_OFF_BELOW:
+            self.feed(running)
         if self.backlog:
             self.index_backlog(BACKLOG_TOKENS_PER_STEP)
 

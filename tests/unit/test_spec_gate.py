@@ -126,6 +126,18 @@ def test_after_a_pause_old_measurements_are_thinned_and_both_modes_measured_agai
     assert gate.worth(16)
 
 
+def test_verify_steps_that_never_run_back_to_back_get_a_few_tries_only():
+    """Drafts now and then (text that seldom repeats): verify steps never follow each other,
+    so their rate stays unknown; they get a few tries in every EXPLORE_EVERY steps, not all
+    of them, until a period is measured."""
+    gate = SpecGate(plain={5: goodput(1600.0, 1600.0, 1600.0)})
+    answers = [gate.worth(16) for _ in range(2 * EXPLORE_EVERY)]
+    assert answers.count(True) == 2 * (2 * EXPLORE_CALLS + 1)
+    assert all(answers[: 2 * EXPLORE_CALLS])  # the tries come first
+    gate.verify[5] = goodput(3200.0, 3200.0, 3200.0)  # measured after all: they pay
+    assert all(gate.worth(16) for _ in range(EXPLORE_EVERY - 1))
+
+
 def test_always_never_declines_nor_measures():
     gate = SpecGate("always", verify={5: goodput(1.0, 1.0, 1.0)}, plain={5: goodput(9.0, 9.0, 9.0)})
     assert gate.worth(16)
