@@ -32,7 +32,7 @@ CONTEXT = 512  # the shipped model's positions: bench_spec's calls are fitted to
 
 
 def body(call: Call, model: str) -> tuple[str, dict]:
-    """The route and OpenAI body of one of bench_spec's calls."""
+    """The route and OpenAI body of one of bench_spec's calls (all plain completions)."""
     sp = call.sampling
     out: dict = {"model": model, "max_tokens": sp.max_tokens, "temperature": sp.temperature}
     if sp.HasField("seed"):
@@ -41,9 +41,6 @@ def body(call: Call, model: str) -> tuple[str, dict]:
         out["ignore_eos"] = True
     if sp.stop:
         out["stop"] = list(sp.stop)
-    if call.messages:
-        out["messages"] = [{"role": r, "content": c} for r, c in call.messages]
-        return "/v1/chat/completions", out
     return "/v1/completions", out | {"prompt": call.text}
 
 
@@ -56,7 +53,7 @@ def run_stream(url: str, model: str, stream: Stream, tok) -> tuple[int, list[str
         r = httpx.post(url + route, json=b, timeout=600)
         r.raise_for_status()
         choice = r.json()["choices"][0]
-        answer = choice["message"]["content"] if call.messages else choice["text"]
+        answer = choice["text"]
         tokens += r.json()["usage"]["completion_tokens"]
         answers.append(answer)
         nxt = stream.follow(call, answer, len(answers)) if stream.follow else None

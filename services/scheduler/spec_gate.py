@@ -60,9 +60,14 @@ class SpecGate:
 
     def observe(self, kind: StepKind, batch: int, tokens: int) -> None:
         """A result of ``batch`` decode rows that committed ``tokens`` came back just now."""
-        if self.mode == "goodput":
-            way = None if kind is StepKind.OTHER else kind is StepKind.VERIFY
-            self.choice.observe(way, batch, tokens)
+        if self.mode != "goodput":
+            return
+        if self._idle_since is not None:  # the first result since the engine went idle
+            if self.clock() - self._idle_since >= REFRESH_AFTER_IDLE_S:
+                self.choice.refresh()
+            self._idle_since = None
+        way = None if kind is StepKind.OTHER else kind is StepKind.VERIFY
+        self.choice.observe(way, batch, tokens)
 
     def idle(self) -> None:
         """The loop went idle: the next result starts a new chain."""
@@ -72,10 +77,4 @@ class SpecGate:
 
     def worth(self, batch: int) -> bool:
         """Whether the next step of ``batch`` decode rows, some with drafts, verifies them."""
-        if self.mode != "goodput":
-            return True
-        if self._idle_since is not None:
-            if self.clock() - self._idle_since >= REFRESH_AFTER_IDLE_S:
-                self.choice.refresh()
-            self._idle_since = None
-        return self.choice.first(batch)
+        return self.mode != "goodput" or self.choice.first(batch)

@@ -97,9 +97,9 @@ def test_a_mode_far_behind_is_looked_at_rarely():
 
 
 def test_after_a_pause_old_measurements_are_thinned_and_both_modes_measured_again():
-    """Another workload may follow a pause: each mode keeps its newest MIN_STEPS // 2 rates
-    and is measured again, verify first, so the new steps decide; a short gap (a client's
-    next call) changes nothing."""
+    """Another workload may follow a pause: from its first result on, each mode keeps its
+    newest MIN_STEPS // 2 rates and is measured again, verify first, so the new steps
+    decide; a short gap (a client's next call) changes nothing."""
     now = [0.0]
     gate = SpecGate(
         clock=lambda: now[0],
@@ -109,13 +109,14 @@ def test_after_a_pause_old_measurements_are_thinned_and_both_modes_measured_agai
     assert not gate.worth(16)
     gate.idle()
     now[0] += REFRESH_AFTER_IDLE_S / 10
-    assert not gate.worth(16)  # a short gap
-    assert len(gate.verify[5].rates) == WINDOW
+    gate.observe(StepKind.OTHER, 16, 0)  # a short gap: the next request's prefill
+    assert len(gate.verify[5].rates) == WINDOW and not gate.worth(16)
     gate.idle()
     now[0] += REFRESH_AFTER_IDLE_S
     gate.idle()  # the loop turns while idle: the pause counts from its start
     now[0] += REFRESH_AFTER_IDLE_S / 2
-    assert gate.worth(16)
+    assert not gate.worth(16)  # the lookahead before the first result: as before
+    gate.observe(StepKind.OTHER, 16, 0)
     assert len(gate.verify[5].rates) == len(gate.plain[5].rates) == MIN_STEPS // 2
     for _ in range(MIN_STEPS - MIN_STEPS // 2):  # the new workload's verify steps pay
         assert gate.worth(16)
