@@ -5,8 +5,9 @@ trying: the scheduler's speculation gate (verify drafts, or run the step plain) 
 worker's thread count (every thread, or one fewer beside processes that want a core).
 
 A way's goodput is the median tokens per second of its last WINDOW steps. A step's period is
-the time between two results of the same way back to back, so it holds all the step costs
-the loop (the forward and the host work around it), and the median, because a period also
+the time between two results of the same way back to back (or, for a first way whose steps
+nothing overlaps, after a result of either way), so it holds all the step costs the loop
+(the forward and the host work around it), and the median, because a period also
 holds whatever else happened in it, which now and then makes one many times longer. Kept per
 batch size bucket (powers of two). The way not chosen is measured again now and then, a few
 steps long: after EXPLORE_EVERY steps of the other while the two are close, more rarely the
@@ -68,18 +69,21 @@ class GoodputChoice:
     two steps of it run back to back (one period) however often a step asks. ``margin``:
     how many times the first way's rate the second must measure to be chosen (> 1 where the
     first is the safe default and a wrong switch costs more than a missed one).
-    ``explore_every``, ``max_explore_every``: explore_interval's bounds."""
+    ``explore_every``, ``max_explore_every``: explore_interval's bounds.
+    ``first_after_any``: a step of the first way is measured after a step of either way,
+    where its period is the same whatever ran before it (a verify step, which nothing
+    overlaps); else, as always for the second way, only after a step of its own way."""
 
     explore_calls: int = 2
     margin: float = 1.0
     explore_every: int = EXPLORE_EVERY
     max_explore_every: int = MAX_EXPLORE_EVERY
     follow: bool = False
+    first_after_any: bool = False
     clock: Callable[[], float] = field(default_factory=lambda: time.perf_counter)
     firsts: dict[int, Goodput] = field(default_factory=dict)
     seconds: dict[int, Goodput] = field(default_factory=dict)
     seen: Counter[int] = field(default_factory=Counter)  # first() calls per bucket
-    unknown: Counter[int] = field(default_factory=Counter)  # calls, the first way unknown
     streak: int = 0  # first() answers in a row that chose the measured-better way
     exploring: int = 0  # first() calls left that answer the other way
     _last: tuple[bool, float] | None = None
@@ -89,7 +93,9 @@ class GoodputChoice:
         the second, or neither (None: a step of another kind breaks the chain)."""
         now = self.clock()
         last, self._last = self._last, (None if first is None else (first, now))
-        if first is None or last is None or last[0] is not first:
+        if first is None or last is None:
+            return
+        if last[0] is not first and not (first and self.first_after_any):
             return
         table = self.firsts if first else self.seconds
         table.setdefault(bucket(batch), Goodput()).add(now - last[1], tokens)
@@ -130,17 +136,9 @@ class GoodputChoice:
         ratio = self.ratio(b)
         if ratio is None:  # measure both ways, in the order _lean gives
             one, two = self.firsts.get(b), self.seconds.get(b)
-            if not self._lean():
-                return two is not None and two.known
-            if one is not None and one.known:
-                return False
-            if two is None or not two.known:
-                return True
-            # The second way is known and the first is not, so its steps have not run back
-            # to back: they may come only now and then (a draft here and there), never to
-            # be measured. They get a few tries out of every explore_every calls.
-            self.unknown[b] += 1
-            return self.unknown[b] % self.explore_every <= 2 * self.explore_calls
+            if self._lean():
+                return one is None or not one.known
+            return two is not None and two.known
         best = ratio < self.margin
         if self.exploring:
             self.exploring -= 1

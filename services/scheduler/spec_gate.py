@@ -53,9 +53,13 @@ class SpecGate:
             raise ValueError(
                 f"speculative_gate must be one of {', '.join(GATES)}, got {self.mode!r}"
             )
+        # A verify step's period after a plain step is its whole cost, as after a verify
+        # step: nothing is queued behind a plain step when the next one verifies. So verify
+        # steps that come only now and then (a draft here and there) are measured too.
         self.choice = GoodputChoice(
-            EXPLORE_CALLS, clock=self.clock, firsts=self.verify, seconds=self.plain
-        )
+            EXPLORE_CALLS, clock=self.clock, firsts=self.verify, seconds=self.plain,
+            first_after_any=True,
+        )  # fmt: skip
         self._idle_since: float | None = None
 
     def observe(self, kind: StepKind, batch: int, tokens: int) -> None:
