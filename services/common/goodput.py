@@ -4,14 +4,14 @@ Used where the answer depends on the model, the batch and the machine and is onl
 trying: the scheduler's speculation gate (verify drafts, or run the step plain) and the CPU
 worker's thread count (every thread, or one fewer beside processes that want a core).
 
-A way's goodput is the median tokens per second of its last WINDOW steps. A step's period is
-the time between two results of the same way back to back (or, for a first way whose steps
-nothing overlaps, after a result of either way), so it holds all the step costs the loop
-(the forward and the host work around it), and the median, because a period also
-holds whatever else happened in it, which now and then makes one many times longer. Kept per
-batch size bucket (powers of two). The way not chosen is measured again now and then, a few
-steps long: after EXPLORE_EVERY steps of the other while the two are close, more rarely the
-further apart they are (each look costs steps of the worse way).
+A way's goodput is the mean tokens of its last WINDOW steps over their median period. A
+step's period is the time between two results of the same way back to back (or, for a first
+way whose steps nothing overlaps, after a result of either way), so it holds all the step
+costs of the loop (the forward and the host work around it); the median, because a period
+also holds whatever else happened in it, which now and then makes one many times longer.
+Kept per batch size bucket (powers of two). The way not chosen is measured again now and
+then, a few steps long: after EXPLORE_EVERY steps of the other while the two are close, more
+rarely the further apart they are (each look costs steps of the worse way).
 """
 
 from __future__ import annotations
@@ -42,21 +42,32 @@ def explore_interval(
 
 @dataclass
 class Goodput:
-    """One way's last steps, as tokens per second each."""
+    """One way's last steps, as (period seconds, tokens) each. Its rate is their mean tokens
+    over their median period: the median keeps a period that other work held up from
+    counting, and the mean counts tokens as delivered, where the median of per-step rates
+    did not: a verify step commits 1 token when its first draft fails and 1 + k when all
+    pass, and with most steps at 1 that median read a way delivering 2.8 tokens a step as
+    delivering 1."""
 
-    rates: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    steps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
-    def add(self, seconds: float, tokens: int) -> None:
+    def add(self, seconds: float, tokens: float) -> None:
         if seconds > 0:
-            self.rates.append(tokens / seconds)
+            self.steps.append((seconds, tokens))
+
+    @property
+    def rates(self) -> list[float]:
+        """Each step's own tokens per second (what the rate is made of, for reading)."""
+        return [t / s for s, t in self.steps]
 
     @property
     def known(self) -> bool:
-        return len(self.rates) >= MIN_STEPS
+        return len(self.steps) >= MIN_STEPS
 
     @property
     def rate(self) -> float:
-        return statistics.median(self.rates)
+        tokens = statistics.fmean(t for _, t in self.steps)
+        return tokens / statistics.median(s for s, _ in self.steps)
 
 
 @dataclass
@@ -111,8 +122,8 @@ class GoodputChoice:
         workload's steps keeps deciding for hundreds of steps)."""
         for table in (self.firsts, self.seconds):
             for g in table.values():
-                while len(g.rates) > MIN_STEPS // 2:
-                    g.rates.popleft()
+                while len(g.steps) > MIN_STEPS // 2:
+                    g.steps.popleft()
 
     def ratio(self, b: int) -> float | None:
         """The second way's rate over the first's in bucket b; None until both known."""

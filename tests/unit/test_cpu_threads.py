@@ -246,7 +246,8 @@ def test_a_new_batch_size_measures_the_count_chosen_elsewhere_first():
 
 def goodput(rate: float) -> Goodput:
     g = Goodput()
-    g.rates.extend([rate] * MIN_STEPS)
+    for _ in range(MIN_STEPS):
+        g.add(1.0, rate)
     return g
 
 
@@ -264,9 +265,10 @@ def test_a_batch_without_rows_chooses_nothing_and_breaks_the_chain():
     w.batches(1, rows=0)  # KV copies or grammar requests only: no forward
     w.batches(1)
     assert len(w.g.choice.firsts[5].rates) == 1 and 1 not in w.g.choice.firsts
-    w.g.choice.firsts[5].rates.extend([0.0] * 16)  # a way that delivered nothing
     w.g.choice.seconds[5] = Goodput()
-    w.g.choice.seconds[5].rates.extend([0.0] * 16)
+    for _ in range(16):  # ways that delivered nothing
+        w.g.choice.firsts[5].add(1.0, 0.0)
+        w.g.choice.seconds[5].add(1.0, 0.0)
     assert w.g.choice.ratio(5) == 0.0 and w.batches(1) == [2]
 
 

@@ -35,8 +35,10 @@ def timed_gate(periods: dict[StepKind, float]) -> SpecGate:
 
 
 def goodput(*rates: float) -> Goodput:
+    """Steps of one second each, delivering ``rates`` tokens."""
     g = Goodput()
-    g.rates.extend(rates)
+    for r in rates:
+        g.add(1.0, r)
     return g
 
 
@@ -57,11 +59,20 @@ def test_periods_are_measured_between_results_of_one_kind():
     assert list(gate.plain[3].rates) == [pytest.approx(400.0)]
 
 
-def test_a_rate_is_the_median_of_the_last_steps():
-    g = goodput(1000.0, 1100.0, 5.0, 900.0)  # one step held up by other work
-    assert g.known and g.rate == pytest.approx(950.0)
-    g.rates.extend([1.0] * WINDOW)
-    assert len(g.rates) == WINDOW and g.rate == 1.0
+def test_a_rate_is_the_mean_tokens_over_the_median_period():
+    g = Goodput()
+    for seconds in (0.010, 0.011, 0.500, 0.009):  # one step held up by other work
+        g.add(seconds, 16)
+    assert g.known and g.rate == pytest.approx(16 / 0.0105)
+    # A verify step commits 1 token when its first draft fails, 1 + k when all pass: the
+    # rate counts what the steps delivered (a median of per-step rates read 250 here).
+    g = Goodput()
+    for tokens in (1, 1, 5, 5, 1):
+        g.add(0.004, tokens)
+    assert g.rate == pytest.approx(2.6 / 0.004)
+    for _ in range(WINDOW):
+        g.add(1.0, 1.0)
+    assert len(g.steps) == WINDOW and g.rate == 1.0
     assert not goodput(*[1.0] * (MIN_STEPS - 1)).known
 
 
@@ -110,14 +121,14 @@ def test_after_a_pause_old_measurements_are_thinned_and_both_modes_measured_agai
     gate.idle()
     now[0] += REFRESH_AFTER_IDLE_S / 10
     gate.observe(StepKind.OTHER, 16, 0)  # a short gap: the next request's prefill
-    assert len(gate.verify[5].rates) == WINDOW and not gate.worth(16)
+    assert len(gate.verify[5].steps) == WINDOW and not gate.worth(16)
     gate.idle()
     now[0] += REFRESH_AFTER_IDLE_S
     gate.idle()  # the loop turns while idle: the pause counts from its start
     now[0] += REFRESH_AFTER_IDLE_S / 2
     assert not gate.worth(16)  # the lookahead before the first result: as before
     gate.observe(StepKind.OTHER, 16, 0)
-    assert len(gate.verify[5].rates) == len(gate.plain[5].rates) == MIN_STEPS // 2
+    assert len(gate.verify[5].steps) == len(gate.plain[5].steps) == MIN_STEPS // 2
     for _ in range(MIN_STEPS - MIN_STEPS // 2):  # the new workload's verify steps pay
         assert gate.worth(16)
         gate.verify[5].add(1.0, 3200.0)
