@@ -132,6 +132,12 @@ class GoodputChoice:
             return None
         return two.rate / max(one.rate, 1e-12)  # a way that delivered nothing: 0
 
+    def leaning(self, batch: int) -> bool | None:
+        """Which way the measurements favour for ``batch`` (True: the first), None while
+        unknown; asks nothing of the exploring (first() does)."""
+        ratio = self.ratio(bucket(batch))
+        return None if ratio is None else ratio < self.margin
+
     def _lean(self) -> bool:
         """The way the busiest bucket that knows both chose (``follow``), else the first."""
         known = [b for b in self.firsts.keys() & self.seconds.keys() if self.ratio(b) is not None]

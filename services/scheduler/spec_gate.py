@@ -79,6 +79,10 @@ class SpecGate:
         if self._idle_since is None:
             self._idle_since = self.clock()
 
+    def verifying(self, batch: int) -> bool:
+        """Whether steps of ``batch`` verify as things stand (unknown: yes)."""
+        return self.mode != "goodput" or self.choice.leaning(batch) is not False
+
     def worth(self, batch: int) -> bool:
         """Whether the next step of ``batch`` decode rows, some with drafts, verifies them."""
         return self.mode != "goodput" or self.choice.first(batch)

@@ -153,6 +153,15 @@ def test_verify_steps_now_and_then_are_measured_after_plain_ones():
     assert not gate.worth(16)  # measured: the sporadic drafts do not pay
 
 
+def test_verifying_says_what_the_measurements_favour_and_explores_nothing():
+    gate = SpecGate(verify={5: goodput(900.0, 900.0, 900.0)})
+    assert gate.verifying(16)  # plain unknown
+    gate.plain[5] = goodput(1600.0, 1600.0, 1600.0)
+    assert not any(gate.verifying(16) for _ in range(4 * MAX_EXPLORE_EVERY))
+    assert gate.verifying(4)  # another bucket, unknown
+    assert SpecGate("always", plain={5: goodput(1600.0, 1600.0, 1600.0)}).verifying(16)
+
+
 def test_always_never_declines_nor_measures():
     gate = SpecGate("always", verify={5: goodput(1.0, 1.0, 1.0)}, plain={5: goodput(9.0, 9.0, 9.0)})
     assert gate.worth(16)

@@ -260,21 +260,28 @@ def test_running_text_is_indexed_a_shared_ration_per_step_verify_or_plain():
         sched.kv.check()
 
 
-def test_running_text_waits_for_the_backlog_while_drafts_keep_failing():
-    """Engine-wide acceptance under START_OFF_BELOW (text that repeats nothing): the running
-    requests' text is not indexed step by step; it joins the backlog when they finish."""
+def test_running_text_waits_for_the_backlog_while_drafts_keep_failing_or_are_declined():
+    """Engine-wide acceptance under START_OFF_BELOW (text that repeats nothing), or a gate
+    that runs this batch size plain: the running requests' text is not indexed step by
+    step; it joins the backlog when they finish."""
     rng = random.Random(4)
     sched = spec_sched(speculative_algorithm="suffix")
     spec = sched.spec
-    spec.accept_rate = START_OFF_BELOW / 2
-    text = [rng.randrange(1, 900) for _ in range(60)]
-    submit(sched, "r", text, 30)
-    while "r" in sched.queues.by_rid:
-        assert sched.step()
-        assert spec.index.num_tokens == 0
-    out = list(run(sched)["r"].token_ids)
-    assert spec.index.num_tokens == len(text) + len(out)  # the backlog, drained while idle
-    spec.index.check_integrity()
+    for off in ("acceptance", "gate"):
+        if off == "acceptance":
+            spec.accept_rate = START_OFF_BELOW / 2
+        else:  # the gate measured plain steps of this size faster
+            spec.accept_rate = 1.0
+            spec.gate.verifying = lambda batch: False
+        spec.reset()
+        text = [rng.randrange(1, 900) for _ in range(60)]
+        submit(sched, "r", text, 30)
+        while "r" in sched.queues.by_rid:
+            assert sched.step()
+            assert spec.index.num_tokens == 0
+        out = list(run(sched)["r"].token_ids)
+        assert spec.index.num_tokens == len(text) + len(out)  # the backlog, drained idle
+        spec.index.check_integrity()
 
 
 def test_finished_text_is_indexed_a_little_per_step_and_the_rest_when_idle():
