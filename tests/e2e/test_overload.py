@@ -67,13 +67,15 @@ def test_a_burst_beyond_the_queue_gets_429_and_the_admitted_answers_are_exact(se
 @pytest.fixture(scope="module")
 def slow_server():
     """One request at a time, a short queue time, prompts prefilled 2 tokens a step."""
-    flags = ("--max-running-requests", "1", "--max-queue-time", "0.5")
+    flags = ("--max-running-requests", "1", "--max-queue-time", "0.2")
     with Server(*flags, "--chunked-prefill-size", "2", metrics=True) as s:
         yield s
 
 
 def test_a_request_queued_past_max_queue_time_fails_and_frees_the_pool(slow_server):
-    busy = BackgroundStream(slow_server, max_tokens=400)  # holds the one running slot
+    # Holds the one running slot for ~0.5-1 s (480 tokens at ~1-2 ms a step): well past
+    # the queue time, also on a quiet machine (400 tokens once finished within 0.5 s).
+    busy = BackgroundStream(slow_server, max_tokens=480)
     try:
         assert busy.started.wait(60)
         body = {"prompt": "Waiting in line.", "max_tokens": 8}
