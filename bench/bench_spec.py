@@ -123,10 +123,11 @@ def multi_turn(i: int, args, tok) -> Stream:
     template: the shipped model learnt single-turn chat only, and answers a second chat turn
     with about ten tokens of noise."""
     lines = zen().splitlines()
-    first = i % (len(lines) - 2 * args.turns)
+    first = i % max(1, len(lines) - 2 * args.turns)
     sp = pb.SamplingParams(max_tokens=args.turn_len, temperature=0.0)  # to its EOS
 
     def ask(line: int) -> str:
+        line = min(line, len(lines) - 1)  # many --turns: the later ones ask for the last line
         return f"Recite the Zen of Python from line {line + 1}.\n{lines[line]}\n"
 
     def follow(prev: Call, answer: str, n: int) -> Call | None:

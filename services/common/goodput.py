@@ -44,10 +44,8 @@ def explore_interval(
 class Goodput:
     """One way's last steps, as (period seconds, tokens) each. Its rate is their mean tokens
     over their median period: the median keeps a period that other work held up from
-    counting, and the mean counts tokens as delivered, where the median of per-step rates
-    did not: a verify step commits 1 token when its first draft fails and 1 + k when all
-    pass, and with most steps at 1 that median read a way delivering 2.8 tokens a step as
-    delivering 1."""
+    counting; the mean counts tokens as delivered (a verify step commits 1 token or 1 + k,
+    so a median of per-step rates reads mostly-refused steps as the whole way)."""
 
     steps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
