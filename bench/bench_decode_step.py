@@ -23,6 +23,11 @@ Switches (--ab):
   prefill tokens/s (--prefill-prompts x --prompt-len, --rounds), then the decode steps.
 - ``extend-kernel``: the C extend-attention kernel (kernels/cpu/extend_attention.py) vs one
   SDPA per request (its ``supports`` made False per forward call): prefill tokens/s only.
+- ``rows-kernel``: with ``--verify K`` (each step a speculative verify step: the request's
+  token and K drafts, all accepted), attention through the decode kernel's rows entry
+  (``decode_attention.load_rows``) vs the extend kernel.
+- ``verify-step``: verify steps with ``--verify K`` drafts (A) vs plain decode steps (B):
+  what a verify step costs in decode steps (forward only, nothing rejected).
 
     M=~/.cache/radixserve-peers/models/small
     .venv/bin/python bench/bench_decode_step.py --model-path $M --batches 16 64 --steps 64
@@ -32,6 +37,9 @@ Switches (--ab):
         --prefill-prompts 2 --prompt-len 1000 --rounds 4 --batches 16 --steps 32
     .venv/bin/python bench/bench_decode_step.py --model-path $M --ab extend-kernel \
         --prefill-prompts 8 --prompt-len 1000 --rounds 6
+    Z=services/common/default_model/radixserve-zen
+    .venv/bin/python bench/bench_decode_step.py --model-path $Z --ab verify-step --verify 4 \
+        --batches 1 16 --prompt-len 300 --steps 40
 """
 
 from __future__ import annotations
@@ -66,10 +74,13 @@ from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.models import llama  # noqa: E402
 
 
-def batches(prompts: list[list[int]], steps: int, mixed: int = 0) -> list[engine_pb2.ForwardBatch]:
+def batches(
+    prompts: list[list[int]], steps: int, mixed: int = 0, verify: int = 0
+) -> list[engine_pb2.ForwardBatch]:
     """[prefill, decode 0, decode 1, ...] with the server's slot layout. ``mixed`` > 0: each
     step also carries a new prompt of that many tokens first (a mixed batch, as the
-    scheduler builds while requests arrive), in the spare request row ``len(prompts)``."""
+    scheduler builds while requests arrive), in the spare request row ``len(prompts)``.
+    ``verify`` > 0: each request carries that many drafts, all taken (1 + verify slots)."""
     b = len(prompts)
     prefill = engine_pb2.ForwardBatch()
     nxt = 1
@@ -85,9 +96,10 @@ def batches(prompts: list[list[int]], steps: int, mixed: int = 0) -> list[engine
         )
         nxt += len(p)
     out = [prefill]
-    spare = nxt + steps * b  # the mixed prompts' slots, after every decode slot
+    rows = 1 + verify
+    spare = nxt + steps * b * rows  # the mixed prompts' slots, after every decode slot
     for step in range(steps):
-        batch = engine_pb2.ForwardBatch(batch_id=step + 1, is_decode=not mixed)
+        batch = engine_pb2.ForwardBatch(batch_id=step + 1, is_decode=not (mixed or verify))
         if mixed:
             batch.reqs.add(
                 req_slot=b,
@@ -99,12 +111,14 @@ def batches(prompts: list[list[int]], steps: int, mixed: int = 0) -> list[engine
                 sampling=engine_pb2.SamplingParams(temperature=0.0),
             )
         for i, p in enumerate(prompts):
+            first = nxt + (step * b + i) * rows
             batch.reqs.add(
                 req_slot=i,
                 input_ids=pack_i32([5]),
-                prefix_len=len(p) + step,
-                out_slots=pack_i32([nxt + step * b + i]),
+                prefix_len=len(p) + step * rows,
+                out_slots=pack_i32(range(first, first + rows)),
                 sample=True,
+                draft_tokens=pack_i32([6 + (step + j) % 50 for j in range(verify)]),
             )
         out.append(batch)
     return out
@@ -180,6 +194,17 @@ def _no_mixed_decode_kernel() -> AbstractContextManager:
     return mock.patch.object(TorchBackend, "__init__", patched)
 
 
+def _no_rows_kernel() -> AbstractContextManager:
+    """Backends built inside send every extend to the extend kernel, as before."""
+    init = TorchBackend.__init__
+
+    def patched(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self._rows_kernel = None
+
+    return mock.patch.object(TorchBackend, "__init__", patched)
+
+
 SWITCHES: dict[
     str, tuple[Callable[[], AbstractContextManager], Callable[[], AbstractContextManager]]
 ] = {
@@ -192,6 +217,8 @@ SWITCHES: dict[
     "extend-split": (nullcontext, nullcontext),  # prefill_split() patches per call
     "elementwise": (nullcontext, nullcontext),  # PER_CALL
     "extend-kernel": (nullcontext, nullcontext),  # PER_CALL
+    "rows-kernel": (nullcontext, lambda: _no_rows_kernel()),
+    "verify-step": (nullcontext, nullcontext),  # side B's steps carry no drafts
 }
 
 
@@ -235,6 +262,7 @@ def main() -> None:
     ap.add_argument(
         "--mixed-prefill", type=int, default=0, help="a new prompt of N tokens in every step"
     )
+    ap.add_argument("--verify", type=int, default=0, help="drafts per request in every step")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -246,21 +274,22 @@ def main() -> None:
                          args.rounds)  # fmt: skip
     if args.ab == "extend-kernel":  # decode steps do not run it
         return
-    tokens = max(args.batches) * (args.prompt_len + args.steps) + 16
+    tokens = max(args.batches) * (args.prompt_len + args.steps * (1 + args.verify)) + 16
     tokens += args.steps * args.mixed_prefill
     on, off = SWITCHES[args.ab]
     sides = {"A": runner(args.model_path, tokens, on), "B": runner(args.model_path, tokens, off)}
     calls = dict(zip(sides, PER_CALL.get(args.ab, (nullcontext, nullcontext)), strict=True))
     rng = random.Random(0)
     print(f"A/B: {args.ab} on (A) / off (B); {torch.get_num_threads()} threads; "
-          f"prompts {args.prompt_len} tokens; {args.steps} steps; "
+          f"prompts {args.prompt_len} tokens; {args.steps} steps; {args.verify} drafts; "
           "medians of per-step wall ms")  # fmt: skip
     print("| decode batch | A ms/step | B ms/step | A tok/s | B tok/s | A / B speed |")
     print("|---:|---:|---:|---:|---:|---:|")
     for b in args.batches:
         vocab = sides["A"].vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
-        todo = {s: batches(prompts, args.steps, args.mixed_prefill) for s in sides}
+        drafts = {"A": args.verify, "B": 0 if args.ab == "verify-step" else args.verify}
+        todo = {s: batches(prompts, args.steps, args.mixed_prefill, drafts[s]) for s in sides}
         for s, r in sides.items():
             with calls[s]():
                 wire.forward(r, todo[s][0])

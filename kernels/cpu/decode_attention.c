@@ -9,6 +9,8 @@
    rows are widened into a per-thread buffer first and its output rounded at the end, so
    the softmax and every sum stay float32; only the K and V row loads know the dtype. */
 
+static void softmax_rows(float* buf, int n, int L, const int* vis);
+
 /* Element `i` of a pool as a pointer (i counts elements of dtype dt). */
 static inline __attribute__((always_inline)) const void* at(const void* p, int64_t i,
                                                             const int dt) {
@@ -146,6 +148,12 @@ static void pv_##HC##_##DV##SUF(const void* v_pool, int64_t slot_stride, const i
         for (int c = 0; c < DV; ++c) _mm512_storeu_ps(o + g * 16 * DV + 16 * c, acc[g][c]);    \
 }
 #define DEFINE_PVS(DT, SUF)                                                                   \
+    DEFINE_PV(1, 2, DT, SUF) DEFINE_PV(2, 2, DT, SUF) DEFINE_PV(3, 2, DT, SUF)                \
+    DEFINE_PV(4, 2, DT, SUF) DEFINE_PV(5, 2, DT, SUF) DEFINE_PV(6, 2, DT, SUF)                \
+    DEFINE_PV(7, 2, DT, SUF) DEFINE_PV(8, 2, DT, SUF)                                         \
+    DEFINE_PV(1, 3, DT, SUF) DEFINE_PV(2, 3, DT, SUF) DEFINE_PV(3, 3, DT, SUF)                \
+    DEFINE_PV(4, 3, DT, SUF) DEFINE_PV(5, 3, DT, SUF) DEFINE_PV(6, 3, DT, SUF)                \
+    DEFINE_PV(7, 3, DT, SUF) DEFINE_PV(8, 3, DT, SUF)                                         \
     DEFINE_PV(1, 4, DT, SUF) DEFINE_PV(2, 4, DT, SUF) DEFINE_PV(3, 4, DT, SUF)                \
     DEFINE_PV(4, 4, DT, SUF) DEFINE_PV(5, 4, DT, SUF) DEFINE_PV(6, 4, DT, SUF)                \
     DEFINE_PV(1, 8, DT, SUF) DEFINE_PV(2, 8, DT, SUF) DEFINE_PV(3, 8, DT, SUF)
@@ -153,29 +161,33 @@ DEFINE_PVS(DT_F32, _f32)
 DEFINE_PVS(DT_BF16, _bf16)
 
 typedef void (*pv_fn)(const void*, int64_t, const int32_t*, int, int, const float*, float*);
-static const pv_fn PV4[2][7] = {
-    {0, pv_1_4_f32, pv_2_4_f32, pv_3_4_f32, pv_4_4_f32, pv_5_4_f32, pv_6_4_f32},
-    {0, pv_1_4_bf16, pv_2_4_bf16, pv_3_4_bf16, pv_4_4_bf16, pv_5_4_bf16, pv_6_4_bf16}};
-static const pv_fn PV8[2][4] = {{0, pv_1_8_f32, pv_2_8_f32, pv_3_8_f32},
-                                {0, pv_1_8_bf16, pv_2_8_bf16, pv_3_8_bf16}};
+/* PV[dtype][D / 16][heads]: up to 8 heads for D 32 and 48 (HC x DV + DV + 1 of the 32
+   registers), 6 for 64, 3 for 128. */
+#define PV_ROW(DV, SUF) {0, pv_1_##DV##SUF, pv_2_##DV##SUF, pv_3_##DV##SUF, pv_4_##DV##SUF,     \
+                         pv_5_##DV##SUF, pv_6_##DV##SUF, pv_7_##DV##SUF, pv_8_##DV##SUF}
+#define PV_DT(SUF) {{0}, {0}, PV_ROW(2, SUF), PV_ROW(3, SUF),                                  \
+                    {0, pv_1_4##SUF, pv_2_4##SUF, pv_3_4##SUF, pv_4_4##SUF, pv_5_4##SUF,      \
+                     pv_6_4##SUF}, {0}, {0}, {0},                                             \
+                    {0, pv_1_8##SUF, pv_2_8##SUF, pv_3_8##SUF}}
+static const pv_fn PV[2][9][9] = {PV_DT(_f32), PV_DT(_bf16)};
+static const int PV_CAP[9] = {0, 0, 8, 8, 6, 0, 0, 0, 3};
 
-/* Head dims 64 and 128: the same three passes with register tiles (scores16, softmax_row,
-   the P.V accumulators); a kv head's G query heads are cut into near-equal chunks that fit
-   the registers (G = 7 at D = 64: 4 + 3). */
+/* Head dims 32, 48, 64 and 128: the same three passes with register tiles (scores16,
+   softmax_row, the P.V accumulators); a kv head's G query heads are cut into near-equal
+   chunks that fit the registers (G = 7 at D = 64: 4 + 3). vis: see heads_dt. */
 static int heads16(const float* q, int64_t q_h, const void* k_pool, const void* v_pool,
                    int64_t slot_stride, const int32_t* slots, int L, int kh0, int kh1, int G,
-                   int D, float scale, float* buf, float* out, int dt) {
-    if (D != 64 && D != 128) return 0;
-    const int cap = D == 64 ? 6 : 3, nh = (kh1 - kh0) * G, bf = dt == DT_BF16;
+                   int D, float scale, float* buf, float* out, const int* vis, int dt) {
+    if (D % 16 || D > 128 || PV_CAP[D / 16] == 0) return 0;
+    const int cap = PV_CAP[D / 16], nh = (kh1 - kh0) * G, bf = dt == DT_BF16;
     if (bf) scores16(q, q_h, k_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, DT_BF16);
     else scores16(q, q_h, k_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, DT_F32);
-    for (int h = 0; h < nh; ++h) softmax_row(buf + h * L, L);
+    softmax_rows(buf, nh, L, vis);
     const int chunks = (G + cap - 1) / cap;
     for (int kh = kh0; kh < kh1; ++kh)
         for (int i = 0, g0 = 0; i < chunks; ++i) {
             const int hc = (G - g0) / (chunks - i), h0 = (kh - kh0) * G + g0;
-            (D == 64 ? PV4[bf] : PV8[bf])[hc](v_pool, slot_stride, slots, L, kh * D,
-                                              buf + h0 * L, out + h0 * D);
+            PV[bf][D / 16][hc](v_pool, slot_stride, slots, L, kh * D, buf + h0 * L, out + h0 * D);
             g0 += hc;
         }
     return 1;
@@ -219,6 +231,16 @@ static void softmax_row(float* s, int L) {
 }
 #endif
 
+/* Each of n score rows of L: softmax over its first vis[h] keys (all L without vis), the
+   rest 0 (a query row of a several-row request sees keys up to its own position only). */
+static void softmax_rows(float* buf, int n, int L, const int* vis) {
+    for (int h = 0; h < n; ++h) {
+        const int seen = vis ? vis[h] : L;
+        softmax_row(buf + (int64_t)h * L, seen);
+        for (int j = seen; j < L; ++j) buf[(int64_t)h * L + j] = 0.0f;
+    }
+}
+
 /* dot over a K row of dtype dt (q float): float32 rows take this build's dot, 16-bit ones
    dot_c's eight partial sums, widened by AVX2 vectors where the build has them. */
 static inline __attribute__((always_inline)) float dot_dt(const float* a, const void* b, int d,
@@ -253,13 +275,14 @@ static inline __attribute__((always_inline)) void axpy_dt(float* o, float p, con
 }
 
 /* Kv heads kh0..kh1 of one request: scores [nh, L] in buf (nh = query heads in the range),
-   softmax, then out[h] = sum_j p[h, j] v_j. Each slot's K (V) row is read once, whole and
+   softmax (head h over its first vis[h] keys where vis is given), then out[h] = sum_j
+   p[h, j] v_j. Each slot's K (V) row is read once, whole and
    in order, with the rows a few slots ahead prefetched: the slots are scattered over the
    pool and the VM's memory latency, not arithmetic, bounds this loop. */
 static inline __attribute__((always_inline)) void heads_dt(
     const float* q, int64_t q_h, const void* k_pool, const void* v_pool, int64_t slot_stride,
     const int32_t* slots, int L, int kh0, int kh1, int G, int D, float scale, float* buf,
-    float* out, const int dt) {
+    float* out, const int* vis, const int dt) {
     const int nh = (kh1 - kh0) * G, ahead = 4, esz = dt == DT_F32 ? 4 : 2;
     for (int j = 0; j < L; ++j) {
         if (j + ahead < L) {
@@ -272,11 +295,8 @@ static inline __attribute__((always_inline)) void heads_dt(
             buf[h * L + j] = dot_dt(q + h * q_h, k, D, dt) * scale;
         }
     }
-    for (int h = 0; h < nh; ++h) {
-        softmax_row(buf + h * L, L);
-        float* o = out + h * D;
-        for (int d = 0; d < D; ++d) o[d] = 0.0f;
-    }
+    softmax_rows(buf, nh, L, vis);
+    for (int64_t i = 0; i < (int64_t)nh * D; ++i) out[i] = 0.0f;
     for (int j = 0; j < L; ++j) {
         if (j + ahead < L) {
             const char* nxt = (const char*)at(v_pool, (int64_t)slots[j + ahead] * slot_stride, dt);
@@ -290,13 +310,18 @@ static inline __attribute__((always_inline)) void heads_dt(
 
 static void heads(const float* q, int64_t q_h, const void* k_pool, const void* v_pool,
                   int64_t slot_stride, const int32_t* slots, int L, int kh0, int kh1, int G,
-                  int D, float scale, float* buf, float* out, int dt) {
+                  int D, float scale, float* buf, float* out, const int* vis, int dt) {
+#ifdef HAVE_HEADS16
+    if (heads16(q, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, out,
+                vis, dt))
+        return;
+#endif
     if (dt == DT_BF16)
         heads_dt(q, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, out,
-                 DT_BF16);
+                 vis, DT_BF16);
     else
         heads_dt(q, q_h, k_pool, v_pool, slot_stride, slots, L, kh0, kh1, G, D, scale, buf, out,
-                 DT_F32);
+                 vis, DT_F32);
 }
 
 /* q [B, H, D] (strides q_b, q_h; D contiguous); pools [S, KVH, D] rows of slot_stride;
@@ -339,17 +364,77 @@ int rs_decode_attention(int dt, const void* q, int64_t q_b, int64_t q_h, const v
                     for (int d = 0; d < D; ++d) qo[h * D + d] = ld_f(q, q0 + h * q_h + d, DT_BF16);
             }
             const int32_t* slots = req_to_token + (int64_t)req_slots[b] * table_stride;
-#ifdef HAVE_HEADS16
-            if (!heads16(qi, qh, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D,
-                         scale, buf, oi, dt))
-#endif
-                heads(qi, qh, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D,
-                      scale, buf, oi, dt);
+            heads(qi, qh, k_pool, v_pool, slot_stride, slots, L, kh0, kh0 + per, G, D, scale,
+                  buf, oi, NULL, dt);
             if (wide)
                 for (int64_t i = 0; i < (int64_t)nh * D; ++i) st_f(out, o0 + i, oi[i], DT_BF16);
         }
         free(buf);
         free(qo);
+    }
+    return failed;
+}
+
+/* A few query rows per request (a verify step's 1 + k, a short extend): each request's
+   rows of one kv head are lanes of one item, as the query heads of a group are in decode,
+   so its context's K/V rows are read once for all its rows. q [T, H, D] (strides q_t, q_h;
+   D contiguous), request b's rows qo_indptr[b] .. qo_indptr[b + 1] (their K/V already in
+   the pool), row r seeing keys 0 .. prefix_lens[b] + r; out [T, H, D] contiguous, only the
+   requests' rows written. Returns nonzero when out of memory. */
+int rs_rows_attention(int dt, const void* q, int64_t q_t, int64_t q_h, const void* k_pool,
+                      const void* v_pool, int64_t slot_stride, const int32_t* req_to_token,
+                      int64_t table_stride, const int32_t* req_slots, const int32_t* qo_indptr,
+                      const int32_t* prefix_lens, void* out, int B, int H, int KVH, int D,
+                      float scale, int nthreads) {
+    const int G = H / KVH;
+    if (dt != DT_F32 && dt != DT_BF16) return 2;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|: failed)
+    {
+        float *buf = NULL, *qo = NULL;
+        int* vis = NULL;
+        int64_t cap = 0, lanes_cap = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < (int64_t)B * KVH; ++w) {
+            const int b = (int)(w / KVH), kh = (int)(w % KVH);
+            const int t0 = qo_indptr[b], n = qo_indptr[b + 1] - t0, P = prefix_lens[b];
+            const int L = P + n, lanes = n * G;
+            if (n <= 0) continue;
+            if ((int64_t)lanes * L > cap) {
+                free(buf);
+                cap = (int64_t)lanes * L;
+                buf = (float*)malloc(sizeof(float) * cap);
+            }
+            if (lanes > lanes_cap) {
+                free(qo);
+                free(vis);
+                lanes_cap = lanes;
+                qo = (float*)malloc(sizeof(float) * 2 * (size_t)lanes * D);
+                vis = (int*)malloc(sizeof(int) * (size_t)lanes);
+            }
+            if (buf == NULL || qo == NULL || vis == NULL) { cap = lanes_cap = 0; failed = 1; continue; }
+            /* lane r * G + g: row r's query head kh * G + g, float32 */
+            for (int r = 0; r < n; ++r)
+                for (int g = 0; g < G; ++g) {
+                    const int64_t src = (int64_t)(t0 + r) * q_t + (int64_t)(kh * G + g) * q_h;
+                    float* dst = qo + (int64_t)(r * G + g) * D;
+                    for (int d = 0; d < D; ++d) dst[d] = ld_f(q, src + d, dt);
+                    vis[r * G + g] = P + r + 1;
+                }
+            float* o = qo + (size_t)lanes * D;
+            const int32_t* slots = req_to_token + (int64_t)req_slots[b] * table_stride;
+            heads(qo, D, k_pool, v_pool, slot_stride, slots, L, kh, kh + 1, lanes, D, scale, buf,
+                  o, vis, dt);
+            for (int r = 0; r < n; ++r)
+                for (int g = 0; g < G; ++g) {
+                    const int64_t dst = ((int64_t)(t0 + r) * H + kh * G + g) * D;
+                    const float* src = o + (int64_t)(r * G + g) * D;
+                    for (int d = 0; d < D; ++d) st_f(out, dst + d, src[d], dt);
+                }
+        }
+        free(buf);
+        free(qo);
+        free(vis);
     }
     return failed;
 }

@@ -27,18 +27,39 @@ DecodeAttention = Callable[..., torch.Tensor]
 
 
 @functools.cache
-def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
-    """``fn(q, k_pool, v_pool, req_to_token, req_slots, seq_lens, scale)``, or None where it
-    cannot be built; ``extra_flags`` follow ``-march=native`` (tests build narrower variants)."""
+def _library(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     flags = [*_cc.FLAGS, *extra_flags]
     lib = _cc.load_library("decode_attention", _SOURCE, "CPU decode attention", log, flags)
     if lib is None:
         return None
-    fn = lib.rs_decode_attention
-    fn.restype = _I32
-    fn.argtypes = [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR]
-    fn.argtypes += [_I32, _I32, _I32, _I32, _F32, _I32]
-    return functools.partial(_call, fn)
+    for fn in (lib.rs_decode_attention, lib.rs_rows_attention):
+        fn.restype = _I32
+        fn.argtypes = [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
+        fn.argtypes += [_PTR] * (fn is lib.rs_rows_attention) + [_PTR]
+        fn.argtypes += [_I32, _I32, _I32, _I32, _F32, _I32]
+    return lib
+
+
+def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
+    """``fn(q, k_pool, v_pool, req_to_token, req_slots, seq_lens, scale)``, or None where it
+    cannot be built; ``extra_flags`` follow ``-march=native`` (tests build narrower variants)."""
+    lib = _library(extra_flags)
+    return None if lib is None else functools.partial(_call, lib.rs_decode_attention)
+
+
+def load_rows(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
+    """``fn(q, k_pool, v_pool, req_to_token, req_slots, qo_indptr, prefix_lens, scale,
+    out=None)``: causal attention of a few query rows per request (a verify step's), the
+    extend kernel's contract, or None where it cannot be built. Each request's rows share
+    one pass over its context, as a decode step's query heads of one K/V head do."""
+    lib = _library(extra_flags)
+    return None if lib is None else functools.partial(_call_rows, lib.rs_rows_attention)
+
+
+# Rows x query heads per K/V head of a request up to which load_rows' kernel beats the
+# extend kernel (docs/benchmarks.md, "Verify-shaped attention"): its scores are one dot
+# product per row and head, where the extend kernel's register tiles pay off on more.
+MAX_LANES = 20
 
 
 # The pool dtypes the kernel reads (q and the output share it).
@@ -83,6 +104,38 @@ def _call(
     )  # fmt: skip
     if failed:
         raise MemoryError("decode attention: out of memory for the score buffer")
+    return out
+
+
+def _call_rows(
+    fn,
+    q: torch.Tensor,  # [T, H, D] float32 / bfloat16 (the pool's), D contiguous
+    k_pool: torch.Tensor,  # [S, KVH, D]
+    v_pool: torch.Tensor,  # [S, KVH, D], same strides as k_pool
+    req_to_token: torch.Tensor,  # [R, C] int32
+    req_slots: torch.Tensor,  # [B] int32 contiguous
+    qo_indptr: torch.Tensor,  # [B + 1] int32 contiguous: rows of q (need not start at 0)
+    prefix_lens: torch.Tensor,  # [B] int32 contiguous
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D] contiguous; only the requests' rows written
+) -> torch.Tensor:
+    t, h, d = q.shape
+    kvh = k_pool.shape[1]
+    if v_pool.stride() != k_pool.stride() or h % kvh:
+        raise ValueError("k_pool and v_pool must share one layout, heads a multiple of kv heads")
+    if out is None:
+        out = torch.empty((t, h, d), dtype=q.dtype)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
+    failed = fn(
+        _cc.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
+        req_to_token.data_ptr(), req_to_token.stride(0),
+        req_slots.data_ptr(), qo_indptr.data_ptr(), prefix_lens.data_ptr(), out.data_ptr(),
+        len(req_slots), h, kvh, d, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("rows attention: out of memory for the score buffer")
     return out
 
 

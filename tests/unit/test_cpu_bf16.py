@@ -368,6 +368,31 @@ def test_extend_attention_bf16_within_an_ulp(extra, heads, kv_heads, d, new, pre
     within_ulp(out, ref, torch.bfloat16)
 
 
+ROWS_CASES = [
+    (4, 2, 48, [5, 5, 1], [350, 10, 0]),  # verify steps of the default model
+    (14, 2, 64, [3, 1], [50, 0]),
+    (4, 4, 36, [4, 2], [9, 31]),
+    (16, 2, 128, [4], [300]),
+]
+
+
+@needs_cc
+@pytest.mark.parametrize("extra", [*ATTN_VARIANTS, pytest.param(NO_AVX2, id="portable")])
+@pytest.mark.parametrize("heads,kv_heads,d,new,prefix", ROWS_CASES)
+def test_rows_attention_bf16_within_an_ulp(extra, heads, kv_heads, d, new, prefix):
+    fn = cpu_decode_attention.load_rows(extra)
+    lens = [n + p for n, p in zip(new, prefix, strict=True)]
+    q, k_pool, v_pool, table, req_slots = _pools(lens, kv_heads, d, sum(new), heads, seed=2)
+    qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    pre = torch.tensor(prefix, dtype=torch.int32)
+    out = fn(q, k_pool, v_pool, table, req_slots, qo, pre, d**-0.5)
+    ref = cpu_extend_attention.extend_attention_ref(
+        q.double(), k_pool.double(), v_pool.double(), table, req_slots, qo, pre, d**-0.5
+    )
+    assert out.dtype == torch.bfloat16
+    within_ulp(out, ref, torch.bfloat16)
+
+
 def test_attention_kernels_take_float32_and_bfloat16_only():
     q, k_pool, _, table, _ = _pools([3, 4], 4, 64, 2, 8)
     for mod in (cpu_decode_attention, cpu_extend_attention):

@@ -11,6 +11,7 @@ import torch
 
 from kernels.cpu import _cc
 from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu.extend_attention import extend_attention_ref
 from services.worker.attention.base import AttentionMeta
 from services.worker.attention.torch_backend import TorchBackend
 
@@ -73,6 +74,8 @@ def _case(b: int, heads: int, kv_heads: int, d: int, lens: list[int], seed: int 
         (16, 1, 64, [40, 3]),  # one kv head of 16: the P.V tiles cut 5 + 5 + 6
         (14, 2, 128, [31, 200, 1]),  # a group of 7 at head dim 128: tiles of 2 + 2 + 3
         (4, 2, 256, [50, 17]),  # head dim 256: the per-slot path (no register tiles)
+        (4, 2, 48, [350, 1, 17]),  # the default model's head dim: tiles of 3 vectors
+        (10, 1, 32, [70, 16]),  # head dim 32: 10 heads of one kv head cut 5 + 5
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
@@ -107,6 +110,56 @@ def test_large_scores_stay_finite_and_exact(fn):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+ROWS_VARIANTS = [pytest.param(None, id="native")] + [
+    pytest.param(cpu_decode_attention.load_rows(extra), id=name)
+    for name, extra in NARROWER.items()
+    if kernel is not None and ("avx512f" in FLAGS or (name == "portable" and "avx2" in FLAGS))
+]
+
+
+def _rows_case(heads: int, kv_heads: int, d: int, new: list[int], prefix: list[int]):
+    """Request b's last new[b] positions as query rows over prefix[b] cached ones; q's rows
+    start at 3 (other requests' rows before them) and are a strided view, as the model's."""
+    lens = [n + p for n, p in zip(new, prefix, strict=True)]
+    _, k_pool, v_pool, table, req_slots, _ = _case(len(lens), heads, kv_heads, d, lens, seed=7)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(3 + sum(new), heads + 2 * kv_heads, d, generator=g)[:, :heads]
+    qo = torch.tensor([3, *(3 + torch.tensor(new).cumsum(0)).tolist()], dtype=torch.int32)
+    return q, k_pool, v_pool, table, req_slots, qo, torch.tensor(prefix, dtype=torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,new,prefix",
+    [
+        (4, 2, 48, [5, 5, 1, 3], [350, 10, 0, 77]),  # verify steps of the default model
+        (8, 4, 64, [2, 5], [100, 3]),
+        (14, 2, 64, [3, 1], [50, 0]),  # 21 lanes per kv head: P.V tiles 6 + 5 + 5 + 5
+        (4, 4, 36, [4, 2], [9, 31]),  # head dim off the vectors: the per-slot path
+        (16, 2, 128, [4], [300]),
+        (4, 2, 32, [9], [20]),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fn", ROWS_VARIANTS)
+def test_rows_kernel_matches_the_extend_reference(heads, kv_heads, d, new, prefix, threads, fn):
+    """Several causal rows per request (a verify step): row r sees the prefix and rows up
+    to r. The rows before qo_indptr[0] are left as they were in `out`."""
+    fn = fn or cpu_decode_attention.load_rows()
+    assert fn is not None, "a narrower variant failed to build"
+    q, k_pool, v_pool, table, req_slots, qo, prefix_t = _rows_case(heads, kv_heads, d, new, prefix)
+    out = torch.full(q.shape, 7.0)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fn(q, k_pool, v_pool, table, req_slots, qo, prefix_t, 0.125, out=out)
+    finally:
+        torch.set_num_threads(old)
+    ref = extend_attention_ref(q, k_pool, v_pool, table, req_slots, qo, prefix_t, 0.125)
+    torch.testing.assert_close(out[3:], ref[3:], rtol=1e-5, atol=1e-5)
+    assert (out[:3] == 7.0).all()
+
+
 def test_supports_only_float32_cpu_with_an_int32_table():
     q, k_pool, _, table, _, _ = _case(2, 8, 4, 64, [3, 4])
     assert cpu_decode_attention.supports(q, k_pool, table)
@@ -117,11 +170,12 @@ def test_supports_only_float32_cpu_with_an_int32_table():
 
 def test_kernel_off_by_environment(monkeypatch):
     monkeypatch.setenv("RADIXSERVE_CPU_KERNELS", "0")
-    cpu_decode_attention.load.cache_clear()
+    cpu_decode_attention._library.cache_clear()  # the one library both entries come from
     try:
         assert cpu_decode_attention.load() is None
+        assert cpu_decode_attention.load_rows() is None
     finally:
-        cpu_decode_attention.load.cache_clear()
+        cpu_decode_attention._library.cache_clear()
 
 
 def _decode_meta(table, req_slots, lens) -> AttentionMeta:
@@ -214,3 +268,28 @@ def test_mixed_batch_decodes_through_the_kernel(monkeypatch, new_rows):
         outs[name] = backend.forward(q, k_new, v_new, k_pool, v_pool, meta)
     torch.testing.assert_close(outs["kernel"], outs["torch"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs["fallback"], outs["torch"], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("new_rows,kernel_name", [([5, 3, 5], "_rows_kernel"),
+                                                   ([5, 30, 1], "_extend_kernel")])  # fmt: skip
+def test_verify_shaped_extends_take_the_rows_kernel(monkeypatch, new_rows, kernel_name):
+    """Requests of a few rows each (MAX_LANES rows x group) go to the rows kernel, a longer
+    one sends the batch to the extend kernel; both equal the per-request SDPA path."""
+    lens = [60, 40, 120]
+    _, k_pool, v_pool, table, req_slots, lens_t = _case(3, 8, 4, 64, lens, seed=4)
+    meta = _mixed_meta(table, req_slots, lens_t, new_rows)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(int(meta.qo_indptr[-1]), 8, 64, generator=g)
+    k_new, v_new = k_pool[meta.out_slots].clone(), v_pool[meta.out_slots].clone()
+    outs, called = {}, []
+    for use in (True, False):
+        monkeypatch.setattr(TorchBackend, "use_cpu_kernel", use)
+        backend = TorchBackend(8, 4, 64, 0.125)
+        backend.prepare(meta)
+        if use:
+            fn = getattr(backend, kernel_name)
+            setattr(backend, kernel_name, lambda *a, fn=fn, **k: called.append(1) or fn(*a, **k))
+        outs[use] = backend.forward(q, k_new, v_new, k_pool, v_pool, meta)
+    assert called, f"{kernel_name} was not called"
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)

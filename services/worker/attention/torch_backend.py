@@ -2,9 +2,11 @@
 
 float32 / bfloat16 on CPU: C kernels (kernels/cpu/decode_attention.py, extend_attention.py)
 read each context's K/V in place through the request-to-slot table, since gathering cost
-more than the attention. Elsewhere: decode gathers a padded [B, Lmax] slot matrix plus a
-length mask; extend runs SDPA per request with the causal mask shifted by prefix_len. A
-mixed batch's trailing one-row requests go to the decode kernel together.
+more than the attention; an extend whose requests have a few rows each (a verify step's)
+takes the decode kernel's rows entry, longer ones the extend kernel. Elsewhere: decode
+gathers a padded [B, Lmax] slot matrix plus a length mask; extend runs SDPA per request
+with the causal mask shifted by prefix_len. A mixed batch's trailing one-row requests go
+to the decode kernel together.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class TorchBackend(AttentionBackend):
         self.group = num_heads // num_kv_heads
         self._kernel = cpu_decode_attention.load() if self.use_cpu_kernel else None
         self._extend_kernel = cpu_extend_attention.load() if self.use_cpu_kernel else None
+        self._rows_kernel = cpu_decode_attention.load_rows() if self.use_cpu_kernel else None
+        self._few_rows = False  # every extend request left for a kernel has few rows
         self._decode_meta: AttentionMeta | None = None
         self._req_slots = self._seq_lens = torch.empty(0, dtype=torch.int32)  # [B] (kernel)
         self._decode_slots: torch.Tensor | None = None  # [B, Lmax] int64 (torch path)
@@ -77,6 +81,8 @@ class TorchBackend(AttentionBackend):
         qo = self._qo = meta.qo_indptr.tolist()
         self._singles = self._single_rows(meta, qo) if self._kernel is not None else None
         kernel_from = len(qo) - 1 - (self._singles[1] if self._singles else 0)
+        rows = max((qo[i + 1] - qo[i] for i in range(kernel_from)), default=0)
+        self._few_rows = rows * self.group <= cpu_decode_attention.MAX_LANES
         self._extend_args = None
         if self._extend_kernel is not None:
             # forward builds slots and masks if the kernel cannot read the tensors after all.
@@ -175,8 +181,10 @@ class TorchBackend(AttentionBackend):
         args = self._extend_args
         if args is not None and cpu_extend_attention.supports(q, pools[0], meta.req_to_token):
             req_slots, qo, prefix = args
-            assert self._extend_kernel is not None
-            self._extend_kernel(
+            kernel = self._rows_kernel if self._few_rows else None
+            kernel = kernel or self._extend_kernel
+            assert kernel is not None
+            kernel(
                 q, *pools, meta.req_to_token, req_slots[:n], qo[: n + 1], prefix[:n],
                 self.sm_scale, out=out,
             )  # fmt: skip
