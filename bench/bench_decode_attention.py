@@ -14,6 +14,8 @@ too); medians of the per-call times over all layers of a step. Layouts of each r
     .venv/bin/python bench/bench_decode_attention.py --against HEAD~1
     .venv/bin/python bench/bench_decode_attention.py --against HEAD~1 --layouts server hot \
         --shapes 16x8x4x8 64x8x4x8 16x14x2x24 8x14x2x24
+    .venv/bin/python bench/bench_decode_attention.py --against HEAD~1 --head-dim 48 \
+        --shapes 16x4x2x4 1x4x2x4   # the shipped model
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def module_at(rev: str) -> ModuleType:
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
     (tmp / "kernels").rename(tmp / name)
     for py in (tmp / name).rglob("*.py"):
-        text = re.sub(r"\bkernels([. ])", rf"{name}\1", py.read_text())
-        py.write_text(text.replace('resources.files("kernels', f'resources.files("{name}'))
+        # imports and resources.files("kernels...") alike, each once
+        py.write_text(re.sub(r"\bkernels(?=[. \"])", name, py.read_text()))
     moved = (tmp / name / "cpu" / "decode_attention.py").exists()
     sys.path.insert(0, str(tmp))
     try:
@@ -85,8 +87,9 @@ def main() -> None:
     ap.add_argument("--against", default="HEAD", help="git revision of the other build")
     ap.add_argument(
         "--shapes", nargs="+", default=["16x8x4x8", "64x8x4x8", "16x14x2x24", "8x14x2x24"],
-        help="requests x query heads x kv heads x layers (head dim 64)",
+        help="requests x query heads x kv heads x layers",
     )  # fmt: skip
+    ap.add_argument("--head-dim", type=int, default=64)
     layouts = ["server", "contiguous", "hot"]
     ap.add_argument("--layouts", nargs="+", default=["server"], choices=layouts)
     ap.add_argument("--prompt-len", type=int, default=288)
@@ -99,16 +102,18 @@ def main() -> None:
     if any(fn is None for fn in builds.values()):
         sys.exit("a kernel did not build here (no C compiler, or RADIXSERVE_CPU_KERNELS=0)")
     n = ns.prompt_len + ns.decode_len
-    print(f"{ns.threads} threads, {ns.prompt_len} + {ns.decode_len} slots per request, "
+    print(f"{ns.threads} threads, head dim {ns.head_dim}, "
+          f"{ns.prompt_len} + {ns.decode_len} slots per request, "
           f"medians of {ns.rounds} alternating rounds, ms per step (all layers)")  # fmt: skip
     print(f"| requests | heads (q / kv) | layers | layout | {ns.against} ms | this tree ms "
           "| speed | max abs. difference |")  # fmt: skip
     print("|---:|---|---:|---|---:|---:|---:|---:|")
     for shape in ns.shapes:
         b, h, kvh, layers = (int(x) for x in shape.split("x"))
-        pools = [(torch.randn(POOL_SLOTS, kvh, 64), torch.randn(POOL_SLOTS, kvh, 64))
+        d = ns.head_dim
+        pools = [(torch.randn(POOL_SLOTS, kvh, d), torch.randn(POOL_SLOTS, kvh, d))
                  for _ in range(min(layers, 8))]  # fmt: skip
-        q = torch.randn(b, h, 64)
+        q = torch.randn(b, h, d)
         req_slots = torch.arange(b, dtype=torch.int32)
         lens = torch.full((b,), n, dtype=torch.int32)
         for layout in ns.layouts:

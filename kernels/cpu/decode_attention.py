@@ -59,7 +59,7 @@ def load_rows(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
 # Rows x query heads per K/V head of a request up to which load_rows' kernel beats the
 # extend kernel (docs/benchmarks.md, "Verify-shaped attention"): its scores are one dot
 # product per row and head, where the extend kernel's register tiles pay off on more.
-MAX_LANES = 20
+MAX_LANES = 24
 
 
 # The pool dtypes the kernel reads (q and the output share it).
