@@ -81,7 +81,12 @@ class GoodputChoice:
     ``explore_every``, ``max_explore_every``: explore_interval's bounds.
     ``first_after_any``: a step of the first way is measured after a step of either way,
     where its period is the same whatever ran before it (a verify step, which nothing
-    overlaps); else, as always for the second way, only after a step of its own way."""
+    overlaps); else, as always for the second way, only after a step of its own way.
+    ``first_down``: a bucket that does not know both ways yet runs the first way where the
+    nearest larger bucket that does chose it, the second way measured on its looks only: a
+    batch draining to its last requests passes through smaller buckets for a few steps
+    each, which measuring both ways first spent mostly on the second (verify steps gain
+    more the smaller the batch, so a larger batch's verdict for them holds)."""
 
     explore_calls: int = 2
     margin: float = 1.0
@@ -89,6 +94,7 @@ class GoodputChoice:
     max_explore_every: int = MAX_EXPLORE_EVERY
     follow: bool = False
     first_after_any: bool = False
+    first_down: bool = False
     clock: Callable[[], float] = field(default_factory=lambda: time.perf_counter)
     firsts: dict[int, Goodput] = field(default_factory=dict)
     seconds: dict[int, Goodput] = field(default_factory=dict)
@@ -144,11 +150,20 @@ class GoodputChoice:
         ratio = self.ratio(max(known, key=self.seen.__getitem__))
         return ratio is not None and ratio < self.margin
 
+    def _first_above(self, b: int) -> float | None:
+        """The ratio of the nearest larger bucket that knows both ways, if it chose the
+        first way (first_down)."""
+        known = [k for k in self.firsts.keys() & self.seconds.keys() if k > b]
+        ratios = [r for k in sorted(known) if (r := self.ratio(k)) is not None]
+        return ratios[0] if ratios and ratios[0] < self.margin else None
+
     def first(self, batch: int) -> bool:
         """Whether the next step of ``batch`` runs the first way."""
         b = bucket(batch)
         self.seen[b] += 1
         ratio = self.ratio(b)
+        if ratio is None and self.first_down:
+            ratio = self._first_above(b)
         if ratio is None:  # measure both ways, in the order _lean gives
             one, two = self.firsts.get(b), self.seconds.get(b)
             if self._lean():

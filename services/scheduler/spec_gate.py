@@ -56,9 +56,12 @@ class SpecGate:
         # A verify step's period after a plain step is its whole cost, as after a verify
         # step: nothing is queued behind a plain step when the next one verifies. So verify
         # steps that come only now and then (a draft here and there) are measured too.
+        # A batch draining to its last requests verifies in the smaller buckets where a
+        # larger one found verify steps worth it, instead of first measuring plain ones in
+        # each (first_down).
         self.choice = GoodputChoice(
             EXPLORE_CALLS, clock=self.clock, firsts=self.verify, seconds=self.plain,
-            first_after_any=True,
+            first_after_any=True, first_down=True,
         )  # fmt: skip
         self._idle_since: float | None = None
 

@@ -153,6 +153,25 @@ def test_verify_steps_now_and_then_are_measured_after_plain_ones():
     assert not gate.worth(16)  # measured: the sporadic drafts do not pay
 
 
+def test_a_smaller_batch_follows_a_larger_ones_verdict_for_verify_steps():
+    """A batch draining (16, then 9, 4, ...) verifies in buckets not measured yet where the
+    nearest larger measured bucket chose verify, looking at plain steps now and then only;
+    a larger bucket's verdict for plain decides nothing below it."""
+    gate = SpecGate(verify={5: goodput(*[3200.0] * 3)}, plain={5: goodput(*[1600.0] * 3)})
+    every = explore_interval(3200.0, 1600.0)
+    answers = [gate.worth(9) for _ in range(every + EXPLORE_CALLS - 1)]
+    # bucket 4: verify, then a look at plain steps
+    assert answers == [True] * (every - 1) + [False] * EXPLORE_CALLS
+    assert gate.worth(16) and gate.worth(2)
+    gate.plain[4] = goodput(*[1600.0] * 3)  # bucket 4 measured: its own ratio decides
+    gate.verify[4] = goodput(*[1000.0] * 3)
+    assert not gate.worth(9)
+    assert gate.worth(2)  # bucket 2: the nearest larger measured bucket is 4 now: no verdict,
+    gate.verify[2] = goodput(*[900.0] * 3)  # so both modes are measured, verify first
+    assert not gate.worth(2)
+    assert gate.worth(33)  # above every measured bucket: measured itself
+
+
 def test_verifying_says_what_the_measurements_favour_and_explores_nothing():
     gate = SpecGate(verify={5: goodput(900.0, 900.0, 900.0)})
     assert gate.verifying(16)  # plain unknown
