@@ -107,6 +107,20 @@ def _call(
     return out
 
 
+def extend_output(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The output an extend-shaped call writes (``out``, checked, or a new tensor), once
+    the pools are found to share one layout (the kernels take one stride for both)."""
+    if v_pool.stride() != k_pool.stride():
+        raise ValueError("k_pool and v_pool must share one layout")
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype)
+    if not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
+    return out
+
+
 def _call_rows(
     fn,
     q: torch.Tensor,  # [T, H, D] float32 / bfloat16 (the pool's), D contiguous
@@ -121,12 +135,9 @@ def _call_rows(
 ) -> torch.Tensor:
     t, h, d = q.shape
     kvh = k_pool.shape[1]
-    if v_pool.stride() != k_pool.stride() or h % kvh:
-        raise ValueError("k_pool and v_pool must share one layout, heads a multiple of kv heads")
-    if out is None:
-        out = torch.empty((t, h, d), dtype=q.dtype)
-    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
+    if h % kvh:
+        raise ValueError(f"rows attention: heads {h} not a multiple of kv heads {kvh}")
+    out = extend_output(q, k_pool, v_pool, out)
     failed = fn(
         _cc.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),

@@ -83,15 +83,10 @@ def _call(
 ) -> torch.Tensor:
     t, h, d = q.shape
     kvh = k_pool.shape[1]
-    if v_pool.stride() != k_pool.stride():
-        raise ValueError("k_pool and v_pool must share one layout")
+    out = cpu_decode_attention.extend_output(q, k_pool, v_pool, out)
     block_q = block_q or block_rows(h // kvh, t, kvh, torch.get_num_threads())
     if block_q < 1 or h % kvh:
         raise ValueError(f"extend attention: block_q {block_q}, heads {h} / kv heads {kvh}")
-    if out is None:
-        out = torch.empty((t, h, d), dtype=q.dtype)
-    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError("out must be a contiguous tensor of q's shape and dtype")
     failed = fn(
         _cc.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),

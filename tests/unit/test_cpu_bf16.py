@@ -355,9 +355,13 @@ EXTEND_CASES = [
 @pytest.mark.parametrize("extra", ATTN_VARIANTS)
 @pytest.mark.parametrize("heads,kv_heads,d,new,prefix", EXTEND_CASES)
 def test_extend_attention_bf16_within_an_ulp(extra, heads, kv_heads, d, new, prefix):
-    fn = cpu_extend_attention.load(extra)
+    check_extend_bf16(cpu_extend_attention.load(extra), heads, kv_heads, d, new, prefix, seed=1)
+
+
+def check_extend_bf16(fn, heads: int, kv_heads: int, d: int, new, prefix, seed: int) -> None:
+    """An extend kernel's bfloat16 output within an ulp of the float64 reference."""
     lens = [n + p for n, p in zip(new, prefix, strict=True)]
-    q, k_pool, v_pool, table, req_slots = _pools(lens, kv_heads, d, sum(new), heads, seed=1)
+    q, k_pool, v_pool, table, req_slots = _pools(lens, kv_heads, d, sum(new), heads, seed=seed)
     qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     pre = torch.tensor(prefix, dtype=torch.int32)
     out = fn(q, k_pool, v_pool, table, req_slots, qo, pre, d**-0.5)
@@ -381,16 +385,7 @@ ROWS_CASES = [
 @pytest.mark.parametrize("heads,kv_heads,d,new,prefix", ROWS_CASES)
 def test_rows_attention_bf16_within_an_ulp(extra, heads, kv_heads, d, new, prefix):
     fn = cpu_decode_attention.load_rows(extra)
-    lens = [n + p for n, p in zip(new, prefix, strict=True)]
-    q, k_pool, v_pool, table, req_slots = _pools(lens, kv_heads, d, sum(new), heads, seed=2)
-    qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    pre = torch.tensor(prefix, dtype=torch.int32)
-    out = fn(q, k_pool, v_pool, table, req_slots, qo, pre, d**-0.5)
-    ref = cpu_extend_attention.extend_attention_ref(
-        q.double(), k_pool.double(), v_pool.double(), table, req_slots, qo, pre, d**-0.5
-    )
-    assert out.dtype == torch.bfloat16
-    within_ulp(out, ref, torch.bfloat16)
+    check_extend_bf16(fn, heads, kv_heads, d, new, prefix, seed=2)
 
 
 def test_attention_kernels_take_float32_and_bfloat16_only():
