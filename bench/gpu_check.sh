@@ -107,9 +107,12 @@ finish() { # the verdict, last: on a normal end, the deadline, or a signal
     FINISHED=1
     local pids
     pids=$(jobs -p)
-    for pid in $pids; do # a step still running: its timeout passes the signal on
-        pkill -TERM -P "$pid" 2> /dev/null
+    local kids
+    for pid in $pids; do # a step still running: its shell first (its row would follow the
+        kids=$(pgrep -P "$pid") # verdict), then its timeout, which passes the signal on
         kill "$pid" 2> /dev/null
+        [ -n "$kids" ] && kill -TERM $kids 2> /dev/null
+        wait "$pid" 2> /dev/null
     done
     local failed rerun label verdict
     failed=$(grep -E '\| FAIL \|$' "$ROWS" | sed -E 's/^\| ([^|]*) \|.*/\1/' | sed 's/ *$//' | paste -sd ';' -)

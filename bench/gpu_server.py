@@ -84,7 +84,11 @@ class Served:
             start_new_session=True,
         )
         self.url = f"http://127.0.0.1:{self.http_port}"
-        self._wait(timeout_s)
+        try:
+            self._wait(timeout_s)
+        except BaseException:  # a failed or interrupted start leaves no server behind
+            self.close()
+            raise
 
     def _wait(self, timeout_s: float) -> None:
         import httpx
@@ -245,6 +249,9 @@ def main() -> int:
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     server = None
+    # gpu_check.sh's deadline or signal (through timeout): close the server on the way out,
+    # else its three processes outlive the check.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         ref = Reference(device)
         server = Served(device, args.site, args.startup_timeout)
