@@ -123,16 +123,17 @@ def extend_output(
 
 def _call_rows(
     fn,
-    q: torch.Tensor,  # [T, H, D] float32 / bfloat16 (the pool's), D contiguous
-    k_pool: torch.Tensor,  # [S, KVH, D]
-    v_pool: torch.Tensor,  # [S, KVH, D], same strides as k_pool
-    req_to_token: torch.Tensor,  # [R, C] int32
-    req_slots: torch.Tensor,  # [B] int32 contiguous
-    qo_indptr: torch.Tensor,  # [B + 1] int32 contiguous: rows of q (need not start at 0)
-    prefix_lens: torch.Tensor,  # [B] int32 contiguous
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    prefix_lens: torch.Tensor,
     scale: float,
-    out: torch.Tensor | None = None,  # [T, H, D] contiguous; only the requests' rows written
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The arguments of extend_attention's call (shapes and layouts there), no block_q."""
     t, h, d = q.shape
     kvh = k_pool.shape[1]
     if h % kvh:

@@ -153,9 +153,10 @@ class GoodputChoice:
     def _first_above(self, b: int) -> float | None:
         """The ratio of the nearest larger bucket that knows both ways, if it chose the
         first way (first_down)."""
-        known = [k for k in self.firsts.keys() & self.seconds.keys() if k > b]
-        ratios = [r for k in sorted(known) if (r := self.ratio(k)) is not None]
-        return ratios[0] if ratios and ratios[0] < self.margin else None
+        for k in sorted(self.firsts.keys() & self.seconds.keys()):
+            if k > b and (ratio := self.ratio(k)) is not None:
+                return ratio if ratio < self.margin else None
+        return None
 
     def first(self, batch: int) -> bool:
         """Whether the next step of ``batch`` runs the first way."""

@@ -181,8 +181,7 @@ class TorchBackend(AttentionBackend):
         args = self._extend_args
         if args is not None and cpu_extend_attention.supports(q, pools[0], meta.req_to_token):
             req_slots, qo, prefix = args
-            kernel = self._rows_kernel if self._few_rows else None
-            kernel = kernel or self._extend_kernel
+            kernel = (self._few_rows and self._rows_kernel) or self._extend_kernel
             assert kernel is not None
             kernel(
                 q, *pools, meta.req_to_token, req_slots[:n], qo[: n + 1], prefix[:n],
