@@ -212,7 +212,7 @@ class Row:
     accept: float  # accepted / drafted tokens
     per_step: float  # tokens per verify step: 1 + accepted / drafts
     outputs: list[list[list[int]]]
-    declined: float = 0.0  # share of decode steps with drafts that the gate ran plain
+    declined: float = 0.0  # share of decode steps due to draft that the gate ran plain
 
 
 def measure(server: Server, workload: str, batch: int, args, tok) -> Row:

@@ -103,7 +103,7 @@ class SchedulerMetrics:
         )
         self.spec_declined = d.labelled_counter(
             "spec_decode_num_declined_steps",
-            "Decode steps run plain although requests had drafts (--speculative-gate goodput)",
+            "Decode steps run plain although requests were due to draft (--speculative-gate)",
         )
 
     def _declare_gauges(self, d: _Declare) -> None:

@@ -36,6 +36,12 @@ START_OFF_BELOW = 0.2  # a new request starts probing below this engine-wide acc
 DraftFn = Callable[[str, DraftIndex | None, str, str, Sequence[int], int], list[int]]
 
 
+def _forget_plans(reqs: Iterable[Req]) -> None:
+    for req in reqs:
+        if req.spec is not None:
+            req.spec.planned = None
+
+
 def algorithm_names() -> list[str]:
     return list(ALGORITHMS)
 
@@ -107,25 +113,36 @@ class Speculator:
         return min(req.remaining_new_tokens - 1, max_model_len - req.seq_len)
 
     # -- a step -----------------------------------------------------------------------
-    def drafts(self, req: Req, max_model_len: int) -> list[int]:
-        if not self.may_speculate(req):
-            return []
-        st = self._state(req)
-        k = st.length.next_k() if st.planned is None else st.planned
-        st.planned = None
-        k = min(k, self._room(req, max_model_len))
-        if k <= 0:
-            return []
-        return self._propose(req, st, k)
+    # The gate is asked before anything is proposed: where it runs steps of this size plain,
+    # proposing for every request each step (tens of us each) would only tax the forward.
+
+    def _next_k(self, req: Req, st: SpecState, max_model_len: int) -> int:
+        """The request's draft length for its next step (0: none), the lookahead's if set."""
+        if st.planned is None:
+            st.planned = st.length.next_k()
+        return min(st.planned, self._room(req, max_model_len))
 
     def _propose(self, req: Req, st: SpecState, k: int) -> list[int]:
         ids = req.fill_ids
         return self.draft_fn(self.algorithm, self.index, req.namespace, st.seq_id, ids, k)[:k]
 
+    def _due(self, reqs: Sequence[Req], max_model_len: int) -> list[tuple[Req, SpecState, int]]:
+        """(request, state, k) of each request due to draft in the next step, k > 0."""
+        due = []
+        for req in reqs:
+            if self.may_speculate(req):
+                st = self._state(req)
+                if (k := self._next_k(req, st, max_model_len)) > 0:
+                    due.append((req, st, k))
+        return due
+
     def step_drafts(self, reqs: Sequence[Req], max_model_len: int) -> dict[Req, list[int]]:
         """Each decoding request's drafts for the next step; none when the gate declines."""
-        drafts = {req: d for req in reqs if (d := self.drafts(req, max_model_len))}
-        return {} if drafts and self._declined(len(reqs)) else drafts
+        due = self._due(reqs, max_model_len)
+        _forget_plans(reqs)  # this step uses them
+        if not due or self._declined(len(reqs)):
+            return {}
+        return {req: d for req, st, k in due if (d := self._propose(req, st, k))}
 
     def _declined(self, batch: int) -> bool:
         """The gate runs this step of ``batch`` requests plain (counted)."""
@@ -136,24 +153,11 @@ class Speculator:
 
     def would_verify(self, reqs: Sequence[Req], max_model_len: int) -> bool:
         """Whether the next step is likely to verify drafts; decides each one's k for it."""
-        found = False
-        decided: list[SpecState] = []
-        for req in reqs:
-            if not self.may_speculate(req):
-                continue
-            st = self._state(req)
-            if st.planned is None:
-                st.planned = st.length.next_k()
-            decided.append(st)
-            k = min(st.planned, self._room(req, max_model_len))
-            if found or k <= 0:
-                continue
-            found = bool(self._propose(req, st, k))
-        if found and self._declined(len(reqs)):
-            found = False
+        due = self._due(reqs, max_model_len)
+        found = bool(due) and not self._declined(len(reqs))
+        found = found and any(self._propose(req, st, k) for req, st, k in due)
         if not found:  # the lookahead goes out: that step of each was a plain one
-            for st in decided:
-                st.planned = None
+            _forget_plans(reqs)
         return found
 
     def verified(self, req: Req, drafted: int, accepted: int) -> None:

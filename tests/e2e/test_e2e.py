@@ -153,23 +153,27 @@ def test_bad_input_is_rejected_and_server_keeps_serving(server, kw, field):
 def test_small_pool_forces_retraction_and_tokens_stay_right(offline):
     ids_text = [PROMPTS[i] for i in range(6)]
     # 6 x (prompt + 100) tokens of KV against a 256-slot pool: retraction is certain once
-    # three run together, however the requests' arrivals spread.
-    with Server("--max-total-tokens", "256", "--chunked-prefill-size", "32") as s:
+    # three run together. Two fit to the end, and a loaded machine can spread the arrivals
+    # so far that the third comes too late to be admitted: the burst then runs again.
+    with Server("--max-total-tokens", "256", "--chunked-prefill-size", "32", metrics=True) as s:
         ids = [tokenize(s, t) for t in ids_text]
         want = offline(ids, 100, stop_at_eos=False)
-        with ThreadPoolExecutor(6) as pool:
-            got = list(
-                pool.map(
-                    lambda p: s.generate(
-                        input_ids=generation_pb2.InputIds(ids=p),
-                        sampling=greedy(100, ignore_eos=True),
-                    )[0],
-                    ids,
+        for _ in range(3):
+            with ThreadPoolExecutor(6) as pool:
+                got = list(
+                    pool.map(
+                        lambda p: s.generate(
+                            input_ids=generation_pb2.InputIds(ids=p),
+                            sampling=greedy(100, ignore_eos=True),
+                        )[0],
+                        ids,
+                    )
                 )
-            )
-        log = s.output()
-    assert got == want
-    assert "Retract requests" in log
+            assert got == want
+            if "Retract requests" in s.output():
+                break
+        assert "Retract requests" in s.output()
+        idle_pool_is_whole(s, 5)
 
 
 def test_cached_tokens_is_what_the_cache_reused(server):

@@ -43,13 +43,15 @@ if "avx2" in FLAGS:
     GEMM_VARIANTS.append(pytest.param(NO_AVX2, id="portable"))
 
 
-def within_ulp(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, atol: float = 1e-5) -> None:
-    """|y - ref| <= one ulp of dtype at ref, plus atol of the largest |ref|."""
+def within_ulp(
+    y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, atol: float = 1e-5, ulps: int = 1
+) -> None:
+    """|y - ref| <= ulps ulps of dtype at ref, plus atol of the largest |ref|."""
     if ref.numel() == 0:
         assert y.shape == ref.shape
         return
     diff = (y.double() - ref.double()).abs()
-    bound = ref.double().abs() * ULP[dtype] + atol * ref.double().abs().max()
+    bound = ref.double().abs() * ulps * ULP[dtype] + atol * ref.double().abs().max()
     worst = (diff - bound).max().item()
     assert worst <= 0, f"{(diff > bound).sum().item()} values beyond one ulp"
 
@@ -234,16 +236,20 @@ def test_rotary16_is_bit_identical_on_a_qkv_view(extra, dtype, heads, d):
 @pytest.mark.parametrize("extra", ELEMENTWISE_VARIANTS)
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("shape", [(1, 896), (16, 512), (3, 37), (2, 15), (5, 3, 24), (0, 64)])
-def test_rms_norm16_within_an_ulp(extra, dtype, shape):
+def test_rms_norm16_within_two_ulps(extra, dtype, shape):
+    """Two: the output is rounded twice (the normed value, then times the weight, as
+    transformers does), and a float32 sum in another order may round the first one the
+    other way: one ulp of the normed value, up to ~2 of the product below its binade."""
     k = cpu_elementwise.load(extra)
-    x = (torch.randn(shape) * 3).to(dtype)
-    res = torch.randn(shape).to(dtype)
-    w = (1 + 0.2 * torch.randn(shape[-1])).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    res = torch.randn(shape, generator=g).to(dtype)
+    w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(dtype)
     for r in (None, res):
         total, out = k.rms_norm(x, w, 1e-6, r)
         ref_total, ref = cpu_elementwise.rms_norm_ref(x, w, 1e-6, r)
         assert out.dtype == dtype and torch.equal(total, ref_total)
-        within_ulp(out, ref, dtype, atol=0)
+        within_ulp(out, ref, dtype, atol=0, ulps=2)
 
 
 @needs_cc

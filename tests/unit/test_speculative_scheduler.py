@@ -207,6 +207,35 @@ def test_metrics_count_drafts_and_accepts():
     assert 0 < accepted / tokens < 1
 
 
+def test_a_declining_gate_is_asked_before_anything_is_proposed():
+    """Steps the gate runs plain propose nothing (a proposal costs tens of us a request,
+    every step); once it verifies again, the requests draft as before."""
+    calls: list[int] = []
+
+    class Counting(Oracle):
+        def __call__(self, *args):
+            calls.append(1)
+            return super().__call__(*args)
+
+    rng = random.Random(6)
+    prompts = {f"r{i}": [rng.randrange(1, VOCAB - 1) for _ in range(20)] for i in range(3)}
+    sched = spec_sched(Counting(), speculative_gate="goodput")
+    declined = {"on": True}
+    sched.spec.gate.worth = lambda batch: not declined["on"]
+    for rid, p in prompts.items():
+        submit(sched, rid, p, 40)
+    for _ in range(12):
+        assert sched.step()
+    assert not calls and not verify_items(sched)
+    declined["on"] = False
+    got = run(sched)
+    assert calls and verify_items(sched)
+    assert {rid: list(d.token_ids) for rid, d in got.items()} == {
+        rid: expected(p, 40) for rid, p in prompts.items()
+    }
+    sched.kv.check()
+
+
 def test_ngram_and_suffix_drafts_run_the_real_index():
     """A copy-prone fake model repeats its prompt's 12-token block (and deviates now and
     then): the real draft sources find the repeats, most drafts are accepted, the rest
