@@ -291,8 +291,8 @@ def test_running_text_is_indexed_a_shared_ration_per_step_verify_or_plain():
 
 def test_running_text_waits_for_the_backlog_while_drafts_keep_failing_or_are_declined():
     """Engine-wide acceptance under START_OFF_BELOW (text that repeats nothing), or a gate
-    that runs this batch size plain: the running requests' text is not indexed step by
-    step; it joins the backlog when they finish."""
+    that runs this batch size plain: neither the running requests' text nor the backlog
+    (a shorter request's, finished) is indexed step by step; all of it once idle."""
     rng = random.Random(4)
     sched = spec_sched(speculative_algorithm="suffix")
     spec = sched.spec
@@ -303,13 +303,16 @@ def test_running_text_waits_for_the_backlog_while_drafts_keep_failing_or_are_dec
             spec.accept_rate = 1.0
             spec.gate.verifying = lambda batch: False
         spec.reset()
-        text = [rng.randrange(1, 900) for _ in range(60)]
+        text, short = ([rng.randrange(1, 900) for _ in range(n)] for n in (60, 20))
         submit(sched, "r", text, 30)
+        submit(sched, "s", short, 3)
         while "r" in sched.queues.by_rid:
             assert sched.step()
             assert spec.index.num_tokens == 0
-        out = list(run(sched)["r"].token_ids)
-        assert spec.index.num_tokens == len(text) + len(out)  # the backlog, drained idle
+        assert spec.backlog_tokens == len(text) + 30 + len(short) + 3
+        out = run(sched)
+        held = len(text) + len(out["r"].token_ids) + len(short) + len(out["s"].token_ids)
+        assert spec.index.num_tokens == held  # the backlog, drained idle
         spec.index.check_integrity()
 
 
