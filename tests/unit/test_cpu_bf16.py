@@ -53,7 +53,7 @@ def within_ulp(
     diff = (y.double() - ref.double()).abs()
     bound = ref.double().abs() * ulps * ULP[dtype] + atol * ref.double().abs().max()
     worst = (diff - bound).max().item()
-    assert worst <= 0, f"{(diff > bound).sum().item()} values beyond one ulp"
+    assert worst <= 0, f"{(diff > bound).sum().item()} values beyond {ulps} ulp(s)"
 
 
 # ---- the 16-bit small-M GEMM -----------------------------------------------------------
