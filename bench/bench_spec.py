@@ -7,9 +7,15 @@ gate ran plain) for docs/benchmarks.md.
     .venv/bin/python bench/bench_spec.py --servers none,ngram,ngram/always,suffix,suffix/always
     .venv/bin/python bench/bench_spec.py --servers none,none+--cpu-wait=spin,ngram
 
+Batch B runs 4 x B streams (--streams-per-slot), B at a time: when one ends the next starts,
+as in a server under steady load, so the batch stays B until the last B streams. (With
+exactly B streams, speculation's requests finish at different steps and the last ones ran
+at a shrinking batch: a quarter of a batch-16 run's time.)
+
 Workloads (the text is the Zen of Python, read from the `this` module's source):
-- code-edit: "rewrite this text" followed by a document; the answer repeats most of it
-  (drafts from the request's own prompt: both ngram and suffix);
+- code-edit: "rewrite this text" followed by a document, each stream its own shuffle of the
+  Zen's lines; the answer repeats much of it (drafts from the request's own prompt: both
+  ngram and suffix);
 - multi-turn: conversations whose every turn asks for the text again from a later line,
   so each answer repeats the earlier answer in the history (ngram and suffix) and other
   conversations' answers (suffix's index); answers end at the model's EOS;
@@ -98,9 +104,9 @@ def greedy(n: int) -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def document(tokens: int, tokenizer) -> str:
+def document(tokens: int, tokenizer, seed: int = 7) -> str:
     """The Zen, repeated and line-shuffled (seeded) to about ``tokens`` tokens."""
-    lines, rng, out = zen().splitlines(), random.Random(7), []
+    lines, rng, out = zen().splitlines(), random.Random(seed), []
     while len(tokenizer.encode("\n".join(out))) < tokens:
         out.extend(rng.sample(lines, len(lines)))
     while len(out) > 1 and len(tokenizer.encode("\n".join(out))) > tokens:
@@ -109,7 +115,8 @@ def document(tokens: int, tokenizer) -> str:
 
 
 def code_edit(i: int, args, tok) -> Stream:
-    doc = document(args.prompt_tokens, tok)
+    """Each stream its own document (its own shuffle): no two streams ask the same edit."""
+    doc = document(args.prompt_tokens, tok, seed=7 + i)
     lines = doc.splitlines()
     start = i % max(1, len(lines) - 1)
     text = f"Rewrite this text, changing nothing:\n{doc}\n\nRewritten:\n{lines[start]}\n"
@@ -216,7 +223,8 @@ class Row:
 
 
 def measure(server: Server, workload: str, batch: int, args, tok) -> Row:
-    """``batch`` streams at once (one after another per stream), cold cache and index."""
+    """``batch`` streams at a time, each call of a stream after the one before; the next
+    stream starts when one ends. Cold cache and index."""
     assert server.stub.FlushCache(pb.FlushCacheRequest()).flushed
     streams = [MAKERS[workload](i, args, tok) for i in range(args.streams(batch))]
     before = counters(server)
@@ -257,6 +265,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=DEFAULT_MODEL_PATH)
     p.add_argument("--quick", action="store_true", help="fewer streams and turns")
+    p.add_argument(
+        "--streams-per-slot", type=int, default=4,
+        help="batch B runs B x this many streams, B at a time (a finished stream's place "
+        "goes to the next, so the batch stays B until the last B)",
+    )  # fmt: skip
     p.add_argument("--batches", default="1,16", help="concurrent streams, comma separated")
     p.add_argument("--output-len", type=int, default=160, help="tokens per single-call answer")
     p.add_argument("--turn-len", type=int, default=256, help="max tokens of a chat answer")
@@ -264,7 +277,7 @@ def main() -> int:
     p.add_argument("--step-len", type=int, default=96, help="max tokens of an agent step")
     p.add_argument("--agent-steps", type=int, default=4, help="steps per agent")
     p.add_argument("--prompt-tokens", type=int, default=200, help="code-edit document length")
-    p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
+    p.add_argument("--draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens")
     p.add_argument("--random-temperature", type=float, default=3.0, help="random's sampling")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--context-length", type=int, default=0, help="0: the model's")
@@ -280,7 +293,7 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.agent_steps, args.output_len = 2, 64
-    args.streams = lambda batch: batch if batch > 1 else (2 if args.quick else 4)
+    args.streams = lambda batch: batch * (2 if args.quick else args.streams_per_slot)
     from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model_path)

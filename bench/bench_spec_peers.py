@@ -61,15 +61,15 @@ def run_stream(url: str, model: str, stream: Stream, tok) -> tuple[int, list[str
     return tokens, answers
 
 
-def measure(url: str, streams: list[Stream], waves: int, tok) -> tuple[float, list[list[str]]]:
-    """Output tokens/s of ``waves`` rounds of the streams run concurrently."""
+def measure(url: str, streams: list[Stream], batch: int, tok) -> tuple[float, list[list[str]]]:
+    """Output tokens/s of the streams, ``batch`` at a time (the next starts when one ends, as
+    bench_spec.py runs them)."""
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     time.sleep(PAUSE_S)
-    t0, total = time.perf_counter(), 0
-    with ThreadPoolExecutor(len(streams)) as pool:
-        for _ in range(waves):
-            done = list(pool.map(lambda s: run_stream(url, model, s, tok), streams))
-            total += sum(t for t, _ in done)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        done = list(pool.map(lambda s: run_stream(url, model, s, tok), streams))
+    total = sum(t for t, _ in done)
     return total / (time.perf_counter() - t0), [a for _, a in done]
 
 
@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="code-edit,multi-turn,agentic,random")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams-per-slot", type=int, default=4, help="as bench_spec.py's")
     # bench_spec.py's workload sizes (its defaults)
     ap.add_argument("--output-len", type=int, default=160)
     ap.add_argument("--turn-len", type=int, default=256)
@@ -96,13 +97,12 @@ def main() -> None:
     print("|---|---:|" + "---:|" * len(servers) + "---|")
     for w in a.workloads.split(","):
         for batch in batches:
-            streams = [MAKERS[w](i, a, tok) for i in range(batch)]
-            waves = max(1, 8 // batch)  # a batch-1 run of one answer is too short to time
+            streams = [MAKERS[w](i, a, tok) for i in range(batch * a.streams_per_slot)]
             speeds: dict[str, list[float]] = {name: [] for name in servers}
             answers: dict[str, list[list[str]]] = {}
             for r in range(a.rounds):
                 for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
-                    tps, answers[name] = measure(servers[name], streams, waves, tok)
+                    tps, answers[name] = measure(servers[name], streams, batch, tok)
                     speeds[name].append(tps)
             base = statistics.median(speeds[first])
             cells = [f"{statistics.median(v):,.0f} ({statistics.median(v) / base:.2f}x)"

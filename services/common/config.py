@@ -315,7 +315,7 @@ class SchedulerConfig:
         choices="services.scheduler.speculative:algorithm_names",
     )
     speculative_num_draft_tokens: int = _opt(
-        4,
+        8,
         "speculation: tokens drafted per request and step at most (each request's length "
         "adapts to its acceptance, down to 0)",
         ge=1,

@@ -412,7 +412,7 @@ def test_config_bounds():
 
 def test_decode_log_line_shows_the_accept_length(caplog):
     prompt = list(range(1, 25))
-    sched = spec_sched(Oracle(), decode_log_interval=2)
+    sched = spec_sched(Oracle(), decode_log_interval=2, speculative_num_draft_tokens=4)
     submit(sched, "a", prompt, 20)
     with caplog.at_level("INFO", logger="radixserve.scheduler"):
         run(sched)
