@@ -612,10 +612,10 @@ class AdaptiveLength:
         self._rate = 0.7 * self._rate + 0.3 * accepted / drafted
         if accepted >= drafted:
             self._k = min(self.max_k, max(self._k, drafted) + 1)
-        elif accepted > 0:
-            self._k = min(self.max_k, accepted + 1)
-        else:
+        elif accepted == 0:
             self._k //= 2
+        # Partly accepted: the draft held until one divergence, which says nothing of where
+        # the next draft's will come, so k stays (shrinking to it cost tokens: benchmarks.md).
         if self._rate < self.min_rate:
             self._k = 0
 

@@ -163,7 +163,9 @@ def test_adaptive_length_grows_shrinks_and_switches_off():
     a.observe(4, 4)
     assert a.k == 4  # full acceptance, at max_k already
     a.observe(4, 1)
-    assert a.k == 2  # partly accepted: what was accepted, plus one
+    assert a.k == 4  # partly accepted: held until one divergence, k stays
+    a.observe(4, 0)
+    assert a.k == 2  # rejected: halved
     a.observe(2, 2)
     assert a.k == 3  # fully accepted: one more
     a.observe(3, 0)
@@ -195,7 +197,7 @@ def test_adaptive_length_goes_off_when_few_drafts_hold():
     a = AdaptiveLength(4, min_rate=0.9)
     a.observe(4, 3)  # share accepted 0.7 x 1 + 0.3 x 0.75 = 0.925: on
     assert a.k == 4
-    a.observe(4, 2)  # 0.7 x 0.925 + 0.3 x 0.5 = 0.80 < 0.9: off, though k would be 3
+    a.observe(4, 2)  # 0.7 x 0.925 + 0.3 x 0.5 = 0.80 < 0.9: off, though k would stay 4
     assert a.k == 0
 
 
