@@ -8,9 +8,8 @@ gate ran plain) for docs/benchmarks.md.
     .venv/bin/python bench/bench_spec.py --servers none,none+--cpu-wait=spin,ngram
 
 Batch B runs 4 x B streams (--streams-per-slot), B at a time: when one ends the next starts,
-as in a server under steady load, so the batch stays B until the last B streams. (With
-exactly B streams, speculation's requests finish at different steps and the last ones ran
-at a shrinking batch: a quarter of a batch-16 run's time.)
+as in a server under steady load, so the batch stays B until the last B streams (with only
+B, speculation's requests end at different steps and the batch drains: docs/benchmarks.md).
 
 Workloads (the text is the Zen of Python, read from the `this` module's source):
 - code-edit: "rewrite this text" followed by a document, each stream its own shuffle of the
@@ -293,7 +292,8 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.agent_steps, args.output_len = 2, 64
-    args.streams = lambda batch: batch * (2 if args.quick else args.streams_per_slot)
+    per_slot = min(2, args.streams_per_slot) if args.quick else args.streams_per_slot
+    args.streams = lambda batch: batch * per_slot
     from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model_path)
